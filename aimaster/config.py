@@ -1,0 +1,180 @@
+"""Job configuration: built once from YAML, then flags, then passed down as dataclasses."""
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass, field, fields, replace
+
+import yaml
+
+from deeprec_ext.hashing import DEFAULT_NUM_SLOTS
+
+
+class ConfigError(ValueError):
+    """The job file or a flag is wrong; the message names the field."""
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    replicas: int = 0
+    command: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    max_restarts: int = 3
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    files: tuple[str, ...] = ()
+    records_per_shard: int = 10_000
+    epochs: int = 1
+
+    def resolved_files(self) -> list[str]:
+        out: list[str] = []
+        for pattern in self.files:
+            matches = sorted(glob.glob(pattern))
+            if not matches:
+                raise ConfigError(f"data.files: pattern {pattern!r} matches no file")
+            out.extend(matches)
+        return out
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    name: str = "job"
+    num_slots: int = DEFAULT_NUM_SLOTS
+    ps: RoleConfig = RoleConfig(replicas=1)
+    worker: RoleConfig = RoleConfig(replicas=0)
+    data: DataConfig = DataConfig()
+    host: str = "127.0.0.1"
+    port: int = 0
+    state_dir: str = ""
+    lease_seconds: float = 10.0
+    heartbeat_seconds: float = 1.0
+    ps_start_timeout: float = 60.0
+    progress_seconds: float = 5.0
+
+
+_TOP_KEYS = {"name", "num_slots", "ps", "worker", "workers", "data", "master"}
+
+
+def _expect(d, what: str) -> dict:
+    if d is None:
+        return {}
+    if not isinstance(d, dict):
+        raise ConfigError(f"{what}: expected a mapping, got {type(d).__name__}")
+    return d
+
+
+def _int(d: dict, key: str, what: str, default: int, minimum: int = 0) -> int:
+    v = d.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ConfigError(f"{what}.{key}: expected an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def _float(d: dict, key: str, what: str, default: float) -> float:
+    v = d.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        raise ConfigError(f"{what}.{key}: expected a positive number, got {v!r}")
+    return float(v)
+
+
+def _role(d, what: str, default_replicas: int) -> RoleConfig:
+    d = _expect(d, what)
+    unknown = set(d) - {"replicas", "command", "env", "max_restarts"}
+    if unknown:
+        raise ConfigError(f"{what}: unknown key(s) {sorted(unknown)}")
+    command = d.get("command", [])
+    if isinstance(command, str):
+        command = command.split()
+    if not isinstance(command, list) or not all(isinstance(c, (str, int, float)) for c in command):
+        raise ConfigError(f"{what}.command: expected a list of strings, got {command!r}")
+    env = _expect(d.get("env"), f"{what}.env")
+    return RoleConfig(replicas=_int(d, "replicas", what, default_replicas),
+                      command=tuple(str(c) for c in command),
+                      env=tuple((str(k), str(v)) for k, v in env.items()),
+                      max_restarts=_int(d, "max_restarts", what, 3))
+
+
+def parse_job(doc) -> JobConfig:
+    """Validate a parsed YAML document into a JobConfig."""
+    d = _expect(doc, "job file")
+    unknown = set(d) - _TOP_KEYS
+    if unknown:
+        raise ConfigError(f"job file: unknown key(s) {sorted(unknown)}; expected some of {sorted(_TOP_KEYS)}")
+    name = d.get("name", "job")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"name: expected a non-empty string, got {name!r}")
+    data = _expect(d.get("data"), "data")
+    unknown = set(data) - {"files", "records_per_shard", "epochs"}
+    if unknown:
+        raise ConfigError(f"data: unknown key(s) {sorted(unknown)}")
+    files = data.get("files", [])
+    if isinstance(files, str):
+        files = [files]
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise ConfigError(f"data.files: expected a list of paths or globs, got {files!r}")
+    master = _expect(d.get("master"), "master")
+    unknown = set(master) - {"host", "port", "state_dir", "lease_seconds", "heartbeat_seconds",
+                             "ps_start_timeout", "progress_seconds"}
+    if unknown:
+        raise ConfigError(f"master: unknown key(s) {sorted(unknown)}")
+    num_slots = _int(d, "num_slots", "job", DEFAULT_NUM_SLOTS, minimum=1)
+    ps = _role(d.get("ps"), "ps", 1)
+    if ps.replicas < 1:
+        raise ConfigError("ps.replicas: a job needs at least 1 PS")
+    if ps.replicas > num_slots:
+        raise ConfigError(f"ps.replicas ({ps.replicas}) exceeds num_slots ({num_slots})")
+    cfg = JobConfig(
+        name=name, num_slots=num_slots, ps=ps,
+        worker=_role(d.get("worker", d.get("workers")), "worker", 0),
+        data=DataConfig(files=tuple(files),
+                        records_per_shard=_int(data, "records_per_shard", "data", 10_000, 1),
+                        epochs=_int(data, "epochs", "data", 1, 1)),
+        host=str(master.get("host", "127.0.0.1")),
+        port=_int(master, "port", "master", 0),
+        state_dir=str(master.get("state_dir", "")),
+        lease_seconds=_float(master, "lease_seconds", "master", 10.0),
+        heartbeat_seconds=_float(master, "heartbeat_seconds", "master", 1.0),
+        ps_start_timeout=_float(master, "ps_start_timeout", "master", 60.0),
+        progress_seconds=_float(master, "progress_seconds", "master", 5.0),
+    )
+    if cfg.worker.replicas and not cfg.worker.command:
+        raise ConfigError("worker.command: required when worker.replicas > 0")
+    return cfg
+
+
+def load_job(path: str | None) -> JobConfig:
+    if not path:
+        return JobConfig()
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read job file {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"job file {path} is not valid YAML: {exc}") from exc
+    return parse_job(doc)
+
+
+def with_overrides(cfg: JobConfig, ps: int | None = None, workers: int | None = None,
+                   port: int | None = None, state_dir: str | None = None) -> JobConfig:
+    if ps is not None:
+        if ps < 1:
+            raise ConfigError(f"--ps: a job needs at least 1 PS, got {ps}")
+        cfg = replace(cfg, ps=replace(cfg.ps, replicas=ps))
+    if workers is not None:
+        if workers < 0:
+            raise ConfigError(f"--workers: must be >= 0, got {workers}")
+        if workers and not cfg.worker.command:
+            raise ConfigError("--workers > 0 needs worker.command in the job file")
+        cfg = replace(cfg, worker=replace(cfg.worker, replicas=workers))
+    if port is not None:
+        if not 0 <= port < 65536:
+            raise ConfigError(f"--port: {port} is not a TCP port")
+        cfg = replace(cfg, port=port)
+    if state_dir is not None:
+        cfg = replace(cfg, state_dir=state_dir)
+    if not cfg.state_dir:
+        cfg = replace(cfg, state_dir=os.path.join("runs", cfg.name))
+    return cfg

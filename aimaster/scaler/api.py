@@ -1,0 +1,82 @@
+"""Scaler interface: the part of the AIMaster that acts on processes or pods.
+
+Observe / decide / act are kept apart: the scaler reports node exits (observe) and
+starts/stops nodes (act); what to do about them is decided by the master.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from enum import Enum
+
+
+class NodeState(str, Enum):
+    """PENDING -> RUNNING -> (SUCCEEDED | FAILED); STOPPED when we asked it to go."""
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class ScalePlan:
+    """Desired replica counts. ``None`` leaves a role unchanged."""
+    ps: int | None = None
+    workers: int | None = None
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    role: str
+    id: str
+    pid: int
+    state: NodeState
+    exit_code: int | None = None
+    restarts: int = 0
+
+
+@dataclass(frozen=True)
+class ScaleResult:
+    started: tuple[str, ...] = ()
+    stopped: tuple[str, ...] = ()
+
+
+class ScalerError(RuntimeError):
+    """A node could not be started or stopped."""
+
+
+class Scaler(abc.ABC):
+    @abc.abstractmethod
+    def apply(self, plan: ScalePlan) -> ScaleResult:
+        """Start or stop nodes until each role has the planned count."""
+
+    @abc.abstractmethod
+    def nodes(self) -> list[NodeInfo]:
+        """Every node this scaler manages, live or exited."""
+
+    @abc.abstractmethod
+    def poll_exits(self) -> list[NodeInfo]:
+        """Nodes that exited since the last call (each reported once)."""
+
+    @abc.abstractmethod
+    def restart(self, node_id: str) -> NodeInfo:
+        """Start a fresh process for an exited node, under the same id."""
+
+    @abc.abstractmethod
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop every node: polite signal first, then force after ``timeout``."""
+
+
+_REGISTRY: dict[str, callable] = {}
+
+
+def register_scaler(name: str, creator) -> None:
+    _REGISTRY[name] = creator
+
+
+def create_scaler(name: str, **kwargs) -> Scaler:
+    """Build a scaler by name; creators import heavy dependencies lazily."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown scaler {name!r}; known: {sorted(_REGISTRY)}")
+    return _REGISTRY[name](**kwargs)

@@ -1,0 +1,175 @@
+"""LocalProcessScaler: every role as a child process of the AIMaster (the default).
+
+Children get PR_SET_PDEATHSIG so that even a ``kill -9`` of the AIMaster leaves no orphan
+PS or worker behind, and their own session so a stop reaches the whole process group.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+
+from aimaster.config import JobConfig
+from aimaster.scaler.api import NodeInfo, NodeState, ScalePlan, ScaleResult, Scaler, ScalerError
+from deeprec_ext.member import MASTER_ENV, MEMBER_ID_ENV
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass
+class _Node:
+    role: str
+    id: str
+    proc: subprocess.Popen
+    restarts: int = 0
+    stopping: bool = False
+    reported: bool = False
+    log_file: object = field(default=None, repr=False)
+
+    def info(self) -> NodeInfo:
+        code = self.proc.poll()
+        if code is None:
+            state = NodeState.RUNNING
+        elif self.stopping:
+            state = NodeState.STOPPED
+        else:
+            state = NodeState.SUCCEEDED if code == 0 else NodeState.FAILED
+        return NodeInfo(self.role, self.id, self.proc.pid, state, code, self.restarts)
+
+
+class LocalProcessScaler(Scaler):
+    def __init__(self, master_address: str, config: JobConfig, log_dir: str,
+                 python: str = sys.executable):
+        self.master_address = master_address
+        self.config = config
+        self.log_dir = log_dir
+        self.python = python
+        os.makedirs(log_dir, exist_ok=True)
+        self._nodes: dict[str, _Node] = {}
+        self._lock = threading.Lock()
+
+    def _command(self, role: str, node_id: str) -> list[str]:
+        if role == "ps":
+            return [self.python, "-m", "deeprec_ext.ps", "--master", self.master_address,
+                    "--id", node_id, "--host", self.config.host]
+        cmd = [c.replace("{python}", self.python) for c in self.config.worker.command]
+        return cmd
+
+    def _env(self, role: str, node_id: str) -> dict:
+        env = dict(os.environ)
+        cfg = self.config.ps if role == "ps" else self.config.worker
+        env.update(dict(cfg.env))
+        env[MASTER_ENV] = self.master_address
+        env[MEMBER_ID_ENV] = node_id
+        env["DEEPREC_STATE_DIR"] = os.path.abspath(self.config.state_dir)
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def _spawn(self, role: str, node_id: str, restarts: int = 0) -> _Node:
+        path = os.path.join(self.log_dir, f"{node_id}.log")
+        log_file = open(path, "ab")
+        try:
+            proc = subprocess.Popen(self._command(role, node_id), env=self._env(role, node_id),
+                                    stdout=log_file, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    preexec_fn=_die_with_parent)
+        except OSError as exc:
+            log_file.close()
+            raise ScalerError(f"cannot start {node_id}: {exc}") from exc
+        log.info("started %s (pid %d), log %s", node_id, proc.pid, path)
+        return _Node(role, node_id, proc, restarts, log_file=log_file)
+
+    def apply(self, plan: ScalePlan) -> ScaleResult:
+        started, stopped = [], []
+        with self._lock:
+            for role, want in (("ps", plan.ps), ("worker", plan.workers)):
+                if want is None:
+                    continue
+                live = sorted((n for n in self._nodes.values()
+                               if n.role == role and n.proc.poll() is None and not n.stopping),
+                              key=lambda n: int(n.id.rsplit("-", 1)[1]))
+                index = 0
+                while len(live) < want:
+                    node_id = f"{role}-{index}"
+                    index += 1
+                    old = self._nodes.get(node_id)
+                    if old is not None and old.proc.poll() is None:
+                        continue
+                    node = self._spawn(role, node_id)
+                    self._nodes[node_id] = node
+                    live.append(node)
+                    started.append(node_id)
+                for node in live[want:]:
+                    self._signal(node, signal.SIGTERM)
+                    node.stopping = True
+                    stopped.append(node.id)
+        return ScaleResult(tuple(started), tuple(stopped))
+
+    @staticmethod
+    def _signal(node: _Node, sig: int) -> None:
+        try:
+            os.killpg(node.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def nodes(self) -> list[NodeInfo]:
+        with self._lock:
+            return [n.info() for n in self._nodes.values()]
+
+    def poll_exits(self) -> list[NodeInfo]:
+        out = []
+        with self._lock:
+            for node in self._nodes.values():
+                if not node.reported and node.proc.poll() is not None:
+                    node.reported = True
+                    node.log_file.close()
+                    out.append(node.info())
+        return out
+
+    def restart(self, node_id: str) -> NodeInfo:
+        with self._lock:
+            old = self._nodes[node_id]
+            if old.proc.poll() is None:
+                raise ScalerError(f"{node_id} is still running (pid {old.proc.pid})")
+            node = self._spawn(old.role, node_id, old.restarts + 1)
+            self._nodes[node_id] = node
+            return node.info()
+
+    def kill(self, node_id: str, sig: int = signal.SIGKILL) -> None:
+        """Deliver a signal to one node (tests use it to kill -9 a member)."""
+        with self._lock:
+            self._signal(self._nodes[node_id], sig)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            nodes = list(self._nodes.values())
+        for node in nodes:
+            if node.proc.poll() is None:
+                node.stopping = True
+                self._signal(node, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for node in nodes:
+            try:
+                node.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0fs; killing", node.id, timeout)
+                self._signal(node, signal.SIGKILL)
+                node.proc.wait()
+            if node.log_file and not node.log_file.closed:
+                node.log_file.close()

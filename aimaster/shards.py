@@ -1,0 +1,122 @@
+"""The data-shard service: record ranges move TODO -> DOING -> DONE.
+
+A DOING shard belongs to one worker; when that worker dies or leaves, its shards go back
+to the front of TODO, so no record is skipped and none is trained twice by a live worker.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import asdict, dataclass
+from enum import Enum
+
+
+class ShardState(str, Enum):
+    """TODO --assign--> DOING --report done--> DONE;  DOING --owner lost/returned--> TODO."""
+    TODO = "todo"
+    DOING = "doing"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class Shard:
+    shard_id: int
+    path: str
+    start: int
+    end: int
+    data_epoch: int = 0
+
+    @property
+    def records(self) -> int:
+        return self.end - self.start
+
+
+def count_records(path: str) -> int:
+    """Lines in a file (a last line without a newline counts), in 16 MiB binary chunks."""
+    n, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            n += chunk.count(b"\n")
+            last = chunk[-1:]
+    return n + (last != b"\n")
+
+
+def make_shards(files: list[str], records_per_shard: int, epochs: int = 1) -> list[Shard]:
+    sizes = [(p, count_records(p)) for p in files]
+    shards: list[Shard] = []
+    for epoch in range(epochs):
+        for path, n in sizes:
+            for start in range(0, n, records_per_shard):
+                shards.append(Shard(len(shards), path, start, min(n, start + records_per_shard), epoch))
+    return shards
+
+
+class ShardQueue:
+    def __init__(self, shards: list[Shard]):
+        self._lock = threading.Lock()
+        self._shards = {s.shard_id: s for s in shards}
+        self._todo: deque[int] = deque(s.shard_id for s in shards)
+        self._doing: dict[int, str] = {}
+        self._done: set[int] = set()
+
+    def assign(self, worker_id: str) -> tuple[ShardState | None, Shard | None]:
+        """(DOING, shard) if one was assigned; (None, None) to wait; (DONE, None) when finished."""
+        with self._lock:
+            if self._todo:
+                sid = self._todo.popleft()
+                self._doing[sid] = worker_id
+                return ShardState.DOING, self._shards[sid]
+            if self._doing:
+                return None, None
+            return ShardState.DONE, None
+
+    def complete(self, worker_id: str, shard_ids) -> list[int]:
+        """Mark shards DONE; ignores ids the worker does not hold (returns the ones taken)."""
+        taken = []
+        with self._lock:
+            for sid in shard_ids:
+                if self._doing.get(sid) == worker_id:
+                    del self._doing[sid]
+                    self._done.add(sid)
+                    taken.append(sid)
+        return taken
+
+    def give_back(self, worker_id: str, shard_ids=None) -> list[int]:
+        """Return a worker's DOING shards (all of them if ``shard_ids`` is None) to TODO's front."""
+        with self._lock:
+            mine = sorted(s for s, w in self._doing.items() if w == worker_id
+                          and (shard_ids is None or s in set(shard_ids)))
+            for sid in reversed(mine):
+                del self._doing[sid]
+                self._todo.appendleft(sid)
+            return mine
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {"todo": len(self._todo), "doing": len(self._doing), "done": len(self._done)}
+
+    def finished(self) -> bool:
+        with self._lock:
+            return not self._todo and not self._doing
+
+    def records_done(self) -> int:
+        with self._lock:
+            return sum(self._shards[s].records for s in self._done)
+
+    def total_records(self) -> int:
+        return sum(s.records for s in self._shards.values())
+
+    def to_state(self) -> dict:
+        with self._lock:
+            return {"shards": [asdict(s) for s in self._shards.values()],
+                    "todo": list(self._todo), "doing": dict(self._doing), "done": sorted(self._done)}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "ShardQueue":
+        """Rebuild from a saved state; shards that were DOING go back to TODO (their owner
+        may be gone), in front of the rest."""
+        q = cls([Shard(**s) for s in state["shards"]])
+        q._done = set(state["done"])
+        doing = sorted(int(s) for s in state["doing"])
+        q._todo = deque(doing + [s for s in state["todo"] if s not in q._done])
+        return q

@@ -1,0 +1,351 @@
+"""PSClient: the public data-plane API (lookup / push / create_table) over the PS fleet.
+
+A call de-duplicates its ids, splits them by owning PS using the cached routing table,
+and sends one RPC per PS carrying every table of the call, all PS in parallel. A PS that
+answers "stale routing" makes the client refresh its routing from the AIMaster and resend
+only the keys that PS refused; an unreachable PS is retried with backoff (it may be
+restarting or being replaced) until the retry deadline.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Mapping
+
+import grpc
+import numpy as np
+
+from deeprec_ext import codec
+from deeprec_ext.client.routing import RoutingTable
+from deeprec_ext.errors import (InvalidRequestError, RoutingNotReadyError, StaleRoutingError,
+                                UnavailableError, UnknownTableError)
+from deeprec_ext.grpc_util import (RETRIABLE_CODES, ROUTING_EPOCH_KEY, RetryPolicy,
+                                   call_with_retry, insecure_channel)
+from deeprec_ext.proto import master_pb2, master_pb2_grpc, ps_pb2, ps_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def _as_ids(ids, what: str) -> np.ndarray:
+    arr = np.asarray(ids)
+    if arr.dtype.kind not in "iu":
+        raise InvalidRequestError(f"{what}: ids must be an integer array (np.int64), got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
+        raise InvalidRequestError(f"{what}: uint64 ids above 2**63-1 do not fit int64")
+    return arr.astype(np.int64, copy=False)
+
+
+def _error_from_rpc(exc: grpc.RpcError, what: str) -> Exception:
+    code, details = exc.code(), exc.details()
+    if code == grpc.StatusCode.NOT_FOUND:
+        return UnknownTableError(f"{what}: {details}")
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.ALREADY_EXISTS):
+        return InvalidRequestError(f"{what}: {details}")
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        epoch = -1
+        for key, value in exc.trailing_metadata() or ():
+            if key == ROUTING_EPOCH_KEY:
+                epoch = int(value)
+        if epoch >= 0:
+            return StaleRoutingError(details, epoch)
+    if code in RETRIABLE_CODES:
+        return UnavailableError(f"{what}: {code.name}: {details}")
+    return exc
+
+
+class PSClient:
+    """Talks to every PS of a job. Thread-safe; one per process is plenty."""
+
+    def __init__(self, master_address: str, retry: RetryPolicy = RetryPolicy(),
+                 rpc_timeout: float = 60.0):
+        self.master_address = master_address
+        self.retry = retry
+        self.rpc_timeout = rpc_timeout
+        self._master_channel = insecure_channel(master_address)
+        self._master = master_pb2_grpc.MasterStub(self._master_channel)
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[str, ps_pb2_grpc.ParameterServerStub] = {}
+        self._dims: dict[str, int] = {}
+        self.routing: RoutingTable | None = None
+        self.stats = {"rpcs": 0, "stale_retries": 0, "unavailable_retries": 0}
+
+    # -- connection ----------------------------------------------------------------
+    @classmethod
+    def connect(cls, master_address: str, timeout: float = 120.0, **kwargs) -> "PSClient":
+        """Connect through the AIMaster; waits up to ``timeout`` s for the PS to be ready."""
+        client = cls(master_address, retry=RetryPolicy(deadline=timeout), **kwargs)
+        client.refresh_routing()
+        return client
+
+    def refresh_routing(self, min_epoch: int = -1) -> RoutingTable:
+        """Fetch the routing table from the AIMaster (retrying until it is ready)."""
+        deadline = time.monotonic() + self.retry.deadline
+        delays = self.retry.sleeps()
+        while True:
+            try:
+                resp = self._master.GetRouting(master_pb2.GetRoutingRequest(), timeout=10)
+                routing = RoutingTable.from_proto(resp)
+                if routing.ps_addresses and routing.epoch >= min_epoch:
+                    with self._lock:
+                        self.routing = routing
+                    return routing
+                problem = f"routing epoch {routing.epoch} < {min_epoch}"
+            except grpc.RpcError as exc:
+                if exc.code() not in RETRIABLE_CODES:
+                    raise _error_from_rpc(exc, "get routing") from exc
+                problem = f"{exc.code().name}: {exc.details()}"
+            delay = next(delays, None)
+            if delay is None or time.monotonic() > deadline:
+                raise RoutingNotReadyError(
+                    f"AIMaster {self.master_address} gave no usable routing: {problem}")
+            time.sleep(delay)
+
+    def _stub(self, address: str) -> ps_pb2_grpc.ParameterServerStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            with self._lock:
+                if address not in self._stubs:
+                    ch = insecure_channel(address)
+                    self._channels[address] = ch
+                    self._stubs[address] = ps_pb2_grpc.ParameterServerStub(ch)
+                stub = self._stubs[address]
+        return stub
+
+    def close(self) -> None:
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+            self._stubs.clear()
+        self._master_channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- tables --------------------------------------------------------------------
+    def create_table(self, name: str, dim: int, initializer="zeros", optimizer="sgd",
+                     init_ids=None, init_values=None) -> bool:
+        """Create ``name`` on every PS (idempotent for an identical config).
+
+        ``init_ids``/``init_values`` seed rows where absent (first creator wins), which is
+        how workers share one initial value of a dense variable. Returns True if created.
+        """
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError("table name must be a non-empty string")
+        if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool) or dim <= 0:
+            raise InvalidRequestError(f"table '{name}': dim must be a positive int, got {dim!r}")
+        for what, spec in (("initializer", initializer), ("optimizer", optimizer)):
+            if not isinstance(spec, (str, dict)):
+                raise InvalidRequestError(f"table '{name}': {what} must be a name or a dict, got {spec!r}")
+        config = ps_pb2.TableConfig(name=name, dim=int(dim),
+                                    initializer_json=json.dumps(initializer, sort_keys=True),
+                                    optimizer_json=json.dumps(optimizer, sort_keys=True))
+        ids = None
+        if init_ids is not None:
+            ids = _as_ids(init_ids, f"table '{name}' init_ids").ravel()
+            init_values = self._as_values(init_values, ids.size, int(dim), f"table '{name}' init_values")
+        created = False
+
+        def send(routing: RoutingTable):
+            nonlocal created
+            parts = dict(routing.partition(ids)) if ids is not None else {}
+            futs = []
+            for p, address in enumerate(routing.ps_addresses):
+                req = ps_pb2.CreateTableRequest(config=config)
+                if p in parts:
+                    req.init_ids = codec.ids_to_bytes(ids[parts[p]])
+                    req.init_values = codec.floats_to_bytes(init_values[parts[p]])
+                futs.append(self._stub(address).CreateTable.future(req, timeout=self.rpc_timeout))
+            for f in futs:
+                created = f.result().created or created
+
+        self._with_routing(send, f"create table '{name}'")
+        self._dims[name] = int(dim)
+        return created
+
+    def _with_routing(self, fn, what: str):
+        """Run ``fn(routing)``, refreshing routing on stale / unavailable answers."""
+        delays = self.retry.sleeps()
+        while True:
+            routing = self.routing or self.refresh_routing()
+            try:
+                return fn(routing)
+            except grpc.RpcError as exc:
+                err = _error_from_rpc(exc, what)
+                if not isinstance(err, (StaleRoutingError, UnavailableError)):
+                    raise err from exc
+                delay = next(delays, None)
+                if delay is None:
+                    raise err from exc
+                time.sleep(delay)
+                self.refresh_routing()
+
+    def dim(self, name: str) -> int:
+        if name not in self._dims:
+            self._load_dims()
+            if name not in self._dims:
+                raise UnknownTableError(f"unknown table '{name}'")
+        return self._dims[name]
+
+    def _load_dims(self) -> None:
+        def fetch(routing: RoutingTable):
+            resp = self._stub(routing.ps_addresses[0]).ListTables(
+                ps_pb2.ListTablesRequest(), timeout=self.rpc_timeout)
+            for cfg in resp.tables:
+                self._dims[cfg.name] = cfg.dim
+        self._with_routing(fetch, "list tables")
+
+    # -- validation ----------------------------------------------------------------
+    @staticmethod
+    def _as_values(values, rows: int, dim: int, what: str) -> np.ndarray:
+        if values is None:
+            raise InvalidRequestError(f"{what}: missing")
+        arr = np.asarray(values)
+        if arr.dtype.kind != "f":
+            raise InvalidRequestError(f"{what}: must be float32, got dtype {arr.dtype}")
+        if arr.shape != (rows, dim):
+            if arr.size == rows * dim and arr.ndim >= 1 and arr.shape[-1] == dim:
+                arr = arr.reshape(rows, dim)
+            else:
+                raise InvalidRequestError(
+                    f"{what}: shape {arr.shape} does not match [{rows}, {dim}] (ids x table dim)")
+        arr = arr.astype(np.float32, copy=False)
+        if not np.isfinite(arr).all():
+            raise InvalidRequestError(f"{what}: contains NaN or Inf; nothing was sent")
+        return arr
+
+    # -- data plane ------------------------------------------------------------------
+    def lookup(self, table: str, ids, insert_missing: bool = True) -> np.ndarray:
+        """Values of ``ids`` (any shape, any order, repeats allowed): float32 ids.shape + [dim]."""
+        return self.lookup_many({table: ids}, insert_missing)[table]
+
+    def lookup_many(self, requests: Mapping[str, np.ndarray],
+                    insert_missing: bool = True) -> dict[str, np.ndarray]:
+        """Look up several tables with one RPC per PS."""
+        prepared = []
+        for name, ids in requests.items():
+            arr = _as_ids(ids, f"lookup '{name}'")
+            dim = self.dim(name)
+            uniq, inverse = np.unique(arr.ravel(), return_inverse=True)
+            prepared.append((name, arr.shape, dim, uniq, inverse))
+        uniq_values = {name: np.empty((u.size, dim), np.float32) for name, _, dim, u, _ in prepared}
+
+        def build(ps_tables):  # [(name, ids)] -> request
+            return ps_pb2.LookupRequest(
+                epoch=self.routing.epoch if self.routing else 0, insert_missing=insert_missing,
+                tables=[ps_pb2.TableIds(table=n, ids=codec.ids_to_bytes(i)) for n, i in ps_tables])
+
+        def store(name, positions, payload):
+            dim = self._dims[name]
+            uniq_values[name][positions] = codec.floats_from_bytes(payload, positions.size, dim, name)
+
+        self._fan_out([(n, u) for n, _, _, u, _ in prepared], build,
+                      lambda stub: stub.Lookup, store, "lookup")
+        return {name: uniq_values[name][inverse].reshape(shape + (dim,))
+                for name, shape, dim, _, inverse in prepared}
+
+    def push(self, table: str, ids, grads, return_values: bool = False):
+        """Send gradients; repeated ids are summed before the PS applies its optimizer."""
+        out = self.push_many({table: (ids, grads)}, return_values)
+        return out[table] if return_values else None
+
+    def push_many(self, updates: Mapping[str, tuple], return_values: bool = False):
+        """Push to several tables with one RPC per PS. With ``return_values`` the PS answers
+        each row's value after the update (dense variables use this to sync in one trip)."""
+        prepared = []
+        for name, (ids, grads) in updates.items():
+            arr = _as_ids(ids, f"push '{name}'").ravel()
+            dim = self.dim(name)
+            g = self._as_values(grads, arr.size, dim, f"push '{name}' gradients")
+            uniq, inverse = np.unique(arr, return_inverse=True)
+            if uniq.size != arr.size:  # sum repeated ids: one sorted segment-sum, no Python loop
+                order = np.argsort(inverse, kind="stable")
+                starts = np.searchsorted(inverse[order], np.arange(uniq.size))
+                g = np.add.reduceat(g[order], starts, axis=0)
+            else:
+                g = g[np.argsort(inverse)] if arr.size else g
+            prepared.append((name, dim, uniq, g, arr.size, inverse))
+        grads_of = {name: g for name, _, _, g, _, _ in prepared}
+        results = {name: np.empty((u.size, dim), np.float32) for name, dim, u, _, _, _ in prepared}
+
+        def build(ps_tables):
+            return ps_pb2.PushRequest(
+                epoch=self.routing.epoch if self.routing else 0, return_values=return_values,
+                tables=[ps_pb2.TableUpdate(table=n, ids=codec.ids_to_bytes(i),
+                                           values=codec.floats_to_bytes(grads_of[n][pos]))
+                        for n, i, pos in ps_tables])
+
+        def store(name, positions, payload):
+            results[name][positions] = codec.floats_from_bytes(
+                payload, positions.size, self._dims[name], name)
+
+        self._fan_out([(n, u) for n, _, u, _, _, _ in prepared], build,
+                      lambda stub: stub.Push, store if return_values else None, "push",
+                      with_positions=True)
+        if not return_values:
+            return None
+        return {name: results[name][inverse] for name, _, _, _, _, inverse in prepared}
+
+    def _fan_out(self, tables, build, method, store, what: str, with_positions: bool = False):
+        """Send each table's unique ids to their owners, one RPC per PS, in parallel.
+
+        ``tables`` is [(name, unique ids)]. Parts refused with stale routing or an
+        unavailable PS are re-partitioned with fresh routing and resent; parts that
+        succeeded are never resent (a push is applied exactly once per PS).
+        """
+        pending = [(name, ids, np.arange(ids.size)) for name, ids in tables if ids.size]
+        delays = self.retry.sleeps()
+        while pending:
+            routing = self.routing or self.refresh_routing()
+            by_ps: dict[int, list] = {}
+            for name, ids, pos in pending:
+                for p, sel in routing.partition(ids):
+                    by_ps.setdefault(p, []).append((name, ids[sel], pos[sel]))
+            calls = []
+            for p, parts in by_ps.items():
+                payload = [(n, i, pos) if with_positions else (n, i) for n, i, pos in parts]
+                req = build(payload)
+                stub = self._stub(routing.ps_addresses[p])
+                calls.append((parts, method(stub).future(req, timeout=self.rpc_timeout)))
+                self.stats["rpcs"] += 1
+            retry, failure = [], None
+            for parts, fut in calls:
+                try:
+                    resp = fut.result()
+                except grpc.RpcError as exc:
+                    err = _error_from_rpc(exc, f"{what} on PS")
+                    if not isinstance(err, (StaleRoutingError, UnavailableError)):
+                        raise err from exc
+                    key = "stale_retries" if isinstance(err, StaleRoutingError) else "unavailable_retries"
+                    self.stats[key] += 1
+                    failure = err
+                    retry.extend((n, i, pos) for n, i, pos in parts)
+                    continue
+                if store is not None:
+                    for (name, _, pos), payload in zip(parts, resp.values):
+                        store(name, pos, payload)
+            pending = retry
+            if pending:
+                if isinstance(failure, UnavailableError):
+                    delay = next(delays, None)
+                    if delay is None:
+                        raise failure
+                    time.sleep(delay)
+                log.info("%s: %s; refreshing routing and resending %d table part(s)",
+                         what, failure, len(pending))
+                try:
+                    self.refresh_routing()
+                except RoutingNotReadyError:
+                    raise failure
+
+    # -- introspection -----------------------------------------------------------------
+    def ps_stats(self) -> list[ps_pb2.StatsResponse]:
+        routing = self.routing or self.refresh_routing()
+        return [self._stub(a).Stats(ps_pb2.StatsRequest(), timeout=10) for a in routing.ps_addresses]

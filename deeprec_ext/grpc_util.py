@@ -1,0 +1,83 @@
+"""gRPC plumbing shared by every service: channel/server options and retry policy."""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+import grpc
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Large tables move in big messages; the default 4 MiB cap would reject ordinary batches.
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+ROUTING_EPOCH_KEY = "x-routing-epoch"
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Loopback and in-cluster links: do not let idle channels be torn down mid-job.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.enable_retries", 1),
+    ]
+
+
+def create_server(address: str, max_workers: int = 8,
+                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[grpc.Server, int]:
+    """Create a server bound to ``address`` ("host:0" picks a free port); returns (server, port)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                         options=channel_options(max_message_bytes))
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind {address}")
+    return server, port
+
+
+def insecure_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Backoff delays (seconds) tried in order, then the last one repeats until ``deadline``."""
+    delays: tuple[float, ...] = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+    deadline: float = 120.0
+
+    def sleeps(self):
+        start = time.monotonic()
+        i = 0
+        while True:
+            delay = self.delays[min(i, len(self.delays) - 1)]
+            if time.monotonic() - start + delay > self.deadline:
+                return
+            yield delay
+            i += 1
+
+
+RETRIABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def call_with_retry(fn: Callable[[], T], what: str, policy: RetryPolicy = RetryPolicy(),
+                    on_retry: Callable[[], None] | None = None) -> T:
+    """Call ``fn``; retry on UNAVAILABLE / DEADLINE_EXCEEDED with the policy's backoff."""
+    last: grpc.RpcError | None = None
+    attempts = policy.sleeps()
+    while True:
+        try:
+            return fn()
+        except grpc.RpcError as exc:
+            if exc.code() not in RETRIABLE_CODES:
+                raise
+            last = exc
+        delay = next(attempts, None)
+        if delay is None:
+            raise last
+        log.info("%s: %s, retrying in %.2fs", what, last.code().name, delay)
+        time.sleep(delay)
+        if on_retry is not None:
+            on_retry()

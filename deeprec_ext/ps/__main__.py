@@ -1,0 +1,74 @@
+"""PS process entry point: ``python -m deeprec_ext.ps [--master ADDR] [--id ps-0] [--port 0]``.
+
+Without an AIMaster the PS owns every slot (standalone mode, for tools and tests).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from deeprec_ext.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, create_server
+from deeprec_ext.member import MASTER_ENV, MEMBER_ID_ENV, MasterSession
+from deeprec_ext.proto import ps_pb2_grpc
+from deeprec_ext.ps.server import ParameterServerServicer
+
+log = logging.getLogger("deeprec_ext.ps")
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m deeprec_ext.ps", description=__doc__)
+    p.add_argument("--master", default=os.environ.get(MASTER_ENV, ""),
+                   help=f"AIMaster address (env {MASTER_ENV}); empty = standalone")
+    p.add_argument("--id", default=os.environ.get(MEMBER_ID_ENV, ""), help="member id, e.g. ps-0")
+    p.add_argument("--host", default=os.environ.get("DEEPREC_PS_HOST", "127.0.0.1"),
+                   help="interface to bind and advertise")
+    p.add_argument("--port", type=int, default=int(os.environ.get("DEEPREC_PS_PORT", "0")))
+    p.add_argument("--threads", type=int, default=8, help="gRPC handler threads")
+    p.add_argument("--max-message-mb", type=int,
+                   default=DEFAULT_MAX_MESSAGE_BYTES // (1024 * 1024),
+                   help="largest request accepted; bigger ones get RESOURCE_EXHAUSTED")
+    p.add_argument("--port-file", default="", help="write the bound port here (standalone use)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = get_args_parser().parse_args(argv)
+    logging.basicConfig(level=os.environ.get("DEEPREC_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.max_message_mb <= 0:
+        print("error: --max-message-mb must be positive", file=sys.stderr)
+        return 2
+    servicer = ParameterServerServicer(args.id or "ps")
+    server, port = create_server(f"{args.host}:{args.port}", max_workers=args.threads,
+                                 max_message_bytes=args.max_message_mb * 1024 * 1024)
+    ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, server)
+    server.start()
+    address = f"{args.host}:{port}"
+    if args.port_file:
+        tmp = args.port_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, args.port_file)
+    stop = threading.Event()
+    session = None
+    if args.master:
+        session = MasterSession(args.master, "ps", args.id, address, on_stop=stop.set)
+        session.start()
+        servicer.ps_id = session.id
+    log.info("PS %s serving on %s", servicer.ps_id, address)
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+    log.info("PS %s stopping", servicer.ps_id)
+    if session is not None:
+        session.close("stopped")
+    server.stop(grace=2).wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

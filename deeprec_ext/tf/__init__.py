@@ -1,0 +1,9 @@
+"""TensorFlow integration. Keras: ``ElasticEmbedding`` + ``ElasticCallback``; TF1 graphs:
+``embedding_lookup`` + ``ElasticSessionHook``; input: ``shard_dataset``."""
+from deeprec_ext.tf.data import shard_dataset
+from deeprec_ext.tf.keras_api import ElasticCallback, ElasticEmbedding
+from deeprec_ext.tf.tf1_api import ElasticSessionHook, embedding_lookup
+from deeprec_ext.worker import WorkerContext, get_context, set_context
+
+__all__ = ["ElasticEmbedding", "ElasticCallback", "embedding_lookup", "ElasticSessionHook",
+           "shard_dataset", "WorkerContext", "get_context", "set_context"]

@@ -1,0 +1,59 @@
+"""Dense variables shared by all workers through the PS.
+
+Each dense variable is a PS table whose keys are its row indices and whose optimizer is
+``assign_add``: the worker's own optimizer takes its step locally, and the worker sends the
+difference from the value it last pulled. One push per PS returns the merged value (every
+worker's deltas), which becomes the local value for the next step. The first worker to
+create a variable's table sets its initial value; the others adopt it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+DENSE_PREFIX = "dense/"
+
+
+def dense_layout(shape) -> tuple[int, int]:
+    """[rows, dim] a variable of ``shape`` is stored as (rows = first axis)."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return 1, shape[0]
+    return shape[0], int(np.prod(shape[1:]))
+
+
+class DenseSync:
+    """Pull/push of a fixed list of dense variables (values given as numpy arrays)."""
+
+    def __init__(self, client, names: list[str], shapes: list[tuple]):
+        self.client = client
+        self.names = [DENSE_PREFIX + n for n in names]
+        self.shapes = [tuple(int(d) for d in s) for s in shapes]
+        self.layouts = [dense_layout(s) for s in self.shapes]
+        self.ids = [np.arange(r, dtype=np.int64) for r, _ in self.layouts]
+        self.base: list[np.ndarray] | None = None
+
+    def create(self, initial_values: list[np.ndarray]) -> list[np.ndarray]:
+        """Create the tables (first creator's values win) and return the shared values."""
+        for name, (rows, dim), ids, value in zip(self.names, self.layouts, self.ids, initial_values):
+            self.client.create_table(name, dim, initializer="zeros",
+                                     optimizer={"name": "assign_add"}, init_ids=ids,
+                                     init_values=np.asarray(value, np.float32).reshape(rows, dim))
+        return self.pull()
+
+    def pull(self) -> list[np.ndarray]:
+        got = self.client.lookup_many(dict(zip(self.names, self.ids)), insert_missing=False)
+        self.base = [got[n].reshape(s) for n, s in zip(self.names, self.shapes)]
+        return self.base
+
+    def sync(self, local_values: list[np.ndarray]) -> list[np.ndarray]:
+        """Send local - base for every variable; returns (and adopts) the merged values."""
+        updates = {}
+        for name, (rows, dim), ids, local, base in zip(self.names, self.layouts, self.ids,
+                                                       local_values, self.base):
+            delta = (np.asarray(local, np.float32) - base).reshape(rows, dim)
+            updates[name] = (ids, delta)
+        merged = self.client.push_many(updates, return_values=True)
+        self.base = [merged[n].reshape(s) for n, s in zip(self.names, self.shapes)]
+        return self.base

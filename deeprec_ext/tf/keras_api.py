@@ -1,0 +1,132 @@
+"""Keras integration: ``ElasticEmbedding`` (a drop-in for ``keras.layers.Embedding`` whose
+table lives on the PS) and ``ElasticCallback`` (shares dense weights through the PS and
+reports training progress and consumed data shards)."""
+from __future__ import annotations
+
+import logging
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from deeprec_ext.tf.dense import DenseSync
+from deeprec_ext.tf.ops import ANCHOR_SUFFIX, elastic_lookup
+from deeprec_ext.worker import get_context
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INITIALIZER = {"name": "uniform", "minval": -0.05, "maxval": 0.05, "seed": 0}
+DEFAULT_OPTIMIZER = {"name": "adagrad", "learning_rate": 0.05}
+
+
+class ElasticEmbedding(keras.layers.Layer):
+    """Embedding table on the parameter servers.
+
+    Same call as ``keras.layers.Embedding``: integer ids of any shape in, float32
+    ``ids.shape + [dim]`` out; ids are any int64 (no vocabulary size: unseen ids get a
+    deterministic initial row). The optimizer runs on the PS (sgd, adagrad, adam, ftrl).
+    """
+
+    def __init__(self, dim: int, table: str | None = None, initializer=None, optimizer=None,
+                 **kwargs):
+        super().__init__(**kwargs)
+        if not isinstance(dim, int) or dim <= 0:
+            raise ValueError(f"ElasticEmbedding: dim must be a positive int, got {dim!r}")
+        self.dim = dim
+        self.table = table or self.name
+        self.initializer = initializer if initializer is not None else DEFAULT_INITIALIZER
+        self.optimizer_spec = optimizer if optimizer is not None else DEFAULT_OPTIMIZER
+        self.supports_jit = False  # the lookup is a host call, not XLA-compilable
+        self._table_ready = False
+
+    def build(self, input_shape):
+        self.anchor = self.add_weight(name=ANCHOR_SUFFIX, shape=(), initializer="zeros",
+                                      trainable=True)
+        super().build(input_shape)
+
+    def _ensure_table(self):
+        if not self._table_ready:
+            get_context().client.create_table(self.table, self.dim, initializer=self.initializer,
+                                              optimizer=self.optimizer_spec)
+            self._table_ready = True
+
+    def call(self, ids, training=None):
+        self._ensure_table()
+        return elastic_lookup(self.table, self.dim, ids, tf.convert_to_tensor(self.anchor),
+                              training=bool(training))
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape) + (self.dim,)
+
+    def get_config(self):
+        cfg = super().get_config()
+        cfg.update(dim=self.dim, table=self.table, initializer=self.initializer,
+                   optimizer=self.optimizer_spec)
+        return cfg
+
+
+def _anchor_ids(model) -> set[int]:
+    return {id(layer.anchor) for layer in model._flatten_layers()
+            if isinstance(layer, ElasticEmbedding) and hasattr(layer, "anchor")}
+
+
+class ElasticCallback(keras.callbacks.Callback):
+    """Add to ``model.fit(callbacks=[...])`` in a job run by the AIMaster.
+
+    - dense weights: created on the PS from the first worker's values, pulled before the
+      first step, and synced (local delta pushed, merged value pulled) every
+      ``sync_every`` steps, so all workers train one set of dense weights;
+    - data: marks the shards of ``deeprec_ext.tf.shard_dataset`` DONE as their batches are
+      trained, and returns unfinished shards if training stops early;
+    - progress: steps and samples go to the AIMaster with the lease heartbeat.
+    """
+
+    def __init__(self, sync_every: int = 1):
+        super().__init__()
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        self.sync_every = sync_every
+        self._dense: DenseSync | None = None
+        self._vars: list = []
+        self._since_sync = 0
+
+    def on_train_begin(self, logs=None):
+        ctx = get_context()
+        anchors = _anchor_ids(self.model)
+        self._vars = [v for v in self.model.trainable_variables if id(v) not in anchors]
+        if self._dense is None:
+            self._dense = DenseSync(ctx.client, [v.path for v in self._vars],
+                                    [tuple(v.shape) for v in self._vars])
+            self._assign(self._dense.create([np.asarray(v.numpy()) for v in self._vars]))
+        else:
+            self._assign(self._dense.pull())
+
+    def _assign(self, values):
+        for v, value in zip(self._vars, values):
+            v.assign(value)
+
+    def _sync(self):
+        if self._dense is not None and self._vars:
+            self._assign(self._dense.sync([np.asarray(v.numpy()) for v in self._vars]))
+        self._since_sync = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        ctx = get_context()
+        tracker = ctx.tracker
+        before = tracker.trained
+        tracker.advance(1)
+        ctx.record_steps(1, tracker.trained - before if tracker.batch_size else 0)
+        self._since_sync += 1
+        if self._since_sync >= self.sync_every:
+            self._sync()
+
+    def on_train_end(self, logs=None):
+        self._sync()
+        ctx = get_context()
+        ctx.tracker.finish(ctx.exhausted)
+
+    def on_test_begin(self, logs=None):
+        if self._dense is not None:
+            self._assign(self._dense.pull())
+
+    on_predict_begin = on_test_begin

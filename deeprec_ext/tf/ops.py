@@ -1,0 +1,59 @@
+"""The one TensorFlow op pair everything builds on: look rows up on the PS in the forward
+pass, push their gradients to the PS in the backward pass.
+
+The gradient has to be computed for the push to happen, so each lookup takes a scalar
+"anchor" variable as an input: the user's optimizer asks for the anchor's gradient (always
+zero, so the anchor never moves), and computing it runs the push. That is what lets
+``model.fit`` and ``optimizer.minimize`` drive PS training with no custom train step.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from deeprec_ext.worker import get_context
+
+ANCHOR_SUFFIX = "push_anchor"
+
+
+def table_spec(initializer, optimizer) -> tuple:
+    return initializer, optimizer
+
+
+def ensure_table(name: str, dim: int, initializer, optimizer) -> None:
+    ctx = get_context()
+    ctx.client.create_table(name, dim, initializer=initializer, optimizer=optimizer)
+
+
+def elastic_lookup(table: str, dim: int, ids: tf.Tensor, anchor: tf.Tensor,
+                   training: bool = True) -> tf.Tensor:
+    """Values of ``ids`` from PS table ``table``: shape ids.shape + [dim], float32."""
+    ids = tf.cast(ids, tf.int64)
+    flat = tf.reshape(ids, [-1])
+    out_shape = tf.concat([tf.shape(ids, out_type=tf.int32), [dim]], axis=0)
+
+    def _lookup(i):
+        return get_context().client.lookup(table, i, insert_missing=training)
+
+    def _push(i, g):
+        get_context().client.push(table, i, g)
+        return np.zeros((), np.float32)
+
+    @tf.custom_gradient
+    def fwd(anchor_value):
+        values = tf.numpy_function(_lookup, [flat], tf.float32, stateful=True,
+                                   name=f"ps_lookup_{_clean(table)}")
+        values = tf.reshape(values, out_shape)
+
+        def grad(dy):
+            done = tf.numpy_function(_push, [flat, tf.reshape(dy, [-1, dim])], tf.float32,
+                                     stateful=True, name=f"ps_push_{_clean(table)}")
+            return tf.reshape(done, []) * tf.zeros_like(anchor_value)
+
+        return values, grad
+
+    return fwd(anchor)
+
+
+def _clean(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "_-." else "_" for c in name)

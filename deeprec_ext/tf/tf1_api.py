@@ -1,0 +1,76 @@
+"""TF1-style graphs: ``embedding_lookup`` (a PS-backed ``tf.nn.embedding_lookup``) and
+``ElasticSessionHook`` for ``tf.compat.v1.train.MonitoredTrainingSession``."""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from deeprec_ext.tf.dense import DenseSync
+from deeprec_ext.tf.keras_api import DEFAULT_INITIALIZER, DEFAULT_OPTIMIZER
+from deeprec_ext.tf.ops import ANCHOR_SUFFIX, elastic_lookup
+from deeprec_ext.worker import get_context
+
+v1 = tf.compat.v1
+ANCHOR_COLLECTION = "deeprec_ext_push_anchors"
+
+
+def embedding_lookup(name: str, ids, dim: int, initializer=None, optimizer=None,
+                     training: bool = True) -> tf.Tensor:
+    """Rows of PS table ``name`` for ``ids`` (any shape) -> ids.shape + [dim].
+
+    Replaces ``tf.nn.embedding_lookup(tf.compat.v1.get_variable(name, [V, dim]), ids)``;
+    the gradient is pushed to the PS when the optimizer computes it.
+    """
+    get_context().client.create_table(
+        name, dim, initializer=initializer if initializer is not None else DEFAULT_INITIALIZER,
+        optimizer=optimizer if optimizer is not None else DEFAULT_OPTIMIZER)
+    with v1.variable_scope(None, default_name=f"{name}_ps"):
+        anchor = v1.get_variable(ANCHOR_SUFFIX, shape=[], dtype=tf.float32,
+                                 initializer=v1.zeros_initializer(), trainable=True,
+                                 use_resource=True)
+    v1.add_to_collection(ANCHOR_COLLECTION, anchor)
+    return elastic_lookup(name, dim, ids, anchor.read_value(), training=training)
+
+
+class ElasticSessionHook(v1.train.SessionRunHook):
+    """Shares the graph's dense trainable variables through the PS, reports progress and
+    consumed data shards. Assumes each ``run`` of the session trains one batch."""
+
+    def __init__(self, sync_every: int = 1):
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        self.sync_every = sync_every
+        self._since_sync = 0
+
+    def begin(self):
+        anchors = set(v1.get_collection(ANCHOR_COLLECTION))
+        self._vars = [v for v in v1.trainable_variables() if v not in anchors]
+        self._placeholders = [v1.placeholder(v.dtype.base_dtype, v.shape) for v in self._vars]
+        self._assign_op = tf.group(*[v.assign(p) for v, p in zip(self._vars, self._placeholders)])
+        self._dense = DenseSync(get_context().client, [v.op.name for v in self._vars],
+                                [tuple(v.shape.as_list()) for v in self._vars])
+
+    def _assign(self, session, values):
+        if self._vars:
+            session.run(self._assign_op, feed_dict=dict(zip(self._placeholders, values)))
+
+    def after_create_session(self, session, coord):
+        if self._vars:
+            self._assign(session, self._dense.create(session.run(self._vars)))
+
+    def after_run(self, run_context, run_values):
+        ctx = get_context()
+        before = ctx.tracker.trained
+        ctx.tracker.advance(1)
+        ctx.record_steps(1, ctx.tracker.trained - before)
+        self._since_sync += 1
+        if self._since_sync >= self.sync_every and self._vars:
+            session = run_context.session
+            self._assign(session, self._dense.sync(session.run(self._vars)))
+            self._since_sync = 0
+
+    def end(self, session):
+        if self._vars and self._dense.base is not None:
+            self._dense.sync(session.run(self._vars))
+        ctx = get_context()
+        ctx.tracker.finish(ctx.exhausted)

@@ -1,0 +1,186 @@
+"""Worker-side runtime shared by the Keras and TF1 integrations (no TensorFlow import).
+
+``WorkerContext`` is one process's membership (lease heartbeats), PS client and data-shard
+cursor. ``ShardTracker`` decides when a shard is really DONE: not when its records were
+read into the input pipeline, but when the last batch holding them has been trained.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+import grpc
+
+from deeprec_ext.client import PSClient
+from deeprec_ext.grpc_util import RetryPolicy, call_with_retry
+from deeprec_ext.member import MEMBER_ID_ENV, MasterSession, master_address_from_env
+from deeprec_ext.proto import master_pb2
+
+log = logging.getLogger(__name__)
+
+
+class ShardTracker:
+    """Maps trained batches back to shards.
+
+    Shards are read in the order they were handed out and batching keeps that order, so
+    after k batches of size B exactly min(k*B, records handed out) records were trained
+    (only the very last batch of the stream can be short). A shard is DONE once the
+    trained count passes its end.
+    """
+
+    def __init__(self, report_done: Callable[[list[int]], None],
+                 give_back: Callable[[list[int]], None]):
+        self._report_done = report_done
+        self._give_back = give_back
+        self._lock = threading.Lock()
+        self._pending: deque[tuple[int, int]] = deque()  # (shard_id, cumulative end)
+        self.batch_size = 0
+        self.handed_out = 0
+        self.trained = 0
+
+    def add(self, shard_id: int, records: int) -> None:
+        with self._lock:
+            self.handed_out += records
+            self._pending.append((shard_id, self.handed_out))
+
+    def advance(self, batches: int = 1) -> list[int]:
+        """Record trained batches; reports and returns the shards they completed."""
+        with self._lock:
+            if not self.batch_size:
+                return []
+            self.trained = min(self.trained + batches * self.batch_size, self.handed_out)
+            done = []
+            while self._pending and self._pending[0][1] <= self.trained:
+                done.append(self._pending.popleft()[0])
+        if done:
+            self._report_done(done)
+        return done
+
+    def finish(self, exhausted: bool) -> None:
+        """End of training: if the input was exhausted every handed-out record was trained;
+        otherwise unfinished shards go back to the master for another worker."""
+        with self._lock:
+            if exhausted:
+                self.trained = self.handed_out
+            done = [s for s, end in self._pending if end <= self.trained]
+            rest = [s for s, end in self._pending if end > self.trained]
+            self._pending.clear()
+        if done:
+            self._report_done(done)
+        if rest:
+            self._give_back(rest)
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+
+class WorkerContext:
+    """Membership + PS client + shard cursor of one training process."""
+
+    def __init__(self, master_address: str | None = None, member_id: str | None = None,
+                 retry: RetryPolicy = RetryPolicy()):
+        self.master_address = master_address_from_env(master_address)
+        self.session = MasterSession(self.master_address, "worker",
+                                     member_id if member_id is not None else os.environ.get(MEMBER_ID_ENV, ""),
+                                     on_epoch=self._on_epoch, retry=retry)
+        self.session.register()
+        self.client = PSClient.connect(self.master_address, timeout=retry.deadline)
+        self.session.start()
+        self.tracker = ShardTracker(self._report_done, self._give_back)
+        self.retry = retry
+        self.exhausted = False
+        self._closed = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.session.id
+
+    @property
+    def rank(self) -> int:
+        return self.session.rank
+
+    def _on_epoch(self, epoch: int) -> None:
+        client = getattr(self, "client", None)
+        if client is not None and client.routing is not None and client.routing.epoch < epoch:
+            threading.Thread(target=client.refresh_routing, args=(epoch,), daemon=True).start()
+
+    def record_steps(self, steps: int, samples: int) -> None:
+        self.session.steps += steps
+        self.session.samples += samples
+
+    # -- data shards ------------------------------------------------------------------
+    def next_shard(self, poll_seconds: float = 0.5) -> master_pb2.Shard | None:
+        """The next shard for this worker, waiting while others finish; None when all DONE."""
+        req = master_pb2.GetShardRequest(worker_id=self.worker_id)
+        while True:
+            resp = call_with_retry(lambda: self.session.stub.GetShard(req, timeout=10),
+                                   "get shard", self.retry)
+            if resp.status == master_pb2.GetShardResponse.SHARD:
+                return resp.shard
+            if resp.status == master_pb2.GetShardResponse.FINISHED:
+                self.exhausted = True
+                return None
+            time.sleep(poll_seconds)
+
+    def _report_done(self, shard_ids: list[int]) -> None:
+        req = master_pb2.ReportShardRequest(worker_id=self.worker_id, done_shard_ids=shard_ids)
+        try:
+            call_with_retry(lambda: self.session.stub.ReportShard(req, timeout=10),
+                            "report shards", self.retry)
+        except grpc.RpcError as exc:
+            # FAILED_PRECONDITION: the master gave the shard to someone else after our lease
+            # lapsed; that worker will train it, so nothing is lost.
+            log.warning("shards %s not accepted as done: %s", shard_ids, exc.details())
+
+    def _give_back(self, shard_ids: list[int]) -> None:
+        req = master_pb2.ReportShardRequest(worker_id=self.worker_id, returned_shard_ids=shard_ids)
+        try:
+            self.session.stub.ReportShard(req, timeout=10)
+        except grpc.RpcError as exc:
+            log.warning("could not return shards %s: %s", shard_ids, exc.details())
+
+    def wait_all_done(self, timeout: float = 3600.0, poll_seconds: float = 0.5) -> bool:
+        """Block until every shard of the job is DONE (e.g. before a final evaluation)."""
+        from deeprec_ext.proto import master_pb2 as m
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = self.session.stub.Status(m.StatusRequest(), timeout=10)
+            if st.shards.todo == 0 and st.shards.doing == 0:
+                return True
+            time.sleep(poll_seconds)
+        return False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.tracker.finish(self.exhausted)
+        self.client.close()
+        self.session.close("finished")
+
+
+_context: WorkerContext | None = None
+_context_lock = threading.Lock()
+
+
+def get_context() -> WorkerContext:
+    """This process's WorkerContext, created on first use from the environment
+    (DEEPREC_MASTER_ADDR, DEEPREC_MEMBER_ID) that the AIMaster's launcher sets."""
+    global _context
+    with _context_lock:
+        if _context is None:
+            _context = WorkerContext()
+        return _context
+
+
+def set_context(ctx: WorkerContext | None) -> None:
+    """Install a context explicitly (tests, or a process that builds its own)."""
+    global _context
+    with _context_lock:
+        _context = ctx
