@@ -63,6 +63,7 @@ class JobMaster:
         self.address = ""
         self.shards = self._load_shards()
         self._last_progress = 0.0
+        self._workers_started = False
         self._last_samples = (0, self.clock())
 
     # -- state ---------------------------------------------------------------------------
@@ -180,6 +181,12 @@ class JobMaster:
                                 f"{self.config.ps_start_timeout:.0f}s; see {self.config.state_dir}/logs")
             return
         if self.phase == JobPhase.RUNNING and self.config.worker.replicas > 0:
+            if not self._workers_started:
+                # Launch from this (main) thread: children die with the thread that forked
+                # them (PR_SET_PDEATHSIG), so never fork from a short-lived RPC thread.
+                self._workers_started = True
+                self.scaler.apply(ScalePlan(workers=self.config.worker.replicas))
+                return
             self._check_done()
 
     def _live_ps(self) -> list[Member]:
@@ -245,8 +252,6 @@ class JobMaster:
             self.routing, self.epoch = routing, routing.epoch
         self._event("routing", epoch=routing.epoch, ps=list(routing.ps_ids))
         self._set_phase(JobPhase.RUNNING)
-        if self.config.worker.replicas:
-            self.scaler.apply(ScalePlan(workers=self.config.worker.replicas))
 
     def _push_routing(self, routing: RoutingTable) -> None:
         for p, address in enumerate(routing.ps_addresses):

@@ -26,10 +26,10 @@ log = logging.getLogger(__name__)
 class ShardTracker:
     """Maps trained batches back to shards.
 
-    Shards are read in the order they were handed out and batching keeps that order, so
-    after k batches of size B exactly min(k*B, records handed out) records were trained
-    (only the very last batch of the stream can be short). A shard is DONE once the
-    trained count passes its end.
+    The input source hands out shards in order and records the size of every batch it
+    emits; batches are trained in that order, so after each trained batch we know exactly
+    how many records were trained. A shard is DONE once that count passes its end: not
+    when its records were read into the pipeline, which would lose them on a crash.
     """
 
     def __init__(self, report_done: Callable[[list[int]], None],
@@ -38,7 +38,7 @@ class ShardTracker:
         self._give_back = give_back
         self._lock = threading.Lock()
         self._pending: deque[tuple[int, int]] = deque()  # (shard_id, cumulative end)
-        self.batch_size = 0
+        self._batches: deque[int] = deque()               # sizes of emitted, untrained batches
         self.handed_out = 0
         self.trained = 0
 
@@ -47,28 +47,33 @@ class ShardTracker:
             self.handed_out += records
             self._pending.append((shard_id, self.handed_out))
 
-    def advance(self, batches: int = 1) -> list[int]:
-        """Record trained batches; reports and returns the shards they completed."""
+    def emitted(self, batch_records: int) -> None:
+        """The input source emitted a batch of this many records."""
         with self._lock:
-            if not self.batch_size:
-                return []
-            self.trained = min(self.trained + batches * self.batch_size, self.handed_out)
+            self._batches.append(batch_records)
+
+    def advance(self, batches: int = 1) -> int:
+        """Record trained batches; reports the shards they completed. Returns records trained."""
+        with self._lock:
+            n = 0
+            for _ in range(min(batches, len(self._batches))):
+                n += self._batches.popleft()
+            self.trained += n
             done = []
             while self._pending and self._pending[0][1] <= self.trained:
                 done.append(self._pending.popleft()[0])
         if done:
             self._report_done(done)
-        return done
+        return n
 
     def finish(self, exhausted: bool) -> None:
-        """End of training: if the input was exhausted every handed-out record was trained;
-        otherwise unfinished shards go back to the master for another worker."""
+        """End of training: shards not fully trained go back to the master for another
+        worker (``exhausted`` is informational: a fully read input has nothing pending)."""
         with self._lock:
-            if exhausted:
-                self.trained = self.handed_out
             done = [s for s, end in self._pending if end <= self.trained]
             rest = [s for s, end in self._pending if end > self.trained]
             self._pending.clear()
+            self._batches.clear()
         if done:
             self._report_done(done)
         if rest:
@@ -115,18 +120,14 @@ class WorkerContext:
         self.session.samples += samples
 
     # -- data shards ------------------------------------------------------------------
-    def next_shard(self, poll_seconds: float = 0.5) -> master_pb2.Shard | None:
-        """The next shard for this worker, waiting while others finish; None when all DONE."""
+    def try_next_shard(self) -> master_pb2.GetShardResponse:
+        """Ask once: SHARD (assigned to us), WAIT (others still hold shards) or FINISHED."""
         req = master_pb2.GetShardRequest(worker_id=self.worker_id)
-        while True:
-            resp = call_with_retry(lambda: self.session.stub.GetShard(req, timeout=10),
-                                   "get shard", self.retry)
-            if resp.status == master_pb2.GetShardResponse.SHARD:
-                return resp.shard
-            if resp.status == master_pb2.GetShardResponse.FINISHED:
-                self.exhausted = True
-                return None
-            time.sleep(poll_seconds)
+        resp = call_with_retry(lambda: self.session.stub.GetShard(req, timeout=10),
+                               "get shard", self.retry)
+        if resp.status == master_pb2.GetShardResponse.FINISHED:
+            self.exhausted = True
+        return resp
 
     def _report_done(self, shard_ids: list[int]) -> None:
         req = master_pb2.ReportShardRequest(worker_id=self.worker_id, done_shard_ids=shard_ids)

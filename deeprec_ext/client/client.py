@@ -61,6 +61,9 @@ class PSClient:
 
     def __init__(self, master_address: str, retry: RetryPolicy = RetryPolicy(),
                  rpc_timeout: float = 60.0):
+        if not isinstance(master_address, str) or ":" not in master_address:
+            raise InvalidRequestError(
+                f"AIMaster address must be 'host:port', got {master_address!r}")
         self.master_address = master_address
         self.retry = retry
         self.rpc_timeout = rpc_timeout

@@ -112,10 +112,7 @@ class ElasticCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         ctx = get_context()
-        tracker = ctx.tracker
-        before = tracker.trained
-        tracker.advance(1)
-        ctx.record_steps(1, tracker.trained - before if tracker.batch_size else 0)
+        ctx.record_steps(1, ctx.tracker.advance(1))
         self._since_sync += 1
         if self._since_sync >= self.sync_every:
             self._sync()

@@ -60,9 +60,7 @@ class ElasticSessionHook(v1.train.SessionRunHook):
 
     def after_run(self, run_context, run_values):
         ctx = get_context()
-        before = ctx.tracker.trained
-        ctx.tracker.advance(1)
-        ctx.record_steps(1, ctx.tracker.trained - before)
+        ctx.record_steps(1, ctx.tracker.advance(1))
         self._since_sync += 1
         if self._since_sync >= self.sync_every and self._vars:
             session = run_context.session

@@ -77,7 +77,8 @@ def run_keras(args, ctx) -> dict:
     ds = dtf.shard_dataset(args.batch_size, parse_fn=parse_lines)
     callback = dtf.ElasticCallback()
     start = time.monotonic()
-    history = model.fit(ds, epochs=1, callbacks=[callback], verbose=2)
+    history = model.fit(ds, epochs=1, callbacks=[callback], verbose=2,
+                        shuffle=False)
     out = {"train_seconds": time.monotonic() - start, "steps": ctx.session.steps,
            "samples": ctx.session.samples,
            "final_loss": float(history.history["loss"][-1]) if history.history.get("loss") else None}

@@ -1,0 +1,313 @@
+"""Vectorized open-addressing hash index: int64 key -> int64 row id.
+
+Layout (``capacity`` entries, capacity a power of two):
+
+* ``_kv``    int64 [capacity, 2] - key and ``row id + 1`` of a position, interleaved so
+  one probe touches one cache line (``_keys``/``_vals`` are strided column views). The key
+  is stale after a delete; the ``row + 1`` entry is **always 0 at a position that is not
+  full** (0-based encoding: a fresh table is ``np.zeros``, whose pages the OS maps lazily
+  instead of being written up front).
+* ``_state`` uint8 [capacity]    - 0 empty, 1 full, 2 deleted (tombstone).
+
+Every int64 is a valid key (0, negatives, INT64_MIN/MAX included): emptiness lives in
+``_state``, never in a sentinel key.
+
+Probing is linear from ``hash64(key, PROBE_SEED) & mask``. The probe hash deliberately
+uses a non-zero seed: routing uses ``hash64(key, 0) % num_slots``, so all keys owned by
+one PS agree on the low bits of the seed-0 hash and would pile up in a few clusters.
+
+All operations probe every key of a batch at once; each round only the unresolved keys
+continue (compacted index arrays, not boolean masks over the whole batch), so the work is
+``O(n * mean probe length)`` numpy element operations and a handful of numpy calls per
+round. The load factor (full + deleted positions) never exceeds 1/2, which keeps mean
+probe lengths around 1.5 (hit) / 2.5 (miss).
+
+Two invariants make ``find`` cheap:
+
+1. ``_vals`` (row + 1) is 0 at every position that is not full, so a position whose
+   stored key equals the query answers the query directly (row id, or -1 for a
+   tombstone) without reading ``_state``.
+2. A key is always placed at the *first* non-full position of its probe chain. Hence a
+   live copy of a key precedes every stale (deleted) copy of the same key in that chain,
+   and meeting a stale copy first proves the key is absent.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from deeprec_ext.hashing import hash64
+
+PROBE_SEED = 0x5EED
+EMPTY, FULL, DELETED = 0, 1, 2
+_MIN_CAPACITY = 16
+
+
+def _next_pow2(n: int) -> int:
+    n = max(int(n), 1)
+    return 1 << (n - 1).bit_length()
+
+
+def _as_keys(keys) -> np.ndarray:
+    k = np.asarray(keys)
+    if k.dtype != np.int64:
+        if k.size == 0:
+            k = k.astype(np.int64)
+        elif k.dtype.kind in "iu" and np.can_cast(k.dtype, np.int64):
+            k = k.astype(np.int64)
+        else:
+            raise TypeError(f"keys must be int64, got dtype {k.dtype}")
+    if k.ndim != 1:
+        raise ValueError(f"keys must be 1-D, got shape {k.shape}")
+    return np.ascontiguousarray(k)
+
+
+class HashIndex:
+    """Open-addressing (linear probing) map from int64 keys to int64 row ids.
+
+    Not thread-safe by itself; the owning :class:`EmbeddingTable` serializes access.
+    """
+
+    __slots__ = ("_kv", "_kvv", "_keys", "_vals", "_state", "_mask", "_size", "_deleted")
+
+    def __init__(self, capacity: int = 1024):
+        self._alloc(max(_next_pow2(capacity), _MIN_CAPACITY))
+        self._size = 0
+
+    def _alloc(self, cap: int) -> None:
+        self._kv = np.zeros((cap, 2), dtype=np.int64)
+        self._kvv = self._kv.view(np.dtype((np.void, 16))).reshape(-1)  # one item per entry
+        self._keys = self._kv[:, 0]  # strided views: read with [] (take would copy)
+        self._vals = self._kv[:, 1]
+        self._state = np.zeros(cap, dtype=np.uint8)
+        self._mask = cap - 1
+        self._deleted = 0
+
+    # -- introspection ------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._size
+
+    @property
+    def capacity(self) -> int:
+        return self._mask + 1
+
+    @property
+    def num_deleted(self) -> int:
+        return self._deleted
+
+    @property
+    def nbytes(self) -> int:
+        return self._kv.nbytes + self._state.nbytes
+
+    def keys(self) -> np.ndarray:
+        return self._keys[self._state == FULL]
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        live = np.flatnonzero(self._state == FULL)
+        return self._keys[live], self._vals[live] - 1
+
+    def __repr__(self) -> str:
+        return f"HashIndex(size={self._size}, capacity={self.capacity}, deleted={self._deleted})"
+
+    # -- probing ------------------------------------------------------------------------
+    def _home(self, keys: np.ndarray) -> np.ndarray:
+        h = hash64(keys, PROBE_SEED)
+        np.bitwise_and(h, np.uint64(self._mask), out=h)
+        return h.view(np.int64)
+
+    def find(self, keys) -> np.ndarray:
+        """Row id of each key, -1 where absent. Duplicates and any order are fine."""
+        keys = _as_keys(keys)
+        if keys.size == 0:
+            return np.empty(0, dtype=np.int64)
+        kvv, ts, mask = self._kvv, self._state, self._mask
+        pos = self._home(keys)
+        # Round 1 over the whole batch: a matching stored key answers directly (its row
+        # entry is the row, or -1 for a tombstone -- invariants 1 and 2).
+        g = kvv.take(pos).view(np.int64).reshape(-1, 2)
+        out = g[:, 1] - 1
+        idx = np.flatnonzero(g[:, 0] != keys)
+        if idx.size == 0:
+            return out
+        out[idx] = -1
+        p = pos.take(idx)
+        # An empty position ends the chain: absent. Compaction uses flatnonzero + take
+        # (branch-free) rather than boolean-mask indexing.
+        sel = np.flatnonzero(ts.take(p) != EMPTY)
+        idx, p = idx.take(sel), p.take(sel)
+        kq = keys.take(idx)
+        while idx.size:
+            p += 1
+            p &= mask
+            g = kvv.take(p).view(np.int64).reshape(-1, 2)
+            hit = g[:, 0] == kq
+            if hit.any():
+                out[idx[hit]] = g[:, 1][hit] - 1
+                sel = np.flatnonzero(~hit)
+                idx, p, kq = idx.take(sel), p.take(sel), kq.take(sel)
+            cont = ts.take(p) != EMPTY
+            if not cont.all():
+                sel = np.flatnonzero(cont)
+                idx, p, kq = idx.take(sel), p.take(sel), kq.take(sel)
+        return out
+
+    def _locate(self, keys: np.ndarray) -> np.ndarray:
+        """Position of each key's live entry, -1 where absent."""
+        n = keys.size
+        out = np.full(n, -1, dtype=np.int64)
+        if n == 0:
+            return out
+        tk, ts, mask = self._keys, self._state, self._mask
+        p = self._home(keys)
+        idx = np.arange(n)
+        kq = keys
+        while idx.size:
+            hit = tk[p] == kq
+            if hit.any():
+                hp = p[hit]
+                full = ts.take(hp) == FULL
+                out[idx[hit][full]] = hp[full]
+                sel = np.flatnonzero(~hit)  # a stale match also ends the chain (inv. 2)
+                idx, p, kq = idx.take(sel), p.take(sel), kq.take(sel)
+            sel = np.flatnonzero(ts.take(p) != EMPTY)
+            idx, p, kq = idx.take(sel), p.take(sel), kq.take(sel)
+            p += 1
+            p &= mask
+        return out
+
+    def _claim(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Place absent keys (duplicates allowed) at the first non-full position of their
+        probe chain. Returns ``(pos, new_pos)``: the position of every input key and the
+        distinct newly filled positions (one per distinct key, in claim order).
+
+        ``_vals`` of new positions temporarily holds the claimant's batch index + 1; the
+        caller must overwrite it with ``row + 1``. Capacity must have been reserved.
+        """
+        n = keys.size
+        tk, tv, ts, mask = self._keys, self._vals, self._state, self._mask
+        out = np.empty(n, dtype=np.int64)
+        p = self._home(keys)
+        idx = np.arange(n)
+        kq = keys
+        filled = []
+        reused = 0
+        while idx.size:
+            st = ts.take(p)
+            fi = np.flatnonzero(st != FULL)
+            if fi.size == 0:
+                p += 1
+                p &= mask
+                continue
+            cp = p.take(fi)
+            cid = idx.take(fi)
+            cid += 1  # never 0, the "no row" value
+            # Conflict resolution among claimants of one free position: every claimant
+            # scatters its batch index, exactly one value survives per position.
+            tv[cp] = cid
+            won = tv[cp] == cid
+            wsel = np.flatnonzero(won)
+            wf = fi.take(wsel)
+            wp = cp.take(wsel)
+            tk[wp] = kq.take(wf)
+            reused += int(np.count_nonzero(st.take(wf) == DELETED))
+            ts[wp] = FULL
+            out[idx.take(wf)] = wp
+            filled.append(wp)
+            keep = np.ones(idx.size, dtype=bool)
+            keep[wf] = False
+            if wf.size != fi.size:
+                # Losers carrying the winner's key are duplicates: same position.
+                lsel = np.flatnonzero(~won)
+                lf = fi.take(lsel)
+                lp = cp.take(lsel)
+                dup = tk[lp] == kq.take(lf)
+                if dup.any():
+                    out[idx.take(lf[dup])] = lp[dup]
+                    keep[lf[dup]] = False
+            sel = np.flatnonzero(keep)
+            idx, p, kq = idx.take(sel), p.take(sel), kq.take(sel)
+            p += 1
+            p &= mask
+        if len(filled) == 1:
+            new_pos = filled[0]
+        else:
+            new_pos = np.concatenate(filled) if filled else np.empty(0, dtype=np.int64)
+        self._size += new_pos.size
+        self._deleted -= reused
+        return out, new_pos
+
+    # -- capacity -----------------------------------------------------------------------
+    def reserve(self, extra: int) -> None:
+        """Ensure ``extra`` more keys can be inserted without exceeding load 1/2.
+
+        When a rehash is needed the new capacity keeps the live load at or below 3/8, so
+        the next rehash is at least capacity/8 insertions or deletions away (amortized
+        O(1) even under insert/delete churn). The index never shrinks.
+        """
+        cap = self.capacity
+        if 2 * (self._size + self._deleted + extra) <= cap:
+            return
+        need = self._size + extra
+        new_cap = cap
+        while 8 * need > 3 * new_cap:
+            new_cap *= 2
+        self._rehash(new_cap)
+
+    def _rehash(self, new_cap: int) -> None:
+        live = np.flatnonzero(self._state == FULL)
+        keys, rows = self._keys[live], self._vals[live]
+        self._alloc(new_cap)
+        self._size = 0
+        if keys.size:
+            pos, _ = self._claim(keys)
+            self._vals[pos] = rows  # already encoded as row + 1
+
+    # -- mutation -----------------------------------------------------------------------
+    def insert(self, keys, rows) -> None:
+        """Insert keys that the caller guarantees are absent and unique."""
+        keys = _as_keys(keys)
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.shape != keys.shape:
+            raise ValueError(f"rows shape {rows.shape} does not match keys shape {keys.shape}")
+        if keys.size == 0:
+            return
+        self.reserve(keys.size)
+        pos, _ = self._claim(keys)
+        self._vals[pos] = rows + 1
+
+    def insert_new(self, keys, allocate) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Insert keys known to be absent, **duplicates allowed**, without sorting.
+
+        ``allocate(m)`` is called once with the number of distinct keys and must return
+        ``m`` row ids. Returns ``(rows, new_keys, new_rows)``: the row of every input key
+        (duplicates share one) and the distinct keys with their freshly allocated rows.
+        """
+        keys = _as_keys(keys)
+        if keys.size == 0:
+            e = np.empty(0, dtype=np.int64)
+            return e, e, e
+        self.reserve(keys.size)
+        pos, new_pos = self._claim(keys)
+        new_rows = np.asarray(allocate(new_pos.size), dtype=np.int64)
+        self._vals[new_pos] = new_rows + 1
+        return self._vals[pos] - 1, self._keys[new_pos], new_rows
+
+    def remove(self, keys) -> np.ndarray:
+        """Remove keys; returns the removed row per input key (-1 where absent)."""
+        keys = _as_keys(keys)
+        pos = self._locate(keys)
+        found = pos >= 0
+        rows = np.full(keys.size, -1, dtype=np.int64)
+        if not found.any():
+            return rows
+        fp = pos[found]
+        rows[found] = self._vals[fp] - 1
+        up = np.unique(fp)  # duplicate keys in the request remove one entry
+        self._state[up] = DELETED
+        self._vals[up] = 0
+        self._size -= up.size
+        self._deleted += up.size
+        return rows
+
+    def clear(self) -> None:
+        self._alloc(_MIN_CAPACITY)
+        self._size = 0

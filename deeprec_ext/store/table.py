@@ -1,0 +1,563 @@
+"""Embedding tables of the PS: HashIndex + row arena, and the per-PS EmbeddingStore.
+
+Row arena
+---------
+Each table keeps every row -- value **and** optimizer slots -- in ONE float32 array
+``arena[capacity, dim * (1 + num_slots)]``. A row is therefore one contiguous vector:
+
+* ``apply_gradients`` reads and writes value+slots of a batch with a single fancy-index
+  gather and a single scatter (one random memory access -- usually one cache line -- per
+  row instead of one per array; the random accesses, not the arithmetic, dominate);
+* a row can never be observed half-updated relative to its slots, and a snapshot
+  (``export_rows``) or migration copies a self-consistent (value, slots) unit.
+
+Gathers/scatters go through a 1-D "void" view of the arena in which a whole row (or the
+value part of a row) is one opaque item: ~2-3x faster than 2-D fancy indexing. For the
+optimizer math a gathered block is transposed (moving ``dim``-float vectors) into
+plane-major ``[1 + num_slots, n, dim]`` so the element-wise work runs on contiguous arrays.
+
+The arena grows geometrically (x2), so appends are amortized O(1). Deleted rows go to a
+free list and are reused before the arena grows. Memory per row: ``4 * row_width`` bytes
+of arena + 24 bytes of per-row arrays (``row_seq``, ``row_key``, a scratch mark) + 17
+bytes per hash-index position (load 3/8..1/2, i.e. ~34-45 bytes per key).
+
+Parallel per-row arrays: ``row_seq`` (int64, sequence number of the row's last write,
+>= 1; 0 for a free row) and ``row_key`` (int64, the key owning the row, for exports).
+
+Sequence numbers
+----------------
+One :class:`SequenceCounter` is shared by all tables of a PS. Every mutating batch takes
+ONE new number **while holding the table lock** and stamps every row it wrote; deletions
+append ``(seq, keys)`` to a tombstone log. Incremental sync is therefore::
+
+    cut = store.sequence.value          # read BEFORE exporting
+    for each table: tombstones_since(prev) then export_rows(since_seq=prev)
+    prev = cut
+
+which never misses a write (batches with seq <= cut finished under the lock before the
+export could take it); writes after ``cut`` may be sent twice, harmlessly (upserts).
+Consumers apply the tombstones first, then the rows.
+
+Threading: one ``threading.RLock`` per table around every public method.
+"""
+from __future__ import annotations
+
+import numbers
+import threading
+
+import numpy as np
+
+from deeprec_ext.store.hash_index import HashIndex
+from deeprec_ext.store.initializers import Initializer, make_initializer
+from deeprec_ext.store.optimizers import Optimizer, make_optimizer
+
+_CHUNK_FLOATS = 1 << 19  # optimizer works on ~2 MB of rows at a time
+
+
+class SequenceCounter:
+    """Thread-safe, monotonically increasing counter shared by the tables of one PS.
+
+    ``next()`` returns 1, 2, 3, ...; ``value`` is the last number issued (0 initially).
+    """
+
+    def __init__(self, start: int = 0):
+        self._value = int(start)
+        self._lock = threading.Lock()
+
+    def next(self) -> int:
+        with self._lock:
+            self._value += 1
+            return self._value
+
+    __next__ = next
+
+    @property
+    def value(self) -> int:
+        return self._value
+
+    def advance_to(self, value: int) -> int:
+        """Make sure future numbers are > ``value`` (e.g. after a restore)."""
+        with self._lock:
+            self._value = max(self._value, int(value))
+            return self._value
+
+    def __repr__(self) -> str:
+        return f"SequenceCounter(value={self._value})"
+
+
+def _check_keys(keys, what: str = "keys") -> np.ndarray:
+    if not isinstance(keys, np.ndarray):
+        if isinstance(keys, (str, bytes)) or not hasattr(keys, "__len__"):
+            raise TypeError(f"{what} must be a 1-D int64 array, got {type(keys).__name__}")
+        keys = np.asarray(keys)
+        if keys.size == 0:
+            keys = keys.astype(np.int64)
+    if keys.dtype != np.int64:
+        if keys.dtype.kind == "i" or (keys.dtype.kind == "u" and keys.dtype.itemsize < 8):
+            keys = keys.astype(np.int64)
+        else:
+            raise TypeError(f"{what} must be int64, got dtype {keys.dtype}")
+    if keys.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {keys.shape}")
+    return np.ascontiguousarray(keys)
+
+
+def _check_floats(a, shape: tuple, what: str) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        if isinstance(a, (str, bytes)) or not hasattr(a, "__len__"):
+            raise TypeError(f"{what} must be a float32 array, got {type(a).__name__}")
+        a = np.asarray(a, dtype=np.float32)
+    if a.dtype.kind != "f":
+        raise TypeError(f"{what} must be float32, got dtype {a.dtype}")
+    if a.shape != shape:
+        raise ValueError(f"{what} must have shape {shape}, got {a.shape}")
+    if a.dtype != np.float32:
+        with np.errstate(over="ignore"):  # overflow -> inf, rejected below
+            a = a.astype(np.float32)
+    a = np.ascontiguousarray(a)
+    if not np.isfinite(a).all():
+        bad = int(np.argmin(np.isfinite(a).reshape(a.shape[0], -1).all(axis=1)))
+        raise ValueError(f"{what} contain NaN or Inf (first at row {bad}); nothing changed")
+    return a
+
+
+class EmbeddingTable:
+    """One sparse embedding table: ``HashIndex`` (key -> row) + row arena."""
+
+    def __init__(self, name: str, dim: int, initializer="zeros", optimizer="sgd",
+                 sequence: SequenceCounter | None = None, initial_capacity: int = 1024):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"table name must be a non-empty string, got {name!r}")
+        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim <= 0:
+            raise ValueError(f"table '{name}': dim must be a positive integer, got {dim!r}")
+        if (isinstance(initial_capacity, bool) or not isinstance(initial_capacity, numbers.Integral)
+                or initial_capacity < 0):
+            raise ValueError(f"table '{name}': initial_capacity must be a non-negative integer, "
+                             f"got {initial_capacity!r}")
+        self.name = name
+        self.dim = int(dim)
+        self.initializer: Initializer = make_initializer(initializer, self.dim)
+        self.optimizer: Optimizer = make_optimizer(optimizer)
+        self.sequence = sequence if sequence is not None else SequenceCounter()
+        self._num_slots = self.optimizer.num_slots
+        self._width = self.dim * (1 + self._num_slots)
+        self._slot_init = self.optimizer.init_slots(1, self.dim).reshape(-1)
+        self._lock = threading.RLock()
+        cap = max(int(initial_capacity), 16)
+        self._index = HashIndex(2 * cap)
+        self._arena = np.zeros((cap, self._width), dtype=np.float32)
+        self._set_views()
+        self._row_seq = np.zeros(cap, dtype=np.int64)
+        self._row_key = np.zeros(cap, dtype=np.int64)
+        self._mark = np.zeros(cap, dtype=np.int64)  # scratch for duplicate detection
+        self._hwm = 0  # rows [0, hwm) have been handed out at least once
+        self._free = np.empty(0, dtype=np.int64)  # stack of free row ids
+        self._nfree = 0
+        self._tombstones: list[tuple[int, np.ndarray]] = []
+
+    # -- properties ---------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return len(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @property
+    def capacity(self) -> int:
+        """Rows the arena holds before it has to grow."""
+        return self._arena.shape[0]
+
+    @property
+    def row_width(self) -> int:
+        """Floats per row: ``dim * (1 + num_slots)`` (value then slots)."""
+        return self._width
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def nbytes(self) -> int:
+        return (self._arena.nbytes + self._row_seq.nbytes + self._row_key.nbytes
+                + self._mark.nbytes + self._free.nbytes + self._index.nbytes)
+
+    @property
+    def config(self) -> dict:
+        return {"name": self.name, "dim": self.dim, "initializer": self.initializer.config,
+                "optimizer": self.optimizer.config}
+
+    @property
+    def last_seq(self) -> int:
+        """Largest row sequence number in the table (0 if empty)."""
+        with self._lock:
+            return int(self._row_seq[:self._hwm].max(initial=0))
+
+    def __repr__(self) -> str:
+        return (f"EmbeddingTable({self.name!r}, dim={self.dim}, size={self.size}, "
+                f"optimizer={self.optimizer.name})")
+
+    # -- row allocation -----------------------------------------------------------------
+    def _grow_arena(self, need_rows: int) -> None:
+        cap = self._arena.shape[0]
+        if need_rows <= cap:
+            return
+        new_cap = max(2 * cap, need_rows)
+        hwm = self._hwm
+        # np.zeros: untouched pages are mapped lazily by the OS, only [:hwm] is written.
+        arena = np.zeros((new_cap, self._width), dtype=np.float32)
+        arena[:hwm] = self._arena[:hwm]
+        row_seq = np.zeros(new_cap, dtype=np.int64)
+        row_seq[:hwm] = self._row_seq[:hwm]
+        row_key = np.zeros(new_cap, dtype=np.int64)
+        row_key[:hwm] = self._row_key[:hwm]
+        self._arena, self._row_seq, self._row_key = arena, row_seq, row_key
+        self._set_views()
+        self._mark = np.zeros(new_cap, dtype=np.int64)
+
+    def _set_views(self) -> None:
+        # Row-granular views of the arena: numpy moves a whole row (or the value part of
+        # a row) as ONE opaque item, which makes gathers/scatters 2-3x faster than 2-D
+        # fancy indexing.
+        a = self._arena
+        self._row_dtype = np.dtype((np.void, 4 * self._width))
+        self._arena_v = a.view(self._row_dtype).reshape(-1)
+        self._value_v = np.ndarray((a.shape[0],), dtype=np.dtype((np.void, 4 * self.dim)),
+                                   buffer=a, strides=(4 * self._width,))
+
+    def _gather_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Full rows (value + slots), float32 [n, row_width], a copy."""
+        return self._arena_v.take(rows).view(np.float32).reshape(rows.size, self._width)
+
+    def _scatter_rows(self, rows: np.ndarray, block: np.ndarray) -> None:
+        """arena[rows] = block (float32 [n, row_width], C-contiguous); last write wins."""
+        np.put(self._arena_v, rows, block.view(self._row_dtype).reshape(-1))
+
+    def _allocate(self, m: int) -> np.ndarray:
+        take = min(m, self._nfree)
+        rows = np.empty(m, dtype=np.int64)
+        if take:
+            rows[:take] = self._free[self._nfree - take:self._nfree]
+            self._nfree -= take
+        fresh = m - take
+        if fresh:
+            self._grow_arena(self._hwm + fresh)
+            rows[take:] = np.arange(self._hwm, self._hwm + fresh, dtype=np.int64)
+            self._hwm += fresh
+        return rows
+
+    def _release(self, rows: np.ndarray) -> None:
+        need = self._nfree + rows.size
+        if need > self._free.size:
+            free = np.empty(max(need, 2 * self._free.size, 64), dtype=np.int64)
+            free[:self._nfree] = self._free[:self._nfree]
+            self._free = free
+        self._free[self._nfree:need] = rows
+        self._nfree = need
+        self._row_seq[rows] = 0
+
+    def _init_rows(self, rows: np.ndarray, keys: np.ndarray, seq: int) -> None:
+        """Write fresh rows: initializer value + initial slots."""
+        self._scatter_rows(rows, self._with_fresh_slots(self.initializer(keys)))
+        self._row_key[rows] = keys
+        self._row_seq[rows] = seq
+
+    def _create_missing(self, keys: np.ndarray, rows: np.ndarray, seq_holder: list) -> None:
+        """Fill ``rows`` (-1 entries) by inserting the missing keys with initial values.
+        Takes a sequence number (stored in ``seq_holder``) if it has to write."""
+        miss = np.flatnonzero(rows < 0)
+        if miss.size == 0:
+            return
+        if not seq_holder:
+            seq_holder.append(self.sequence.next())
+        got, new_keys, new_rows = self._index.insert_new(keys.take(miss), self._allocate)
+        self._init_rows(new_rows, new_keys, seq_holder[0])
+        rows[miss] = got
+
+    def _with_fresh_slots(self, values: np.ndarray) -> np.ndarray:
+        """float32 [n, row_width] rows: ``values`` followed by initial slots."""
+        if not self._num_slots:
+            return np.ascontiguousarray(values, dtype=np.float32)
+        block = np.empty((values.shape[0], self._width), dtype=np.float32)
+        block[:, :self.dim] = values
+        block[:, self.dim:] = self._slot_init
+        return block
+
+    def _gather_values(self, rows: np.ndarray) -> np.ndarray:
+        """Values float32 [n, dim] of rows (one strided gather of the value part)."""
+        if self._num_slots == 0:
+            g = self._arena_v.take(rows)
+        else:
+            g = self._value_v[rows]
+        return g.view(np.float32).reshape(rows.size, self.dim)
+
+    def _find_duplicates(self, rows: np.ndarray):
+        """O(n) duplicate detection with the scratch ``_mark`` array (indexed by row id).
+
+        Returns ``None`` when ``rows`` has no duplicates (the common, fast case), else
+        ``rep``: for each batch position, the position of its group's representative
+        (one surviving writer per distinct row).
+        """
+        ar = np.arange(rows.size, dtype=np.int64)
+        mark = self._mark
+        mark[rows] = ar
+        rep = mark.take(rows)
+        if (rep == ar).all():
+            return None
+        return rep
+
+    def _sum_duplicates(self, rows, grads, rep):
+        """Distinct rows and their summed gradients (no sort: representatives keep their
+        gradient, the few non-representatives are added with ``np.add.at``)."""
+        ar = np.arange(rows.size, dtype=np.int64)
+        is_rep = rep == ar
+        rsel = np.flatnonzero(is_rep)
+        nsel = np.flatnonzero(~is_rep)
+        gid = np.empty(rows.size, dtype=np.int64)
+        gid[rsel] = np.arange(rsel.size, dtype=np.int64)
+        sums = grads.take(rsel, axis=0)
+        np.add.at(sums, gid.take(rep.take(nsel)), grads.take(nsel, axis=0))
+        return rows.take(rsel), sums
+
+    def _last_occurrences(self, rows: np.ndarray) -> np.ndarray:
+        """Batch positions of the last occurrence of each distinct row."""
+        ar = np.arange(rows.size, dtype=np.int64)
+        mark = self._mark
+        mark[rows] = -1
+        np.maximum.at(mark, rows, ar)
+        return np.flatnonzero(mark.take(rows) == ar)
+
+    def _apply_optimizer(self, rows: np.ndarray, grads: np.ndarray) -> None:
+        """Gather rows, run the optimizer, scatter back; in chunks that stay in cache.
+
+        Rows are gathered whole (one random access per row), then transposed -- moving
+        each ``dim``-float vector as one opaque item -- into plane-major order
+        ``[1 + num_slots, n, dim]``, so the optimizer's element-wise math runs on
+        contiguous arrays (numpy is ~10x slower on the interleaved [n, dim] views).
+        """
+        k, dim = self._num_slots, self.dim
+        vec = np.dtype((np.void, 4 * dim))
+        step = max(1024, _CHUNK_FLOATS // self._width)
+        for s in range(0, rows.size, step):
+            r, g = rows[s:s + step], grads[s:s + step]
+            m = r.size
+            block = self._arena_v.take(r)
+            if k == 0:
+                vals = block.view(np.float32).reshape(m, dim)
+                self.optimizer.apply(vals, None, g)
+            else:
+                bv = block.view(vec).reshape(m, 1 + k)
+                planes = np.ascontiguousarray(bv.T).view(np.float32).reshape(1 + k, m, dim)
+                self.optimizer.apply(planes[0], planes[1:].transpose(1, 0, 2), g)
+                bv[...] = planes.view(vec).reshape(1 + k, m).T
+            np.put(self._arena_v, r, block)
+
+    # -- public API ---------------------------------------------------------------------
+    def lookup(self, keys, insert_missing: bool = True) -> np.ndarray:
+        """Values float32 [n, dim] of ``keys`` (any order, duplicates allowed).
+
+        Missing keys get their deterministic initial value; with ``insert_missing`` they
+        are also inserted (slots initialized, stamped with one new sequence number),
+        otherwise the table is not modified.
+        """
+        keys = _check_keys(keys)
+        with self._lock:
+            rows = self._index.find(keys)
+            if insert_missing:
+                self._create_missing(keys, rows, [])
+                return self._gather_values(rows)
+            miss = np.flatnonzero(rows < 0)
+            if miss.size == 0:
+                return self._gather_values(rows)
+            out = np.empty((keys.size, self.dim), dtype=np.float32)
+            out[miss] = self.initializer(keys.take(miss))
+            if miss.size < keys.size:
+                hit = np.flatnonzero(rows >= 0)
+                out[hit] = self._gather_values(rows.take(hit))
+            return out
+
+    def apply_gradients(self, keys, grads) -> int:
+        """Apply the optimizer to rows of ``keys`` with ``grads`` float32 [n, dim].
+
+        Gradients of duplicate keys are summed first. Missing keys are created with their
+        initial value, then updated. Non-finite gradients raise ValueError and change
+        nothing. Returns the sequence number stamped on the rows (0 for an empty batch).
+        """
+        keys = _check_keys(keys)
+        grads = _check_floats(grads, (keys.size, self.dim), f"table '{self.name}': gradients")
+        if keys.size == 0:
+            return 0
+        with self._lock:
+            rows = self._index.find(keys)
+            seq = []
+            self._create_missing(keys, rows, seq)
+            seq = seq[0] if seq else self.sequence.next()
+            rep = self._find_duplicates(rows)
+            if rep is not None:
+                rows, grads = self._sum_duplicates(rows, grads, rep)
+            self._apply_optimizer(rows, grads)
+            self._row_seq[rows] = seq
+            return seq
+
+    def insert(self, keys, values, only_if_absent: bool = False) -> int:
+        """Set values float32 [n, dim] (optimizer slots reset to their initial values).
+
+        With ``only_if_absent`` existing keys are left alone. For duplicate keys the last
+        occurrence wins. Returns the stamped sequence number (0 if nothing was written).
+        """
+        keys = _check_keys(keys)
+        values = _check_floats(values, (keys.size, self.dim), f"table '{self.name}': values")
+        return self._upsert(keys, values, full_rows=False, only_if_absent=only_if_absent)
+
+    def import_rows(self, keys, rows) -> int:
+        """Upsert full rows float32 [n, row_width] (value + slots, as from ``export_rows``);
+        stamps one new sequence number, which is returned (0 for an empty batch)."""
+        keys = _check_keys(keys)
+        rows = _check_floats(rows, (keys.size, self._width), f"table '{self.name}': rows")
+        return self._upsert(keys, rows, full_rows=True, only_if_absent=False)
+
+    def _upsert(self, keys, data, full_rows: bool, only_if_absent: bool) -> int:
+        if keys.size == 0:
+            return 0
+        with self._lock:
+            rows = self._index.find(keys)
+            miss = np.flatnonzero(rows < 0)
+            if only_if_absent:
+                if miss.size == 0:
+                    return 0
+                keys, data = keys.take(miss), data.take(miss, axis=0)
+                rows = np.full(miss.size, -1, dtype=np.int64)
+            seq = self.sequence.next()
+            if miss.size:
+                got, new_keys, new_rows = self._index.insert_new(
+                    keys.take(np.flatnonzero(rows < 0)), self._allocate)
+                rows[rows < 0] = got
+                self._row_key[new_rows] = new_keys
+            if self._find_duplicates(rows) is not None:  # last occurrence wins
+                last = self._last_occurrences(rows)
+                rows, data = rows.take(last), data.take(last, axis=0)
+            self._scatter_rows(rows, data if full_rows else self._with_fresh_slots(data))
+            self._row_seq[rows] = seq
+            return seq
+
+    def delete(self, keys) -> int:
+        """Remove keys; returns how many were present. Logs a tombstone."""
+        keys = _check_keys(keys)
+        if keys.size == 0:
+            return 0
+        with self._lock:
+            rows = self._index.remove(keys)
+            found = rows >= 0
+            if not found.any():
+                return 0
+            removed_rows, first = np.unique(rows[found], return_index=True)
+            removed_keys = keys[found][first]
+            seq = self.sequence.next()
+            self._release(removed_rows)
+            self._tombstones.append((seq, removed_keys))
+            return int(removed_rows.size)
+
+    def tombstones_since(self, seq: int) -> np.ndarray:
+        """Distinct keys deleted by a batch with sequence number > ``seq`` (sorted).
+        A key deleted and re-inserted afterwards is listed here *and* exported by
+        ``export_rows``: apply tombstones first, then rows."""
+        with self._lock:
+            parts = [k for s, k in self._tombstones if s > seq]
+        if not parts:
+            return np.empty(0, dtype=np.int64)
+        return np.unique(np.concatenate(parts))
+
+    def truncate_tombstones(self, upto_seq: int) -> int:
+        """Forget tombstones with sequence number <= ``upto_seq`` (all consumers have them);
+        returns how many batches were dropped."""
+        with self._lock:
+            before = len(self._tombstones)
+            self._tombstones = [(s, k) for s, k in self._tombstones if s > upto_seq]
+            return before - len(self._tombstones)
+
+    def export_rows(self, since_seq: int | None = None):
+        """``(keys, rows, row_seq)`` of live rows, ordered by row id.
+
+        ``since_seq=None``: every live row. Otherwise only rows whose last write has a
+        sequence number > ``since_seq``. ``rows`` is float32 [m, row_width] (value then
+        slots), ``row_seq`` int64 [m]. Arrays are copies.
+        """
+        threshold = 0 if since_seq is None else max(int(since_seq), 0)
+        with self._lock:
+            sel = np.flatnonzero(self._row_seq[:self._hwm] > threshold)
+            return self._row_key.take(sel), self._gather_rows(sel), self._row_seq.take(sel)
+
+    def clear(self) -> None:
+        """Drop every row (no tombstones are logged)."""
+        with self._lock:
+            cap = self._arena.shape[0]
+            self._index = HashIndex(2 * cap)
+            self._row_seq.fill(0)
+            self._hwm = 0
+            self._nfree = 0
+            self._tombstones = []
+
+
+class EmbeddingStore:
+    """The tables of one PS, sharing one :class:`SequenceCounter`."""
+
+    def __init__(self, sequence: SequenceCounter | None = None):
+        self.sequence = sequence if sequence is not None else SequenceCounter()
+        self._tables: dict[str, EmbeddingTable] = {}
+        self._lock = threading.Lock()
+
+    def create_table(self, name: str, dim: int, initializer="zeros", optimizer="sgd",
+                     initial_capacity: int = 1024) -> EmbeddingTable:
+        """Create a table, or return the existing one if its config is identical.
+        A conflicting config raises ValueError naming the first differing field."""
+        with self._lock:
+            existing = self._tables.get(name)
+            if existing is None:
+                table = EmbeddingTable(name, dim, initializer, optimizer, sequence=self.sequence,
+                                       initial_capacity=initial_capacity)
+                self._tables[name] = table
+                return table
+        # Validate the requested config the same way a new table would.
+        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim <= 0:
+            raise ValueError(f"table '{name}': dim must be a positive integer, got {dim!r}")
+        if existing.dim != dim:
+            raise ValueError(f"table '{name}' already exists with dim={existing.dim}, "
+                             f"requested dim={dim}")
+        init = make_initializer(initializer, int(dim)).config
+        if init != existing.initializer.config:
+            raise ValueError(f"table '{name}' already exists with initializer="
+                             f"{existing.initializer.config}, requested initializer={init}")
+        opt = make_optimizer(optimizer).config
+        if opt != existing.optimizer.config:
+            raise ValueError(f"table '{name}' already exists with optimizer="
+                             f"{existing.optimizer.config}, requested optimizer={opt}")
+        return existing
+
+    def get(self, name: str) -> EmbeddingTable:
+        try:
+            return self._tables[name]
+        except KeyError:
+            raise KeyError(f"unknown table '{name}'") from None
+
+    def __getitem__(self, name: str) -> EmbeddingTable:
+        return self.get(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tables
+
+    def drop_table(self, name: str) -> None:
+        with self._lock:
+            if name not in self._tables:
+                raise KeyError(f"unknown table '{name}'")
+            del self._tables[name]
+
+    def tables(self) -> dict[str, EmbeddingTable]:
+        """Snapshot ``{name: table}``."""
+        with self._lock:
+            return dict(self._tables)
+
+    def stats(self) -> dict[str, dict]:
+        """``{name: {"rows", "bytes", "dim", "capacity", "optimizer"}}``."""
+        return {name: {"rows": t.size, "bytes": t.nbytes, "dim": t.dim,
+                       "capacity": t.capacity, "optimizer": t.optimizer.name}
+                for name, t in sorted(self.tables().items())}

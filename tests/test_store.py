@@ -1,0 +1,611 @@
+"""Tests of the PS embedding store: HashIndex, initializers, optimizers, tables, store."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from deeprec_ext.store import (EmbeddingStore, EmbeddingTable, HashIndex, SequenceCounter,
+                               make_initializer, make_optimizer)
+
+I64 = np.iinfo(np.int64)
+EXTREMES = np.array([0, -1, 1, I64.min, I64.max, I64.min + 1, I64.max - 1], dtype=np.int64)
+
+
+def rand_keys(rng, n):
+    return rng.integers(I64.min, I64.max, size=n, dtype=np.int64, endpoint=True)
+
+
+def snapshot(table):
+    keys, rows, seqs = table.export_rows()
+    order = np.argsort(keys)
+    return keys[order], rows[order], seqs[order]
+
+
+def assert_same_snapshot(a, b):
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+# --------------------------------------------------------------------------- HashIndex
+class TestHashIndex:
+    def check(self, idx, ref, rng):
+        universe = np.array(list(ref.keys()) or [0], dtype=np.int64)
+        q = np.concatenate([universe, EXTREMES, rand_keys(rng, 50),
+                            rng.integers(-80, 80, size=200)])
+        q = q[rng.permutation(q.size)]
+        want = np.array([ref.get(int(k), -1) for k in q], dtype=np.int64)
+        np.testing.assert_array_equal(idx.find(q), want)
+        assert len(idx) == len(ref)
+        k, v = idx.items()
+        assert dict(zip(k.tolist(), v.tolist())) == ref
+        assert sorted(idx.keys().tolist()) == sorted(ref)
+        assert 2 * (len(idx) + idx.num_deleted) <= idx.capacity
+
+    def test_against_dict_with_churn_and_growth(self):
+        rng = np.random.default_rng(1)
+        idx, ref, next_row = HashIndex(16), {}, 0
+        start_cap = idx.capacity
+        for step in range(40):
+            # Small universe -> many delete / re-insert cycles of the same keys (stale
+            # copies in the probe chains); random 64-bit keys and extremes -> growth.
+            cand = np.unique(np.concatenate([rng.integers(-60, 60, size=40),
+                                             rand_keys(rng, 30), EXTREMES]))
+            new = np.array([k for k in cand.tolist() if k not in ref], dtype=np.int64)
+            rows = np.arange(next_row, next_row + new.size)
+            next_row += new.size
+            idx.insert(new, rows)
+            ref.update(zip(new.tolist(), rows.tolist()))
+            self.check(idx, ref, rng)
+            rm = np.concatenate([rng.choice(cand, size=25), rng.integers(-60, 60, size=10)])
+            got = idx.remove(rm)
+            want, gone = [], {}
+            for k in rm.tolist():  # duplicates in one request report the same row
+                if k in ref:
+                    gone[k] = ref.pop(k)
+                want.append(gone.get(k, -1))
+            np.testing.assert_array_equal(got, want)
+            self.check(idx, ref, rng)
+        assert idx.capacity > start_cap
+
+    def test_insert_new_handles_duplicates_without_sorting(self):
+        rng = np.random.default_rng(2)
+        idx = HashIndex(16)
+        keys = np.concatenate([rng.integers(-20, 20, size=300), EXTREMES, EXTREMES])
+        calls = []
+
+        def allocate(m):
+            calls.append(m)
+            return np.arange(100, 100 + m)
+
+        rows, new_keys, new_rows = idx.insert_new(keys, allocate)
+        distinct = np.unique(keys)
+        assert calls == [distinct.size]
+        assert sorted(new_keys.tolist()) == distinct.tolist()
+        assert sorted(new_rows.tolist()) == list(range(100, 100 + distinct.size))
+        mapping = dict(zip(new_keys.tolist(), new_rows.tolist()))
+        np.testing.assert_array_equal(rows, [mapping[k] for k in keys.tolist()])
+        np.testing.assert_array_equal(idx.find(keys), rows)
+        assert len(idx) == distinct.size
+
+    def test_large_batch_and_empty(self):
+        rng = np.random.default_rng(3)
+        idx = HashIndex(16)
+        keys = np.unique(rand_keys(rng, 200_000))
+        idx.insert(keys, np.arange(keys.size))
+        perm = rng.permutation(keys.size)
+        np.testing.assert_array_equal(idx.find(keys[perm]), perm)
+        assert idx.find(np.empty(0, np.int64)).shape == (0,)
+        assert (idx.find(rand_keys(rng, 1000)) == -1).all()
+        assert idx.nbytes >= idx.capacity * 17
+
+    def test_probe_hash_is_not_the_routing_hash(self):
+        # All keys routed to one slot (same hash64(key, 0) % 4096) must still spread out.
+        from deeprec_ext.hashing import slot_of
+        rng = np.random.default_rng(4)
+        k = rand_keys(rng, 400_000)
+        k = k[slot_of(k) == 7][:64]
+        idx = HashIndex(1 << 16)
+        idx.insert(k, np.arange(k.size))
+        assert np.unique(idx._home(k) & 4095).size > 50  # seed 0 would give 1 value
+
+
+# ------------------------------------------------------------------------ initializers
+class TestInitializers:
+    KEYS = np.concatenate([EXTREMES, np.arange(-500, 500)])
+
+    @pytest.mark.parametrize("spec", ["normal", "uniform", "truncated_normal",
+                                      {"name": "normal", "stddev": 0.3, "seed": 7}])
+    def test_deterministic_per_key(self, spec):
+        rng = np.random.default_rng(5)
+        init = make_initializer(spec, 8)
+        full = init(self.KEYS)
+        assert full.dtype == np.float32 and full.shape == (self.KEYS.size, 8)
+        perm = rng.permutation(self.KEYS.size)
+        np.testing.assert_array_equal(init(self.KEYS[perm]), full[perm])
+        sub = rng.choice(self.KEYS.size, 37)  # other batch composition, duplicates
+        np.testing.assert_array_equal(init(self.KEYS[sub]), full[sub])
+        np.testing.assert_array_equal(make_initializer(spec, 8)(self.KEYS), full)
+        # column values do not depend on dim
+        np.testing.assert_array_equal(make_initializer(spec, 3)(self.KEYS), full[:, :3])
+        assert np.unique(full).size > 0.99 * full.size
+
+    def test_seeds_differ(self):
+        a = make_initializer({"name": "normal", "seed": 1}, 4)(self.KEYS)
+        b = make_initializer({"name": "normal", "seed": 2}, 4)(self.KEYS)
+        assert np.mean(a == b) < 0.01
+
+    def test_golden_values(self):
+        # Pinned bits: the initial value of a key must never change across releases.
+        keys = np.array([0, 1, -1, I64.max, I64.min], dtype=np.int64)
+        got = {
+            "normal": make_initializer({"name": "normal", "stddev": 1.0, "seed": 1}, 4),
+            "truncated_normal": make_initializer(
+                {"name": "truncated_normal", "stddev": 1.0, "seed": 2}, 4),
+            "uniform": make_initializer(
+                {"name": "uniform", "minval": -1.0, "maxval": 1.0, "seed": 3}, 4),
+        }
+        want = {
+            "normal": [1075836473, 1078611020, 3207499289, 1068864611],
+            "truncated_normal": [3190497346, 3212455448, 3212656840, 1063165748],
+            "uniform": [3212366756, 3188841744, 3193340376, 1054801960],
+        }
+        for name, init in got.items():
+            assert init(keys)[0].view(np.uint32).tolist() == want[name], name
+
+    def test_same_values_in_another_process(self):
+        keys = np.concatenate([EXTREMES, np.arange(1000)])
+        code = ("import sys, numpy as np\n"
+                "from deeprec_ext.store import make_initializer\n"
+                "k = np.concatenate([np.array(%r, dtype=np.int64), np.arange(1000)])\n"
+                "sys.stdout.buffer.write(make_initializer("
+                "{'name': 'normal', 'stddev': 0.1, 'seed': 9}, 16)(k[::-1]).tobytes())\n"
+                % EXTREMES.tolist())
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True,
+                             cwd=str(__import__("pathlib").Path(__file__).parents[1])).stdout
+        other = np.frombuffer(out, dtype=np.float32).reshape(-1, 16)[::-1]
+        mine = make_initializer({"name": "normal", "stddev": 0.1, "seed": 9}, 16)(keys)
+        np.testing.assert_array_equal(other, mine)
+
+    def test_distributions(self):
+        keys = np.arange(-100_000, 100_000)
+        v = make_initializer({"name": "normal", "mean": 0.5, "stddev": 2.0, "seed": 3}, 8)(keys)
+        v = v.astype(np.float64)
+        assert abs(v.mean() - 0.5) < 0.02 and abs(v.std() - 2.0) < 0.02
+        z = (v - 0.5) / 2.0
+        assert abs(np.mean(np.abs(z) < 1) - 0.6827) < 0.005
+        assert abs(np.mean(np.abs(z) < 2) - 0.9545) < 0.003
+        t = make_initializer({"name": "truncated_normal", "stddev": 0.1, "seed": 4}, 8)(keys)
+        assert np.abs(t).max() <= 0.2 + 1e-6
+        assert abs(t.astype(np.float64).std() - 0.1 * 0.8796) < 0.002
+        u = make_initializer({"name": "uniform", "minval": -0.05, "maxval": 0.1}, 8)(keys)
+        assert u.min() >= -0.05 and u.max() <= np.float32(0.1)
+        assert abs(u.astype(np.float64).mean() - 0.025) < 0.001
+        assert (make_initializer("zeros", 3)(keys[:5]) == 0).all()
+        assert (make_initializer("ones", 3)(keys[:5]) == 1).all()
+        assert (make_initializer({"name": "constant", "value": 0.5}, 3)(keys[:5]) == 0.5).all()
+        assert make_initializer("normal", 4)(np.empty(0, np.int64)).shape == (0, 4)
+
+    @pytest.mark.parametrize("spec, words", [
+        ("xavier", ["unknown initializer", "xavier"]),
+        ({"name": "normal", "stddev": -1.0}, ["stddev", "-1.0"]),
+        ({"name": "normal", "stddev": "big"}, ["stddev", "big"]),
+        ({"name": "uniform", "minval": 1.0, "maxval": 0.0}, ["minval", "maxval"]),
+        ({"name": "normal", "sigma": 1.0}, ["unknown parameter", "sigma"]),
+        ({"name": "constant", "value": float("nan")}, ["value", "finite"]),
+        ({"name": "normal", "seed": 1.5}, ["seed"]),
+        ({"stddev": 1.0}, ["name"]),
+        (3, ["str or dict"]),
+    ])
+    def test_bad_specs(self, spec, words):
+        with pytest.raises(ValueError) as e:
+            make_initializer(spec, 4)
+        for w in words:
+            assert w in str(e.value)
+
+
+# -------------------------------------------------------------------------- optimizers
+def ref_step(name, hp, w, s, g):
+    """Float64 reference of TF's formulas for one row. ``s`` is the slot dict."""
+    if name == "sgd":
+        return w - hp.get("learning_rate", 0.01) * g
+    if name == "assign_add":
+        return w + g
+    if name == "adagrad":
+        s["acc"] = s["acc"] + g * g
+        return w - hp["learning_rate"] * g / (np.sqrt(s["acc"]) + hp.get("epsilon", 1e-7))
+    if name == "adam":
+        b1, b2, eps = hp.get("beta_1", 0.9), hp.get("beta_2", 0.999), hp.get("epsilon", 1e-7)
+        s["t"] += 1
+        s["m"] = b1 * s["m"] + (1 - b1) * g
+        s["v"] = b2 * s["v"] + (1 - b2) * g * g
+        lr_t = hp["learning_rate"] * np.sqrt(1 - b2 ** s["t"]) / (1 - b1 ** s["t"])
+        return w - lr_t * s["m"] / (np.sqrt(s["v"]) + eps)
+    if name == "ftrl":
+        lr, p = hp["learning_rate"], hp.get("learning_rate_power", -0.5)
+        l1, l2 = hp.get("l1_regularization_strength", 0.0), hp.get("l2_regularization_strength", 0.0)
+        n_new = s["n"] + g * g
+        s["z"] = s["z"] + g - (n_new ** -p - s["n"] ** -p) / lr * w
+        quad = n_new ** -p / lr + 2 * l2
+        w = np.where(np.abs(s["z"]) > l1, (np.sign(s["z"]) * l1 - s["z"]) / quad, 0.0)
+        s["n"] = n_new
+        return w
+    raise AssertionError(name)
+
+
+def ref_slots(name, hp, dim):
+    z = np.zeros(dim)
+    if name == "adagrad":
+        return {"acc": z + hp.get("initial_accumulator_value", 0.1)}
+    if name == "adam":
+        return {"m": z.copy(), "v": z.copy(), "t": 0}
+    if name == "ftrl":
+        return {"n": z + hp.get("initial_accumulator_value", 0.1), "z": z.copy()}
+    return {}
+
+
+OPTIMIZERS = [
+    ("sgd", {"learning_rate": 0.1}),
+    ("assign_add", {}),
+    ("adagrad", {"learning_rate": 0.1}),
+    ("adagrad", {"learning_rate": 0.05, "initial_accumulator_value": 0.5, "epsilon": 1e-3}),
+    ("adam", {"learning_rate": 0.01}),
+    ("adam", {"learning_rate": 0.02, "beta_1": 0.5, "beta_2": 0.9, "epsilon": 1e-3}),
+    ("ftrl", {"learning_rate": 0.1}),
+    ("ftrl", {"learning_rate": 0.2, "l1_regularization_strength": 0.01,
+              "l2_regularization_strength": 0.1, "learning_rate_power": -0.7,
+              "initial_accumulator_value": 0.2}),
+]
+
+
+class TestOptimizers:
+    @pytest.mark.parametrize("name, hp", OPTIMIZERS)
+    def test_matches_reference(self, name, hp):
+        rng = np.random.default_rng(6)
+        dim, n = 5, 40
+        table = EmbeddingTable("t", dim, initializer={"name": "normal", "stddev": 0.5},
+                               optimizer={"name": name, **hp})
+        keys = rand_keys(rng, n)
+        w0 = table.lookup(keys)  # inserts with initializer values
+        ref_w = {k: w0[i].astype(np.float64) for i, k in enumerate(keys.tolist())}
+        ref_s = {k: ref_slots(name, hp, dim) for k in keys.tolist()}
+        for step in range(6):
+            # different subsets each step -> rows have different adam step counts
+            sub = keys[rng.random(n) < 0.6]
+            g = rng.standard_normal((sub.size, dim)).astype(np.float32)
+            table.apply_gradients(sub, g)
+            for i, k in enumerate(sub.tolist()):
+                ref_w[k] = ref_step(name, hp, ref_w[k], ref_s[k], g[i].astype(np.float64))
+        got = table.lookup(keys, insert_missing=False)
+        want = np.stack([ref_w[k] for k in keys.tolist()])
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+        if name == "adam":  # per-row step counts live in the row (slot 2)
+            k_, rows, _ = table.export_rows()
+            counts = rows[:, 3 * dim:4 * dim]
+            assert (counts == counts[:, :1]).all()
+            want_t = {k: ref_s[k]["t"] for k in keys.tolist()}
+            assert counts[:, 0].tolist() == [want_t[k] for k in k_.tolist()]
+            assert len(set(want_t.values())) > 1
+
+    def test_slot_layout_and_specs(self):
+        assert make_optimizer("sgd").num_slots == 0
+        assert make_optimizer("assign_add").num_slots == 0
+        assert make_optimizer("adagrad").num_slots == 1
+        assert make_optimizer("ftrl").num_slots == 2
+        assert make_optimizer("adam").num_slots == 3
+        assert make_optimizer("sgd").params["learning_rate"] == 0.01
+        s = make_optimizer({"name": "adagrad", "learning_rate": 0.5}).init_slots(2, 3)
+        assert s.shape == (2, 1, 3) and (s == np.float32(0.1)).all()
+        assert make_optimizer("adam") == make_optimizer({"name": "adam", "learning_rate": 0.001})
+
+    @pytest.mark.parametrize("spec, words", [
+        ("rmsprop", ["unknown optimizer", "rmsprop"]),
+        ({"name": "sgd", "learning_rate": 0.0}, ["learning_rate", "> 0"]),
+        ({"name": "adam", "learning_rate": -1}, ["learning_rate"]),
+        ({"name": "adam", "momentum": 0.9}, ["unknown hyperparameter", "momentum"]),
+        ({"name": "adam", "beta_1": 1.0}, ["beta_1"]),
+        ({"name": "ftrl", "learning_rate_power": 0.5}, ["learning_rate_power"]),
+        ({"name": "ftrl", "l1_regularization_strength": -1}, ["l1_regularization_strength"]),
+        ({"name": "sgd", "learning_rate": "fast"}, ["learning_rate", "fast"]),
+        ({"learning_rate": 0.1}, ["name"]),
+    ])
+    def test_bad_specs(self, spec, words):
+        with pytest.raises(ValueError) as e:
+            make_optimizer(spec)
+        for w in words:
+            assert w in str(e.value)
+
+
+# ------------------------------------------------------------------------------ tables
+@pytest.fixture
+def adam_table():
+    return EmbeddingTable("emb", 4, initializer={"name": "uniform", "seed": 3},
+                          optimizer={"name": "adam", "learning_rate": 0.01},
+                          initial_capacity=16)
+
+
+class TestEmbeddingTable:
+    def test_lookup_inserts_with_initializer_values(self, adam_table):
+        t = adam_table
+        keys = np.concatenate([EXTREMES, EXTREMES, np.arange(100)])
+        init = make_initializer({"name": "uniform", "seed": 3}, 4)
+        v = t.lookup(keys)
+        np.testing.assert_array_equal(v, init(keys))
+        assert t.size == np.unique(keys).size
+        assert t.capacity >= t.size and t.row_width == 16
+        np.testing.assert_array_equal(t.lookup(keys[::-1]), v[::-1])
+        _, rows, seqs = t.export_rows()
+        assert (seqs == seqs[0]).all()  # one batch -> one sequence number
+        assert (rows[:, 4:] == 0).all()  # adam slots start at 0
+
+    def test_lookup_without_insert_does_not_modify(self, adam_table):
+        t = adam_table
+        t.lookup(np.arange(10))
+        before, seq = snapshot(t), t.sequence.value
+        keys = np.array([5, 100, 3, 100, -7], dtype=np.int64)
+        v = t.lookup(keys, insert_missing=False)
+        want = make_initializer({"name": "uniform", "seed": 3}, 4)(keys)
+        np.testing.assert_array_equal(v, want)
+        assert_same_snapshot(before, snapshot(t))
+        assert t.sequence.value == seq and t.size == 10
+        assert t.lookup(np.array([100]), insert_missing=False).shape == (1, 4)
+
+    def test_duplicate_gradients_are_summed(self):
+        for opt in ("sgd", "adam", "adagrad"):
+            rng = np.random.default_rng(7)
+            a = EmbeddingTable("a", 3, optimizer=opt, initializer="ones")
+            b = EmbeddingTable("b", 3, optimizer=opt, initializer="ones")
+            keys = np.array([4, 9, 4, 4, -2, 9, 11], dtype=np.int64)
+            g = rng.standard_normal((keys.size, 3)).astype(np.float32)
+            a.apply_gradients(keys, g)
+            uk = np.array([4, 9, -2, 11], dtype=np.int64)
+            ug = np.stack([g[[0, 2, 3]].sum(0), g[[1, 5]].sum(0), g[4], g[6]])
+            b.apply_gradients(uk, ug)
+            np.testing.assert_allclose(a.lookup(uk, False), b.lookup(uk, False),
+                                       rtol=1e-6, atol=1e-7)
+            if opt == "adam":  # one step per batch, even for a repeated key
+                assert (a.export_rows()[1][:, 9:] == 1).all()
+
+    def test_large_batch_with_duplicates_matches_unique(self):
+        rng = np.random.default_rng(8)
+        keys = rng.integers(0, 3000, size=20_000)
+        g = rng.standard_normal((keys.size, 8)).astype(np.float32)
+        a = EmbeddingTable("a", 8, optimizer={"name": "sgd", "learning_rate": 1.0})
+        a.apply_gradients(keys, g)
+        uk, inv = np.unique(keys, return_inverse=True)
+        sums = np.zeros((uk.size, 8))
+        np.add.at(sums, inv, g.astype(np.float64))
+        np.testing.assert_allclose(a.lookup(uk, False), -sums, rtol=1e-4, atol=1e-4)
+        assert a.size == uk.size
+
+    def test_apply_gradients_creates_missing_keys(self):
+        t = EmbeddingTable("t", 2, initializer={"name": "constant", "value": 1.0},
+                           optimizer={"name": "sgd", "learning_rate": 0.5})
+        t.lookup(np.array([1]))
+        seq = t.apply_gradients(np.array([1, 2]), np.ones((2, 2), np.float32))
+        np.testing.assert_array_equal(t.lookup(np.array([1, 2]), False), np.full((2, 2), 0.5))
+        keys, _, seqs = t.export_rows()
+        assert set(keys.tolist()) == {1, 2} and (seqs == seq).all()
+
+    def test_non_finite_gradients_rejected_unchanged(self, adam_table):
+        t = adam_table
+        t.apply_gradients(np.arange(8), np.ones((8, 4), np.float32))
+        before, seq = snapshot(t), t.sequence.value
+        for bad in (np.nan, np.inf, -np.inf):
+            g = np.ones((3, 4), np.float32)
+            g[1, 2] = bad
+            with pytest.raises(ValueError, match="NaN or Inf"):
+                t.apply_gradients(np.array([1, 2, 99]), g)  # 99 is new: must not appear
+        with pytest.raises(ValueError, match="NaN or Inf"):  # overflows float32 on cast
+            t.apply_gradients(np.array([1]), np.full((1, 4), 1e300))
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            t.insert(np.array([5]), np.full((1, 4), np.nan, np.float32))
+        assert_same_snapshot(before, snapshot(t))
+        assert t.sequence.value == seq
+
+    @pytest.mark.parametrize("call", [
+        lambda t: t.lookup(np.array([1.0, 2.0])),
+        lambda t: t.lookup(np.array([1, 2], dtype=np.uint64)),
+        lambda t: t.lookup("abc"),
+        lambda t: t.lookup(5),
+        lambda t: t.apply_gradients(np.array([1, 2]), np.ones((2, 4), np.int32)),
+        lambda t: t.insert(np.array([1.5]), np.ones((1, 4), np.float32)),
+        lambda t: t.delete(np.array([True])),
+    ])
+    def test_bad_dtype_type_error(self, adam_table, call):
+        adam_table.lookup(np.arange(4))
+        before = snapshot(adam_table)
+        with pytest.raises(TypeError):
+            call(adam_table)
+        assert_same_snapshot(before, snapshot(adam_table))
+
+    @pytest.mark.parametrize("call", [
+        lambda t: t.lookup(np.ones((2, 2), np.int64)),
+        lambda t: t.apply_gradients(np.array([1, 2]), np.ones((2, 3), np.float32)),
+        lambda t: t.apply_gradients(np.array([1, 2]), np.ones((3, 4), np.float32)),
+        lambda t: t.apply_gradients(np.array([1, 2]), np.ones(8, np.float32)),
+        lambda t: t.insert(np.array([1, 2]), np.ones((2, 5), np.float32)),
+        lambda t: t.import_rows(np.array([1, 2]), np.ones((2, 4), np.float32)),
+    ])
+    def test_bad_shape_value_error(self, adam_table, call):
+        adam_table.lookup(np.arange(4))
+        before, seq = snapshot(adam_table), adam_table.sequence.value
+        with pytest.raises(ValueError, match="shape"):
+            call(adam_table)
+        assert_same_snapshot(before, snapshot(adam_table))
+        assert adam_table.sequence.value == seq
+
+    def test_other_integer_dtypes_and_lists_accepted(self, adam_table):
+        v = adam_table.lookup(np.array([1, 2], dtype=np.int32))
+        np.testing.assert_array_equal(adam_table.lookup([1, 2]), v)
+        assert adam_table.lookup(np.empty(0, np.int64)).shape == (0, 4)
+        assert adam_table.apply_gradients([], np.empty((0, 4), np.float32)) == 0
+
+    def test_insert_semantics(self, adam_table):
+        t = adam_table
+        t.apply_gradients(np.array([1, 2]), np.ones((2, 4), np.float32))
+        vals = np.arange(12, dtype=np.float32).reshape(3, 4)
+        t.insert(np.array([2, 3, 2]), vals)  # duplicate: last occurrence wins
+        got = t.lookup(np.array([2, 3]), False)
+        np.testing.assert_array_equal(got, vals[[2, 1]])
+        _, rows, _ = t.export_rows()
+        keys = t.export_rows()[0]
+        assert (rows[keys == 2, 4:] == 0).all()  # slots reset
+        assert (rows[keys == 1, 4:] != 0).any()
+        before_1 = t.lookup(np.array([1]), False)
+        t.insert(np.array([1, 4]), np.full((2, 4), 7, np.float32), only_if_absent=True)
+        np.testing.assert_array_equal(t.lookup(np.array([1]), False), before_1)
+        np.testing.assert_array_equal(t.lookup(np.array([4]), False), np.full((1, 4), 7))
+        assert t.insert(np.array([1, 4]), np.ones((2, 4), np.float32), only_if_absent=True) == 0
+
+    def test_export_since_and_tombstones(self, adam_table):
+        t = adam_table
+        t.lookup(np.arange(20))
+        s0 = t.sequence.value
+        t.apply_gradients(np.array([3, 4, 4]), np.ones((3, 4), np.float32))
+        t.lookup(np.array([5, 100, 101]))  # only the new keys are written
+        t.insert(np.array([7]), np.ones((1, 4), np.float32))
+        s1 = t.sequence.value
+        t.lookup(np.array([8, 9]), insert_missing=False)  # no write
+        t.lookup(np.array([6]))  # existing: no write
+        assert t.delete(np.array([4, 10, 10, 555])) == 2
+        keys, rows, seqs = t.export_rows(since_seq=s0)
+        assert sorted(keys.tolist()) == [3, 7, 100, 101]
+        assert (seqs > s0).all() and rows.shape == (4, t.row_width)
+        assert t.export_rows(since_seq=t.sequence.value)[0].size == 0
+        assert t.export_rows()[0].size == 20 + 2 - 2
+        assert t.tombstones_since(s0).tolist() == [4, 10]
+        assert t.tombstones_since(t.sequence.value).size == 0
+        assert t.delete(np.array([4, 555])) == 0
+        # deleted and re-created: in both lists (apply tombstones first, then rows)
+        t.lookup(np.array([10]))
+        assert 10 in t.export_rows(since_seq=s1)[0].tolist()
+        assert 10 in t.tombstones_since(s1).tolist()
+        assert t.truncate_tombstones(t.sequence.value) == 1
+        assert t.tombstones_since(0).size == 0
+
+    def test_free_rows_are_reused(self):
+        t = EmbeddingTable("t", 4, optimizer="adagrad", initial_capacity=16)
+        t.lookup(np.arange(1000))
+        cap, nbytes = t.capacity, t.nbytes
+        for i in range(5):
+            assert t.delete(np.arange(500)) == 500
+            t.lookup(np.arange(500) + 10_000 * (i + 1))
+            t.delete(np.arange(500) + 10_000 * (i + 1))
+            t.lookup(np.arange(500))
+        assert t.capacity == cap and t.size == 1000
+        assert t.nbytes <= nbytes + 16 * 1024
+
+    def test_growth_preserves_rows(self):
+        rng = np.random.default_rng(9)
+        t = EmbeddingTable("t", 3, initializer={"name": "normal", "seed": 5},
+                           optimizer="ftrl", initial_capacity=0)
+        keys = rand_keys(rng, 5000)
+        first = t.lookup(keys[:100])
+        t.apply_gradients(keys[:100], np.ones((100, 3), np.float32))
+        updated = t.lookup(keys[:100], False)
+        assert not np.array_equal(first, updated)
+        for s in range(100, 5000, 700):
+            t.lookup(keys[s:s + 700])
+        np.testing.assert_array_equal(t.lookup(keys[:100], False), updated)
+        assert t.size == np.unique(keys).size and t.capacity >= t.size
+
+    def test_import_export_round_trip(self, adam_table):
+        rng = np.random.default_rng(10)
+        t = adam_table
+        keys = rand_keys(rng, 300)
+        for _ in range(3):
+            sub = keys[rng.random(300) < 0.5]
+            t.apply_gradients(sub, rng.standard_normal((sub.size, 4)).astype(np.float32))
+        t.delete(keys[:10])
+        k, rows, _ = t.export_rows()
+        u = EmbeddingTable("copy", 4, initializer={"name": "uniform", "seed": 3},
+                           optimizer={"name": "adam", "learning_rate": 0.01})
+        seq = u.import_rows(k, rows)
+        a, b = snapshot(t), snapshot(u)
+        np.testing.assert_array_equal(a[0], b[0])
+        np.testing.assert_array_equal(a[1], b[1])
+        assert (b[2] == seq).all()
+        # the copies evolve identically (slots and adam step counts came along)
+        g = rng.standard_normal((keys.size, 4)).astype(np.float32)
+        t.apply_gradients(keys, g)
+        u.apply_gradients(keys, g)
+        np.testing.assert_array_equal(snapshot(t)[1], snapshot(u)[1])
+        # import over existing rows overwrites them
+        u.import_rows(k[:5], np.zeros((5, 16), np.float32))
+        np.testing.assert_array_equal(u.lookup(k[:5], False), np.zeros((5, 4)))
+
+    def test_concurrent_updates(self):
+        t = EmbeddingTable("t", 4, optimizer={"name": "sgd", "learning_rate": 1.0})
+        keys = np.arange(500)
+
+        def work(i):
+            for _ in range(20):
+                t.apply_gradients(keys, np.ones((500, 4), np.float32))
+                t.lookup(keys + 1000 * i)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        np.testing.assert_array_equal(t.lookup(keys, False), np.full((500, 4), -80.0))
+        assert t.size == 500 + 3 * 500
+        seqs = t.export_rows()[2]
+        assert seqs.max() == t.sequence.value
+
+    def test_constructor_validation(self):
+        with pytest.raises(ValueError, match="dim"):
+            EmbeddingTable("t", 0)
+        with pytest.raises(ValueError, match="name"):
+            EmbeddingTable("", 4)
+        with pytest.raises(ValueError, match="unknown optimizer"):
+            EmbeddingTable("t", 4, optimizer="nope")
+
+
+# ------------------------------------------------------------------------------- store
+class TestStore:
+    def test_sequence_counter(self):
+        c = SequenceCounter()
+        assert c.value == 0 and c.next() == 1 and c.next() == 2 and c.value == 2
+        c.advance_to(10)
+        assert c.next() == 11
+        c.advance_to(3)
+        assert c.value == 11
+
+    def test_create_idempotent_and_conflicts(self):
+        s = EmbeddingStore()
+        t = s.create_table("t", 8, "zeros", {"name": "adam"})
+        assert s.create_table("t", 8, {"name": "zeros"}, "adam") is t
+        with pytest.raises(ValueError) as e:
+            s.create_table("t", 16, "zeros", "adam")
+        assert "table 't' already exists with dim=8, requested dim=16" in str(e.value)
+        with pytest.raises(ValueError, match="optimizer"):
+            s.create_table("t", 8, "zeros", {"name": "adam", "learning_rate": 0.1})
+        with pytest.raises(ValueError, match="initializer"):
+            s.create_table("t", 8, "ones", "adam")
+        with pytest.raises(ValueError, match="unknown optimizer"):
+            s.create_table("u", 8, "zeros", "nope")
+        assert "u" not in s.tables()
+
+    def test_get_drop_stats_shared_sequence(self):
+        s = EmbeddingStore()
+        a = s.create_table("a", 4, "zeros", "sgd")
+        b = s.create_table("b", 2, "zeros", "adagrad")
+        with pytest.raises(KeyError) as e:
+            s.get("x")
+        assert "unknown table 'x'" in str(e.value)
+        assert s.get("a") is a and set(s.tables()) == {"a", "b"}
+        a.lookup(np.arange(10))
+        b.lookup(np.arange(3))
+        assert a.sequence is b.sequence is s.sequence and s.sequence.value == 2
+        st = s.stats()
+        assert st["a"]["rows"] == 10 and st["b"]["rows"] == 3
+        assert st["a"]["bytes"] == a.nbytes > 0
+        s.drop_table("a")
+        assert set(s.tables()) == {"b"}
+        with pytest.raises(KeyError):
+            s.drop_table("a")
