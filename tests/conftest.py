@@ -1,0 +1,133 @@
+"""Shared fixtures: real AIMaster jobs as subprocesses on loopback, always cleaned up."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+class Job:
+    """An ``aimaster run`` subprocess with its state dir."""
+
+    def __init__(self, tmp_path: Path, job: dict, args: list[str] = ()):
+        self.state_dir = tmp_path / "state"
+        job = dict(job)
+        job.setdefault("master", {})["state_dir"] = str(self.state_dir)
+        job["master"].setdefault("progress_seconds", 1)
+        self.job_file = tmp_path / "job.yaml"
+        self.job_file.write_text(yaml.safe_dump(job))
+        self.log = open(tmp_path / "aimaster.log", "wb")
+        env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "aimaster.cli", "run", str(self.job_file), *args],
+            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.address = wait_for(self._address, 60, "AIMaster address")
+
+    def _address(self):
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"aimaster exited with {self.proc.returncode}: {self.output()}")
+        p = self.state_dir / "master.addr"
+        return p.read_text() if p.exists() else None
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")
+
+    def state(self) -> dict:
+        return json.loads((self.state_dir / "job_state.json").read_text())
+
+    def status(self) -> dict:
+        out = subprocess.run([sys.executable, "-m", "aimaster.cli", "status", "--master",
+                              self.address, "--json"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=30, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    def member_pids(self) -> list[int]:
+        return [m["pid"] for m in self.state()["members"] if m["pid"]]
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"job did not finish in {timeout}s:\n{self.output()[-4000:]}")
+
+    def stop(self):
+        pids = []
+        try:
+            pids = self.member_pids()
+        except Exception:
+            pass
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+        # no member may outlive its AIMaster
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
+            time.sleep(0.1)
+        for p in pids:
+            if pid_alive(p):
+                os.kill(p, signal.SIGKILL)
+                raise AssertionError(f"orphan process {p} outlived the AIMaster")
+
+
+@pytest.fixture
+def start_job(tmp_path):
+    jobs = []
+
+    def start(job: dict, args=(), subdir: str = ""):
+        d = tmp_path / subdir if subdir else tmp_path
+        d.mkdir(exist_ok=True)
+        j = Job(d, job, list(args))
+        jobs.append(j)
+        return j
+
+    yield start
+    for j in jobs:
+        j.stop()
+
+
+@pytest.fixture(scope="session")
+def criteo_data(tmp_path_factory):
+    """Synthetic Criteo-format data shared by the training tests."""
+    from examples.criteo.generate import generate
+    out = tmp_path_factory.mktemp("criteo")
+    return generate(str(out), rows=200_000, files=2, test_rows=40_000, seed=3)
