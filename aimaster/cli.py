@@ -47,6 +47,13 @@ def get_args_parser() -> argparse.ArgumentParser:
                         help="AIMaster address host:port (env DEEPREC_MASTER_ADDR)")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--timeout", type=float, default=10.0)
+    scale = sub.add_parser("scale", help="grow or shrink a running job's PS / worker sets; "
+                                          "blocks until done and prints the event as JSON")
+    scale.add_argument("--master", default=os.environ.get("DEEPREC_MASTER_ADDR"),
+                       help="AIMaster address host:port (env DEEPREC_MASTER_ADDR)")
+    scale.add_argument("--ps", type=int, default=None, help="new PS count")
+    scale.add_argument("--workers", type=int, default=None, help="new worker count")
+    scale.add_argument("--timeout", type=float, default=600.0)
     return p
 
 
@@ -89,6 +96,7 @@ def status_dict(resp) -> dict:
                      "state": m.state, "last_heartbeat_age": round(m.last_heartbeat_age, 3),
                      "steps": m.steps, "samples": m.samples} for m in resp.members],
         "shards": {"todo": resp.shards.todo, "doing": resp.shards.doing, "done": resp.shards.done},
+        "events": [json.loads(e) for e in resp.events_json],
     }
 
 
@@ -115,9 +123,35 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_scale(args) -> int:
+    if not args.master:
+        return _fail("--master is required (or set DEEPREC_MASTER_ADDR)")
+    if args.ps is None and args.workers is None:
+        return _fail("give --ps N, --workers M or both")
+    for flag, value in (("--ps", args.ps), ("--workers", args.workers)):
+        if value is not None and value < 0:
+            return _fail(f"{flag} must be >= 0, got {value}")
+    from deeprec_ext.grpc_util import insecure_channel
+    from deeprec_ext.proto import master_pb2, master_pb2_grpc
+    req = master_pb2.ScaleRequest(timeout_seconds=args.timeout)
+    if args.ps is not None:
+        req.ps = args.ps
+    if args.workers is not None:
+        req.workers = args.workers
+    try:
+        with insecure_channel(args.master) as ch:
+            resp = master_pb2_grpc.MasterStub(ch).Scale(req, timeout=args.timeout + 30)
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            return _fail(f"scale refused: {exc.details()}", 1)
+        return _fail(f"scale failed at {args.master}: {exc.code().name}: {exc.details()}", 1)
+    print(resp.event_json)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = get_args_parser().parse_args(argv)
-    return {"run": cmd_run, "status": cmd_status}[args.command](args)
+    return {"run": cmd_run, "status": cmd_status, "scale": cmd_scale}[args.command](args)
 
 
 if __name__ == "__main__":

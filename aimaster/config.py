@@ -20,6 +20,8 @@ class RoleConfig:
     command: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     max_restarts: int = 3
+    min_replicas: int = 0
+    max_replicas: int = 64
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ def _float(d: dict, key: str, what: str, default: float) -> float:
 
 def _role(d, what: str, default_replicas: int) -> RoleConfig:
     d = _expect(d, what)
-    unknown = set(d) - {"replicas", "command", "env", "max_restarts"}
+    unknown = set(d) - {"replicas", "command", "env", "max_restarts", "min_replicas", "max_replicas"}
     if unknown:
         raise ConfigError(f"{what}: unknown key(s) {sorted(unknown)}")
     command = d.get("command", [])
@@ -90,10 +92,16 @@ def _role(d, what: str, default_replicas: int) -> RoleConfig:
     if not isinstance(command, list) or not all(isinstance(c, (str, int, float)) for c in command):
         raise ConfigError(f"{what}.command: expected a list of strings, got {command!r}")
     env = _expect(d.get("env"), f"{what}.env")
-    return RoleConfig(replicas=_int(d, "replicas", what, default_replicas),
+    role = RoleConfig(replicas=_int(d, "replicas", what, default_replicas),
                       command=tuple(str(c) for c in command),
                       env=tuple((str(k), str(v)) for k, v in env.items()),
-                      max_restarts=_int(d, "max_restarts", what, 3))
+                      max_restarts=_int(d, "max_restarts", what, 3),
+                      min_replicas=_int(d, "min_replicas", what, 0),
+                      max_replicas=_int(d, "max_replicas", what, 64, minimum=1))
+    if not role.min_replicas <= role.replicas <= role.max_replicas:
+        raise ConfigError(f"{what}: replicas ({role.replicas}) must lie within min_replicas "
+                          f"({role.min_replicas}) and max_replicas ({role.max_replicas})")
+    return role
 
 
 def parse_job(doc) -> JobConfig:
@@ -162,12 +170,16 @@ def with_overrides(cfg: JobConfig, ps: int | None = None, workers: int | None = 
     if ps is not None:
         if ps < 1:
             raise ConfigError(f"--ps: a job needs at least 1 PS, got {ps}")
+        if ps > cfg.ps.max_replicas:
+            raise ConfigError(f"--ps {ps} exceeds ps.max_replicas ({cfg.ps.max_replicas})")
         cfg = replace(cfg, ps=replace(cfg.ps, replicas=ps))
     if workers is not None:
         if workers < 0:
             raise ConfigError(f"--workers: must be >= 0, got {workers}")
         if workers and not cfg.worker.command:
             raise ConfigError("--workers > 0 needs worker.command in the job file")
+        if workers > cfg.worker.max_replicas:
+            raise ConfigError(f"--workers {workers} exceeds worker.max_replicas ({cfg.worker.max_replicas})")
         cfg = replace(cfg, worker=replace(cfg.worker, replicas=workers))
     if port is not None:
         if not 0 <= port < 65536:

@@ -6,10 +6,13 @@ durably to ``<state_dir>/job_state.json`` before it is acknowledged.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
+import queue
 import threading
 import time
+from concurrent.futures import Future
 from enum import Enum
 from typing import Callable
 
@@ -17,11 +20,12 @@ import grpc
 import numpy as np
 
 from aimaster.config import JobConfig
+from aimaster.migration import MigrationError, migrate
 from aimaster.registry import Member, MemberState, Registry
 from aimaster.scaler import NodeState, ScalePlan, Scaler, create_scaler
 from aimaster.shards import ShardQueue, ShardState, make_shards
 from aimaster.state import StateStore
-from deeprec_ext.client.routing import RoutingTable
+from deeprec_ext.client.routing import RoutingTable, rebalance
 from deeprec_ext.grpc_util import create_server, insecure_channel
 from deeprec_ext.proto import master_pb2, master_pb2_grpc, ps_pb2, ps_pb2_grpc
 
@@ -38,6 +42,10 @@ class JobPhase(str, Enum):
 
 
 FINAL_PHASES = (JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.STOPPED)
+
+
+class ScaleRefused(ValueError):
+    """A scale request that cannot be carried out; nothing was changed."""
 
 
 class JobMaster:
@@ -64,6 +72,15 @@ class JobMaster:
         self.shards = self._load_shards()
         self._last_progress = 0.0
         self._workers_started = False
+        self._scale_lock = threading.Lock()
+        self._leaving: set[str] = set()
+        self._main_calls: queue.Queue = queue.Queue()
+        self._wake = threading.Event()
+        self._stall_reports: list[tuple[float, float]] = []
+        self._barrier_cond = threading.Condition()
+        self._barrier_gen = 0
+        self._barrier_arrived: set[str] = set()
+        self._barrier_members: set[str] = set()
         self._last_samples = (0, self.clock())
 
     # -- state ---------------------------------------------------------------------------
@@ -133,11 +150,31 @@ class JobMaster:
         self.scaler.apply(ScalePlan(ps=self.config.ps.replicas, workers=0))
         return self.address
 
+    def on_main(self, fn: Callable, timeout: float = 120.0):
+        """Run ``fn`` on the main loop thread and return its result. Child processes must
+        be forked from the main thread: PR_SET_PDEATHSIG ties them to the forking thread."""
+        fut: Future = Future()
+        self._main_calls.put((fn, fut))
+        self._wake.set()
+        return fut.result(timeout)
+
+    def _drain_main_calls(self) -> None:
+        while True:
+            try:
+                fn, fut = self._main_calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fut.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+
     def run(self, on_progress: Callable[[str], None] | None = None) -> int:
         """Drive the job until it ends or ``stop()``; returns the process exit code."""
         deadline = self.clock() + self.config.ps_start_timeout
         try:
             while not self._stop.is_set():
+                self._drain_main_calls()
                 self._tick(deadline)
                 if self.phase in FINAL_PHASES:
                     break
@@ -145,7 +182,8 @@ class JobMaster:
                         self.clock() - self._last_progress >= self.config.progress_seconds:
                     self._last_progress = self.clock()
                     on_progress(self.progress_line())
-                self._stop.wait(0.2)
+                self._wake.wait(0.2)
+                self._wake.clear()
             if self.phase not in FINAL_PHASES:
                 self._set_phase(JobPhase.STOPPED, "stopped by signal")
         finally:
@@ -154,6 +192,7 @@ class JobMaster:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
 
     def shutdown(self) -> None:
         if self.scaler is not None:
@@ -165,12 +204,21 @@ class JobMaster:
     # -- decisions ---------------------------------------------------------------------------
     def _tick(self, ps_deadline: float) -> None:
         for node in self.scaler.poll_exits():
+            member = self.registry.get(node.id)
+            if member is None:  # died before it registered
+                member = self.registry.register(node.role, node.id, node.pid, "")
+            if member.pid != node.pid and member.state == MemberState.RUNNING:
+                continue  # an older process of a re-used id; the live one registered since
+            if member.state in (MemberState.LEFT, MemberState.SUCCEEDED):
+                continue  # an expected exit (scale-in, finished worker)
+            if member.state == MemberState.DEAD:  # lease expired earlier; now it is gone
+                if node.role == "worker" and self.phase == JobPhase.RUNNING:
+                    self._maybe_restart(node.id)
+                continue
             state = MemberState.SUCCEEDED if (node.role == "worker" and node.exit_code == 0) \
                 else MemberState.DEAD
-            if self.registry.get(node.id) is None:  # died before it registered
-                self.registry.register(node.role, node.id, node.pid, "")
-            if self.registry.mark(node.id, state) is not None or state == MemberState.DEAD:
-                self._on_member_end(node.id, node.role, state, f"exit code {node.exit_code}")
+            self.registry.mark(node.id, state)
+            self._on_member_end(node.id, node.role, state, f"exit code {node.exit_code}")
         for m in self.registry.expire():
             self._on_member_end(m.id, m.role, MemberState.DEAD, "lease expired")
         if self.phase == JobPhase.STARTING:
@@ -214,6 +262,8 @@ class JobMaster:
         if node.state == NodeState.RUNNING:  # lease expired but process alive: hung; replace it
             self.scaler.kill(member_id)
             return  # its exit is seen next tick, then restarted
+        if member_id in self._leaving:
+            return
         if node.restarts >= self.config.worker.max_restarts:
             self._event("worker_gave_up", id=member_id, restarts=node.restarts)
             return
@@ -261,6 +311,169 @@ class JobMaster:
                     epoch=routing.epoch, num_slots=routing.num_slots, owned_slots=owned.tobytes()),
                     timeout=10, wait_for_ready=True)
 
+    # -- elasticity ----------------------------------------------------------------------------
+    def report_stall(self, stall_ms: float) -> None:
+        if stall_ms > 0:
+            with self._lock:
+                self._stall_reports.append((self.clock(), stall_ms))
+                del self._stall_reports[:-1000]
+
+    def scale(self, ps: int | None = None, workers: int | None = None,
+              timeout: float = 600.0) -> dict:
+        """Change the PS and/or worker count of the running job; returns the event.
+
+        Raises ScaleRefused (nothing changed) for counts out of bounds, a job that is not
+        running, or while another scale event is in progress.
+        """
+        if not self._scale_lock.acquire(blocking=False):
+            raise ScaleRefused("another scale event is in progress; try again when it is done")
+        try:
+            if self.phase != JobPhase.RUNNING:
+                raise ScaleRefused(f"the job is {self.phase.value}, not running")
+            cfg = self.config
+            ps_before = len(self.routing.ps_ids)
+            workers_before = len(self._live_workers())
+            if ps is not None and not max(1, cfg.ps.min_replicas) <= ps <= cfg.ps.max_replicas:
+                raise ScaleRefused(f"ps={ps} is outside [{max(1, cfg.ps.min_replicas)}, "
+                                   f"{cfg.ps.max_replicas}] (ps.min_replicas / ps.max_replicas)")
+            if workers is not None:
+                if not cfg.worker.min_replicas <= workers <= cfg.worker.max_replicas:
+                    raise ScaleRefused(f"workers={workers} is outside [{cfg.worker.min_replicas}, "
+                                       f"{cfg.worker.max_replicas}] (worker.min_replicas / max_replicas)")
+                if workers > 0 and not cfg.worker.command:
+                    raise ScaleRefused("workers > 0 needs worker.command in the job file")
+            start = self.clock()
+            started_at = time.time()
+            event = {"kind": "scale", "ps": [ps_before, ps_before],
+                     "workers": [workers_before, workers_before], "moved_rows": 0,
+                     "moved_bytes": 0, "max_stall_ms": 0.0, "fence_ms": 0.0}
+            if ps is not None and ps != ps_before:
+                result = self._scale_ps(ps, start + timeout)
+                event.update(ps=[ps_before, ps], moved_rows=result.moved_rows,
+                             moved_bytes=result.moved_bytes, moved_slots=result.moved_slots,
+                             catchup_rows=result.catchup_rows, rounds=result.rounds,
+                             fence_ms=round(result.fence_ms, 3), epoch=result.routing.epoch)
+            if workers is not None and workers != workers_before:
+                self._scale_workers(workers, start + timeout)
+                event["workers"] = [workers_before, len(self._live_workers())]
+            if event["fence_ms"]:
+                # workers report their stalls with the next heartbeats
+                time.sleep(2.5 * cfg.heartbeat_seconds)
+                with self._lock:
+                    reported = [v for t, v in self._stall_reports if t >= start]
+                # the fence window bounds any request's wait; client reports add their
+                # own re-routing round trips on top of it
+                event["max_stall_ms"] = round(max([event["fence_ms"], *reported]), 3)
+            event["duration_ms"] = round((self.clock() - start) * 1000, 3)
+            event["time"] = started_at
+            with self._lock:
+                self.events.append(event)
+            log.info("event scale %s", event)
+            self._save()
+            return event
+        finally:
+            self._scale_lock.release()
+
+    def _live_workers(self) -> list[Member]:
+        return [m for m in self.registry.members("worker")
+                if m.state == MemberState.RUNNING and m.id not in self._leaving]
+
+    def _wait(self, predicate, deadline: float, what: str):
+        while self.clock() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.05)
+        raise ScaleRefused(f"timed out waiting for {what}")
+
+    def _scale_ps(self, n: int, deadline: float):
+        old = self.routing
+        old_ids = list(old.ps_ids)
+        if n > len(old_ids):
+            self.on_main(lambda: self.scaler.apply(ScalePlan(ps=n)))
+            fresh = self._wait(lambda: (lambda new: new if len(new) >= n - len(old_ids) else None)(
+                [m for m in self._live_ps() if m.id not in old_ids]), deadline,
+                f"{n - len(old_ids)} new PS to register")
+            joining = sorted(fresh, key=lambda m: m.rank)[: n - len(old_ids)]
+            new_ids = old_ids + [m.id for m in joining]
+        else:
+            keep = sorted(old_ids, key=lambda i: int(i.rsplit("-", 1)[1]))[:n]
+            new_ids = [i for i in old_ids if i in keep]
+        addresses = {m.id: m.address for m in self._live_ps()}
+        new_owner = rebalance(old.slot_owner, old_ids, new_ids)
+
+        def publish(routing: RoutingTable):
+            with self._lock:
+                self.routing, self.epoch = routing, routing.epoch
+            self._event("routing", epoch=routing.epoch, ps=list(routing.ps_ids))
+            self._save()
+
+        try:
+            result = migrate(old, new_owner, new_ids, [addresses[i] for i in new_ids], publish)
+        except MigrationError as exc:
+            raise ScaleRefused(str(exc)) from exc
+        leaving = [i for i in old_ids if i not in new_ids]
+        for ps_id in leaving:
+            self.registry.mark(ps_id, MemberState.LEFT)
+        if leaving:
+            self.on_main(lambda: self.scaler.apply(ScalePlan(ps=n)))
+        return result
+
+    def _scale_workers(self, m: int, deadline: float) -> None:
+        live = sorted(self._live_workers(), key=lambda w: w.rank)
+        if m > len(live):
+            before = {w.id for w in live}
+            self.on_main(lambda: self.scaler.apply(ScalePlan(workers=m)))
+            self._wait(lambda: len(self._live_workers()) >= m, deadline,
+                       f"{m - len(before)} new worker(s) to register")
+            return
+        victims = [w.id for w in live[m:]]
+        with self._lock:
+            self._leaving.update(victims)
+        self._event("workers_leaving", ids=victims)
+
+        def gone():
+            nodes = {n.id: n for n in self.scaler.nodes()}
+            return all(v not in nodes or nodes[v].state != NodeState.RUNNING for v in victims)
+
+        try:
+            # a leaving worker finishes its step, returns its shards and exits by itself
+            self._wait(gone, min(deadline, self.clock() + 120), "leaving workers to exit")
+        except ScaleRefused:
+            log.warning("workers %s did not leave in time; stopping them", victims)
+        self.on_main(lambda: self.scaler.apply(ScalePlan(workers=m)))
+        for v in victims:
+            if self.registry.mark(v, MemberState.LEFT) is not None and self.shards:
+                self.shards.give_back(v)
+
+    def barrier(self, worker_id: str, generation: int, timeout: float) -> tuple[int, list[str], bool]:
+        """Step-boundary barrier for synchronous training: returns when every member
+        worker has arrived. Membership changes (joins, leaves) take effect here."""
+        deadline = self.clock() + timeout
+        with self._barrier_cond:
+            if 0 <= generation < self._barrier_gen:  # that barrier already completed
+                return self._barrier_gen, sorted(self._barrier_members), worker_id in self._leaving
+            gen = self._barrier_gen
+            self._barrier_arrived.add(worker_id)
+            self._barrier_cond.notify_all()
+            while self._barrier_gen == gen:
+                live = {w.id for w in self.registry.members("worker")
+                        if w.state == MemberState.RUNNING}
+                expected = (self._barrier_members & live) | self._barrier_arrived
+                if self._barrier_arrived >= expected:
+                    self._barrier_members = {w for w in self._barrier_arrived
+                                             if w not in self._leaving}
+                    self._barrier_arrived = set()
+                    self._barrier_gen += 1
+                    self._barrier_cond.notify_all()
+                    break
+                if self.clock() > deadline:
+                    self._barrier_arrived.discard(worker_id)
+                    raise TimeoutError(f"barrier {gen}: still waiting for "
+                                       f"{sorted(expected - self._barrier_arrived)}")
+                self._barrier_cond.wait(0.1)
+            return self._barrier_gen, sorted(self._barrier_members), worker_id in self._leaving
+
     # -- reporting ---------------------------------------------------------------------------
     def progress_line(self) -> str:
         workers = [m for m in self.registry.members("worker")]
@@ -285,7 +498,10 @@ class JobMaster:
                                      steps=m.steps, samples=m.samples)
                    for m in self.registry.members()]
         counts = self.shards.counts() if self.shards else {"todo": 0, "doing": 0, "done": 0}
+        with self._lock:
+            events = [json.dumps(e, sort_keys=True) for e in self.events[-100:]]
         return master_pb2.StatusResponse(
+            events_json=events,
             job_name=self.config.name, epoch=self.epoch, phase=self.phase.value, members=members,
             shards=master_pb2.ShardCounts(**counts), state_dir=os.path.abspath(self.config.state_dir),
             uptime_seconds=now - self.started_at)
@@ -317,8 +533,10 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     def Heartbeat(self, request, context):
         member = self.m.registry.heartbeat(request.id, request.steps, request.samples)
-        return master_pb2.HeartbeatResponse(epoch=self.m.epoch, known=member is not None,
-                                            stop=self.m.phase in FINAL_PHASES)
+        self.m.report_stall(request.max_stall_ms)
+        return master_pb2.HeartbeatResponse(
+            epoch=self.m.epoch, known=member is not None,
+            stop=self.m.phase in FINAL_PHASES or request.id in self.m._leaving)
 
     def Deregister(self, request, context):
         member = self.m.registry.mark(request.id, MemberState.LEFT)
@@ -359,10 +577,14 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     def ReportShard(self, request, context):
         if self.m.shards is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this job has no data section")
+        if request.returned_progress and len(request.returned_progress) != len(request.returned_shard_ids):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "returned_progress must have one entry per returned shard")
         taken = self.m.shards.complete(request.worker_id, request.done_shard_ids)
         missing = sorted(set(request.done_shard_ids) - set(taken))
         if request.returned_shard_ids:
-            self.m.shards.give_back(request.worker_id, request.returned_shard_ids)
+            progress = dict(zip(request.returned_shard_ids, request.returned_progress))
+            self.m.shards.give_back(request.worker_id, request.returned_shard_ids, progress)
         self.m._save()
         if missing:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -372,3 +594,26 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     def Status(self, request, context):
         return self.m.status()
+
+    def Scale(self, request, context):
+        ps = request.ps if request.HasField("ps") else None
+        workers = request.workers if request.HasField("workers") else None
+        if ps is None and workers is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give a PS count, a worker count or both")
+        try:
+            event = self.m.scale(ps, workers, request.timeout_seconds or 600.0)
+        except ScaleRefused as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return master_pb2.ScaleResponse(event_json=json.dumps(event, sort_keys=True))
+
+    def Barrier(self, request, context):
+        member = self.m.registry.get(request.worker_id)
+        if member is None or member.role != "worker" or member.state != MemberState.RUNNING:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"{request.worker_id!r} is not a live registered worker")
+        timeout = max(1.0, (context.time_remaining() or 600.0) - 0.5)
+        try:
+            gen, ids, leave = self.m.barrier(request.worker_id, request.generation, timeout)
+        except TimeoutError as exc:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        return master_pb2.BarrierResponse(generation=gen, worker_ids=ids, leave=leave)

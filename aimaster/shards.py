@@ -58,6 +58,12 @@ class ShardQueue:
         self._todo: deque[int] = deque(s.shard_id for s in shards)
         self._doing: dict[int, str] = {}
         self._done: set[int] = set()
+        self._resume: dict[int, int] = {}  # shard id -> first untrained record
+
+    def _handout(self, sid: int) -> Shard:
+        s = self._shards[sid]
+        start = self._resume.get(sid, s.start)
+        return s if start == s.start else Shard(s.shard_id, s.path, start, s.end, s.data_epoch)
 
     def assign(self, worker_id: str) -> tuple[ShardState | None, Shard | None]:
         """(DOING, shard) if one was assigned; (None, None) to wait; (DONE, None) when finished."""
@@ -65,7 +71,7 @@ class ShardQueue:
             if self._todo:
                 sid = self._todo.popleft()
                 self._doing[sid] = worker_id
-                return ShardState.DOING, self._shards[sid]
+                return ShardState.DOING, self._handout(sid)
             if self._doing:
                 return None, None
             return ShardState.DONE, None
@@ -81,13 +87,25 @@ class ShardQueue:
                     taken.append(sid)
         return taken
 
-    def give_back(self, worker_id: str, shard_ids=None) -> list[int]:
-        """Return a worker's DOING shards (all of them if ``shard_ids`` is None) to TODO's front."""
+    def give_back(self, worker_id: str, shard_ids=None, progress: dict | None = None) -> list[int]:
+        """Return a worker's DOING shards (all of them if ``shard_ids`` is None) to TODO's
+        front. ``progress`` maps shard id -> records of its hand-out already trained: the
+        shard is handed out again from there (a worker that left cleanly); without it the
+        whole hand-out is repeated (a worker that died mid-shard)."""
+        progress = progress or {}
         with self._lock:
             mine = sorted(s for s, w in self._doing.items() if w == worker_id
                           and (shard_ids is None or s in set(shard_ids)))
             for sid in reversed(mine):
                 del self._doing[sid]
+                start = self._resume.get(sid, self._shards[sid].start)
+                consumed = min(max(int(progress.get(sid, 0)), 0), self._shards[sid].end - start)
+                if start + consumed >= self._shards[sid].end:
+                    self._done.add(sid)
+                    self._resume.pop(sid, None)
+                    continue
+                if consumed:
+                    self._resume[sid] = start + consumed
                 self._todo.appendleft(sid)
             return mine
 
@@ -109,7 +127,8 @@ class ShardQueue:
     def to_state(self) -> dict:
         with self._lock:
             return {"shards": [asdict(s) for s in self._shards.values()],
-                    "todo": list(self._todo), "doing": dict(self._doing), "done": sorted(self._done)}
+                    "todo": list(self._todo), "doing": dict(self._doing), "done": sorted(self._done),
+                    "resume": {str(k): v for k, v in self._resume.items()}}
 
     @classmethod
     def from_state(cls, state: dict) -> "ShardQueue":
@@ -117,6 +136,7 @@ class ShardQueue:
         may be gone), in front of the rest."""
         q = cls([Shard(**s) for s in state["shards"]])
         q._done = set(state["done"])
+        q._resume = {int(k): v for k, v in state.get("resume", {}).items()}
         doing = sorted(int(s) for s in state["doing"])
         q._todo = deque(doing + [s for s in state["todo"] if s not in q._done])
         return q

@@ -35,6 +35,7 @@ class MasterSession:
     def __init__(self, master_address: str, role: str, member_id: str = "", address: str = "",
                  on_epoch: Callable[[int], None] | None = None,
                  on_stop: Callable[[], None] | None = None,
+                 stall_source: Callable[[], float] | None = None,
                  retry: RetryPolicy = RetryPolicy()):
         self.master_address = master_address
         self.role = role
@@ -42,6 +43,7 @@ class MasterSession:
         self.address = address
         self.on_epoch = on_epoch
         self.on_stop = on_stop
+        self.stall_source = stall_source
         self.retry = retry
         self.channel = insecure_channel(master_address)
         self.stub = master_pb2_grpc.MasterStub(self.channel)
@@ -83,8 +85,10 @@ class MasterSession:
     def _beat(self) -> None:
         while not self._closed.wait(self.heartbeat_seconds):
             try:
+                stall = self.stall_source() if self.stall_source is not None else 0.0
                 resp = self.stub.Heartbeat(master_pb2.HeartbeatRequest(
-                    id=self.id, steps=self.steps, samples=self.samples), timeout=5)
+                    id=self.id, steps=self.steps, samples=self.samples, max_stall_ms=stall),
+                    timeout=5)
             except grpc.RpcError as exc:
                 log.debug("heartbeat failed: %s", exc.code().name)
                 continue

@@ -6,8 +6,10 @@ read into the input pipeline, but when the last batch holding them has been trai
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import signal
 import threading
 import time
 from collections import deque
@@ -33,11 +35,11 @@ class ShardTracker:
     """
 
     def __init__(self, report_done: Callable[[list[int]], None],
-                 give_back: Callable[[list[int]], None]):
+                 give_back: Callable[[list[int], list[int]], None]):
         self._report_done = report_done
         self._give_back = give_back
         self._lock = threading.Lock()
-        self._pending: deque[tuple[int, int]] = deque()  # (shard_id, cumulative end)
+        self._pending: deque[tuple[int, int, int]] = deque()  # (shard_id, cumulative end, records)
         self._batches: deque[int] = deque()               # sizes of emitted, untrained batches
         self.handed_out = 0
         self.trained = 0
@@ -45,7 +47,7 @@ class ShardTracker:
     def add(self, shard_id: int, records: int) -> None:
         with self._lock:
             self.handed_out += records
-            self._pending.append((shard_id, self.handed_out))
+            self._pending.append((shard_id, self.handed_out, records))
 
     def emitted(self, batch_records: int) -> None:
         """The input source emitted a batch of this many records."""
@@ -66,18 +68,19 @@ class ShardTracker:
             self._report_done(done)
         return n
 
-    def finish(self, exhausted: bool) -> None:
-        """End of training: shards not fully trained go back to the master for another
-        worker (``exhausted`` is informational: a fully read input has nothing pending)."""
+    def finish(self, exhausted: bool = False) -> None:
+        """End of training: shards not fully trained go back to the master with how many
+        of their records were trained, so another worker continues exactly there."""
         with self._lock:
-            done = [s for s, end in self._pending if end <= self.trained]
-            rest = [s for s, end in self._pending if end > self.trained]
+            done = [s for s, end, _ in self._pending if end <= self.trained]
+            rest = [(s, min(max(self.trained - (end - n), 0), n))
+                    for s, end, n in self._pending if end > self.trained]
             self._pending.clear()
             self._batches.clear()
         if done:
             self._report_done(done)
         if rest:
-            self._give_back(rest)
+            self._give_back([s for s, _ in rest], [c for _, c in rest])
 
     @property
     def pending(self) -> int:
@@ -91,9 +94,11 @@ class WorkerContext:
     def __init__(self, master_address: str | None = None, member_id: str | None = None,
                  retry: RetryPolicy = RetryPolicy()):
         self.master_address = master_address_from_env(master_address)
+        self.stop_requested = threading.Event()
         self.session = MasterSession(self.master_address, "worker",
                                      member_id if member_id is not None else os.environ.get(MEMBER_ID_ENV, ""),
-                                     on_epoch=self._on_epoch, retry=retry)
+                                     on_epoch=self._on_epoch, on_stop=self.request_stop,
+                                     stall_source=self._take_stall, retry=retry)
         self.session.register()
         self.client = PSClient.connect(self.master_address, timeout=retry.deadline)
         self.session.start()
@@ -109,6 +114,16 @@ class WorkerContext:
     @property
     def rank(self) -> int:
         return self.session.rank
+
+    def request_stop(self) -> None:
+        """Leave the job at the next step boundary (AIMaster scale-in, or SIGTERM)."""
+        if not self.stop_requested.is_set():
+            log.info("worker %s asked to leave: finishing the current step", self.worker_id)
+            self.stop_requested.set()
+
+    def _take_stall(self) -> float:
+        client = getattr(self, "client", None)
+        return client.take_max_stall_ms() if client is not None else 0.0
 
     def _on_epoch(self, epoch: int) -> None:
         client = getattr(self, "client", None)
@@ -139,8 +154,9 @@ class WorkerContext:
             # lapsed; that worker will train it, so nothing is lost.
             log.warning("shards %s not accepted as done: %s", shard_ids, exc.details())
 
-    def _give_back(self, shard_ids: list[int]) -> None:
-        req = master_pb2.ReportShardRequest(worker_id=self.worker_id, returned_shard_ids=shard_ids)
+    def _give_back(self, shard_ids: list[int], progress: list[int]) -> None:
+        req = master_pb2.ReportShardRequest(worker_id=self.worker_id, returned_shard_ids=shard_ids,
+                                            returned_progress=progress)
         try:
             self.session.stub.ReportShard(req, timeout=10)
         except grpc.RpcError as exc:
@@ -161,9 +177,71 @@ class WorkerContext:
         if self._closed:
             return
         self._closed = True
-        self.tracker.finish(self.exhausted)
+        self.tracker.finish()
         self.client.close()
         self.session.close("finished")
+
+
+class LineCursor:
+    """An open file plus the index of its next line, so consecutive shards of one file
+    are read without re-skipping from the start."""
+
+    def __init__(self):
+        self.path, self.fh, self.next_line = None, None, 0
+
+    def read(self, path: str, start: int, end: int) -> list[bytes]:
+        if path != self.path or start < self.next_line:
+            self.close()
+            self.path, self.fh, self.next_line = path, open(path, "rb"), 0
+        if start > self.next_line:
+            for _ in itertools.islice(self.fh, start - self.next_line):
+                pass
+        lines = [line.rstrip(b"\r\n") for line in itertools.islice(self.fh, end - start)]
+        self.next_line = start + len(lines)
+        if len(lines) != end - start:
+            raise ValueError(f"{path}: shard wants lines [{start}, {end}) but the file has "
+                             f"{self.next_line} lines")
+        return lines
+
+    def close(self) -> None:
+        if self.fh is not None:
+            self.fh.close()
+        self.path, self.fh, self.next_line = None, None, 0
+
+
+def shard_batches(ctx: "WorkerContext", batch_size: int, poll_seconds: float = 0.2):
+    """Batches (lists of lines) of the shards handed to this worker, in order.
+
+    Flushes a short batch before waiting for more shards (a worker whose last records sat
+    in an unfinished batch would otherwise wait for shards other workers hold while they
+    wait for it) and stops taking shards once the worker is asked to leave.
+    """
+    cursor = LineCursor()
+    buf: list[bytes] = []
+
+    def emit(n):
+        nonlocal buf
+        out, buf = buf[:n], buf[n:]
+        ctx.tracker.emitted(len(out))
+        return out
+
+    try:
+        while not ctx.stop_requested.is_set():
+            resp = ctx.try_next_shard()
+            if resp.status == master_pb2.GetShardResponse.SHARD:
+                s = resp.shard
+                buf.extend(cursor.read(s.path, s.start, s.end))
+                ctx.tracker.add(s.shard_id, s.end - s.start)
+                while len(buf) >= batch_size and not ctx.stop_requested.is_set():
+                    yield emit(batch_size)
+                continue
+            if buf:
+                yield emit(len(buf))
+            if resp.status == master_pb2.GetShardResponse.FINISHED:
+                return
+            time.sleep(poll_seconds)
+    finally:
+        cursor.close()
 
 
 _context: WorkerContext | None = None
@@ -177,6 +255,9 @@ def get_context() -> WorkerContext:
     with _context_lock:
         if _context is None:
             _context = WorkerContext()
+            if threading.current_thread() is threading.main_thread():
+                # preemption notice: leave cleanly at the next step boundary
+                signal.signal(signal.SIGTERM, lambda *_: _context.request_stop())
         return _context
 
 

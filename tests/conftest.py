@@ -100,7 +100,7 @@ class Job:
                 self.proc.wait()
         self.log.close()
         # no member may outlive its AIMaster
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 40
         while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
             time.sleep(0.1)
         for p in pids:

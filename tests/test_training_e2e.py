@@ -103,7 +103,7 @@ def test_kill9_aimaster_leaves_no_orphans(start_job):
     assert len(pids) == 2 and all(pid_alive(p) for p in pids)
     os.kill(job.proc.pid, signal.SIGKILL)
     job.proc.wait(10)
-    wait_for(lambda: not any(pid_alive(p) for p in pids), 15, "PS to exit after the AIMaster died")
+    wait_for(lambda: not any(pid_alive(p) for p in pids), 40, "PS to exit after the AIMaster died")
 
 
 def test_dead_ps_fails_the_job_loudly(start_job):

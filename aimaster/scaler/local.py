@@ -1,11 +1,12 @@
 """LocalProcessScaler: every role as a child process of the AIMaster (the default).
 
-Children get PR_SET_PDEATHSIG so that even a ``kill -9`` of the AIMaster leaves no orphan
-PS or worker behind, and their own session so a stop reaches the whole process group.
+Children get PR_SET_PDEATHSIG (through the ``_child`` exec wrapper) so that even a
+``kill -9`` of the AIMaster leaves no orphan PS or worker behind, and their own session so
+a stop reaches the whole process group. The kernel ties PDEATHSIG to the *thread* that
+forked, so the master forks only from its main thread.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -20,16 +21,6 @@ from aimaster.scaler.api import NodeInfo, NodeState, ScalePlan, ScaleResult, Sca
 from deeprec_ext.member import MASTER_ENV, MEMBER_ID_ENV
 
 log = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
 
 @dataclass
 class _Node:
@@ -85,10 +76,11 @@ class LocalProcessScaler(Scaler):
         path = os.path.join(self.log_dir, f"{node_id}.log")
         log_file = open(path, "ab")
         try:
-            proc = subprocess.Popen(self._command(role, node_id), env=self._env(role, node_id),
+            cmd = [self.python, "-m", "aimaster.scaler._child", str(os.getpid()), "--",
+                   *self._command(role, node_id)]
+            proc = subprocess.Popen(cmd, env=self._env(role, node_id),
                                     stdout=log_file, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True,
-                                    preexec_fn=_die_with_parent)
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as exc:
             log_file.close()
             raise ScalerError(f"cannot start {node_id}: {exc}") from exc

@@ -88,10 +88,12 @@ class PSClient:
         """Fetch the routing table from the AIMaster (retrying until it is ready)."""
         deadline = time.monotonic() + self.retry.deadline
         delays = self.retry.sleeps()
+        routing_seen = False
         while True:
             try:
                 resp = self._master.GetRouting(master_pb2.GetRoutingRequest(), timeout=10)
                 routing = RoutingTable.from_proto(resp)
+                routing_seen = True
                 if routing.ps_addresses and routing.epoch >= min_epoch:
                     with self._lock:
                         self.routing = routing
@@ -105,7 +107,9 @@ class PSClient:
             if delay is None or time.monotonic() > deadline:
                 raise RoutingNotReadyError(
                     f"AIMaster {self.master_address} gave no usable routing: {problem}")
-            time.sleep(delay)
+            # Waiting for an epoch being published is a fence in progress: poll tightly,
+            # it is the stall every request touching the moved slots sees.
+            time.sleep(0.005 if min_epoch >= 0 and routing_seen else delay)
 
     def _stub(self, address: str) -> ps_pb2_grpc.ParameterServerStub:
         stub = self._stubs.get(address)
@@ -301,10 +305,12 @@ class PSClient:
 
         ``tables`` is [(name, unique ids)]. Parts refused with stale routing or an
         unavailable PS are re-partitioned with fresh routing and resent; parts that
-        succeeded are never resent (a push is applied exactly once per PS).
+        succeeded are never resent (a push is applied exactly once per PS). The time a
+        call spends waiting on re-routing is its stall, reported in ``stats``.
         """
         pending = [(name, ids, np.arange(ids.size)) for name, ids in tables if ids.size]
         delays = self.retry.sleeps()
+        first_failure = None
         while pending:
             routing = self.routing or self.refresh_routing()
             by_ps: dict[int, list] = {}
@@ -328,7 +334,8 @@ class PSClient:
                         raise err from exc
                     key = "stale_retries" if isinstance(err, StaleRoutingError) else "unavailable_retries"
                     self.stats[key] += 1
-                    failure = err
+                    if failure is None or isinstance(err, StaleRoutingError):
+                        failure = err
                     retry.extend((n, i, pos) for n, i, pos in parts)
                     continue
                 if store is not None:
@@ -336,17 +343,25 @@ class PSClient:
                         store(name, pos, payload)
             pending = retry
             if pending:
+                first_failure = first_failure or time.monotonic()
                 if isinstance(failure, UnavailableError):
                     delay = next(delays, None)
                     if delay is None:
                         raise failure
                     time.sleep(delay)
-                log.info("%s: %s; refreshing routing and resending %d table part(s)",
-                         what, failure, len(pending))
+                log.debug("%s: %s; refreshing routing and resending %d table part(s)",
+                          what, failure, len(pending))
                 try:
-                    self.refresh_routing()
+                    self.refresh_routing(getattr(failure, "epoch", -1))
                 except RoutingNotReadyError:
                     raise failure
+        if first_failure is not None:
+            stall_ms = (time.monotonic() - first_failure) * 1000
+            self.stats["max_stall_ms"] = max(self.stats.get("max_stall_ms", 0.0), stall_ms)
+
+    def take_max_stall_ms(self) -> float:
+        """Longest re-routing stall since the last call (and reset it)."""
+        return self.stats.pop("max_stall_ms", 0.0)
 
     # -- introspection -----------------------------------------------------------------
     def ps_stats(self) -> list[ps_pb2.StatsResponse]:

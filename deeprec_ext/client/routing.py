@@ -53,3 +53,30 @@ class RoutingTable:
         n = len(ps_addresses)
         owner = (np.arange(num_slots, dtype=np.int64) * n // num_slots).astype(np.int32)
         return RoutingTable(epoch, num_slots, tuple(ps_ids), tuple(ps_addresses), owner)
+
+
+def rebalance(slot_owner: np.ndarray, old_ps: list[str], new_ps: list[str]) -> np.ndarray:
+    """New slot -> index-into-``new_ps`` owner array that moves as few slots as possible.
+
+    Slots of PS that stay keep their owner unless that PS holds more than its even share;
+    slots of leaving PS and the excess are handed to the PS below their share. Loops run
+    over PS, never over slots.
+    """
+    num_slots = slot_owner.size
+    n = len(new_ps)
+    if n == 0:
+        raise ValueError("rebalance: the new PS set is empty")
+    index_of = {ps: i for i, ps in enumerate(new_ps)}
+    remap = np.array([index_of.get(ps, -1) for ps in old_ps], dtype=np.int64)
+    owner = remap[slot_owner]
+    counts = np.bincount(owner[owner >= 0], minlength=n)
+    # even shares; the PS already holding the most get the +1 remainders (fewer moves)
+    target = np.full(n, num_slots // n, dtype=np.int64)
+    target[np.argsort(-counts, kind="stable")[: num_slots % n]] += 1
+    for p in np.flatnonzero(counts > target):
+        mine = np.flatnonzero(owner == p)
+        owner[mine[target[p]:]] = -1
+    free = np.flatnonzero(owner < 0)
+    need = np.maximum(target - np.bincount(owner[owner >= 0], minlength=n), 0)
+    owner[free] = np.repeat(np.arange(n), need)
+    return owner.astype(np.int32)

@@ -69,6 +69,16 @@ class MasterStub:
                 request_serializer=deeprec__ext_dot_proto_dot_master__pb2.StatusRequest.SerializeToString,
                 response_deserializer=deeprec__ext_dot_proto_dot_master__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Scale = channel.unary_unary(
+                '/deeprec_ext.master.Master/Scale',
+                request_serializer=deeprec__ext_dot_proto_dot_master__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=deeprec__ext_dot_proto_dot_master__pb2.ScaleResponse.FromString,
+                _registered_method=True)
+        self.Barrier = channel.unary_unary(
+                '/deeprec_ext.master.Master/Barrier',
+                request_serializer=deeprec__ext_dot_proto_dot_master__pb2.BarrierRequest.SerializeToString,
+                response_deserializer=deeprec__ext_dot_proto_dot_master__pb2.BarrierResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -116,6 +126,18 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Scale(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Barrier(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +175,16 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=deeprec__ext_dot_proto_dot_master__pb2.StatusRequest.FromString,
                     response_serializer=deeprec__ext_dot_proto_dot_master__pb2.StatusResponse.SerializeToString,
+            ),
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=deeprec__ext_dot_proto_dot_master__pb2.ScaleRequest.FromString,
+                    response_serializer=deeprec__ext_dot_proto_dot_master__pb2.ScaleResponse.SerializeToString,
+            ),
+            'Barrier': grpc.unary_unary_rpc_method_handler(
+                    servicer.Barrier,
+                    request_deserializer=deeprec__ext_dot_proto_dot_master__pb2.BarrierRequest.FromString,
+                    response_serializer=deeprec__ext_dot_proto_dot_master__pb2.BarrierResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,6 +376,60 @@ class Master:
             '/deeprec_ext.master.Master/Status',
             deeprec__ext_dot_proto_dot_master__pb2.StatusRequest.SerializeToString,
             deeprec__ext_dot_proto_dot_master__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deeprec_ext.master.Master/Scale',
+            deeprec__ext_dot_proto_dot_master__pb2.ScaleRequest.SerializeToString,
+            deeprec__ext_dot_proto_dot_master__pb2.ScaleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Barrier(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deeprec_ext.master.Master/Barrier',
+            deeprec__ext_dot_proto_dot_master__pb2.BarrierRequest.SerializeToString,
+            deeprec__ext_dot_proto_dot_master__pb2.BarrierResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -64,6 +64,21 @@ class ParameterServerStub:
                 request_serializer=deeprec__ext_dot_proto_dot_ps__pb2.StatsRequest.SerializeToString,
                 response_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.MigrateSlots = channel.unary_unary(
+                '/deeprec_ext.ps.ParameterServer/MigrateSlots',
+                request_serializer=deeprec__ext_dot_proto_dot_ps__pb2.MigrateSlotsRequest.SerializeToString,
+                response_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.MigrateSlotsResponse.FromString,
+                _registered_method=True)
+        self.ImportRows = channel.stream_unary(
+                '/deeprec_ext.ps.ParameterServer/ImportRows',
+                request_serializer=deeprec__ext_dot_proto_dot_ps__pb2.RowBatch.SerializeToString,
+                response_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.ImportRowsResponse.FromString,
+                _registered_method=True)
+        self.DropSlots = channel.unary_unary(
+                '/deeprec_ext.ps.ParameterServer/DropSlots',
+                request_serializer=deeprec__ext_dot_proto_dot_ps__pb2.DropSlotsRequest.SerializeToString,
+                response_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.DropSlotsResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -105,6 +120,24 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MigrateSlots(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportRows(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropSlots(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +170,21 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.StatsRequest.FromString,
                     response_serializer=deeprec__ext_dot_proto_dot_ps__pb2.StatsResponse.SerializeToString,
+            ),
+            'MigrateSlots': grpc.unary_unary_rpc_method_handler(
+                    servicer.MigrateSlots,
+                    request_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.MigrateSlotsRequest.FromString,
+                    response_serializer=deeprec__ext_dot_proto_dot_ps__pb2.MigrateSlotsResponse.SerializeToString,
+            ),
+            'ImportRows': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportRows,
+                    request_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.RowBatch.FromString,
+                    response_serializer=deeprec__ext_dot_proto_dot_ps__pb2.ImportRowsResponse.SerializeToString,
+            ),
+            'DropSlots': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropSlots,
+                    request_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.DropSlotsRequest.FromString,
+                    response_serializer=deeprec__ext_dot_proto_dot_ps__pb2.DropSlotsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +349,87 @@ class ParameterServer:
             '/deeprec_ext.ps.ParameterServer/Stats',
             deeprec__ext_dot_proto_dot_ps__pb2.StatsRequest.SerializeToString,
             deeprec__ext_dot_proto_dot_ps__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MigrateSlots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deeprec_ext.ps.ParameterServer/MigrateSlots',
+            deeprec__ext_dot_proto_dot_ps__pb2.MigrateSlotsRequest.SerializeToString,
+            deeprec__ext_dot_proto_dot_ps__pb2.MigrateSlotsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportRows(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/deeprec_ext.ps.ParameterServer/ImportRows',
+            deeprec__ext_dot_proto_dot_ps__pb2.RowBatch.SerializeToString,
+            deeprec__ext_dot_proto_dot_ps__pb2.ImportRowsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropSlots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deeprec_ext.ps.ParameterServer/DropSlots',
+            deeprec__ext_dot_proto_dot_ps__pb2.DropSlotsRequest.SerializeToString,
+            deeprec__ext_dot_proto_dot_ps__pb2.DropSlotsResponse.FromString,
             options,
             channel_credentials,
             insecure,

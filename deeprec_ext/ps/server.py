@@ -25,6 +25,46 @@ from deeprec_ext.store import EmbeddingStore
 log = logging.getLogger(__name__)
 
 
+class ReadWriteGate:
+    """Many data-plane requests at once (shared), or one ownership change (exclusive).
+
+    A request checks slot ownership and applies its update under the shared side, so when
+    a fence takes the exclusive side no request that passed the old ownership check is
+    still writing: after the fence, the fenced slots cannot change on this PS.
+    """
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+
+    def acquire_shared(self):
+        with self._cond:
+            while self._writer or self._writers_waiting:
+                self._cond.wait()
+            self._readers += 1
+
+    def release_shared(self):
+        with self._cond:
+            self._readers -= 1
+            if not self._readers:
+                self._cond.notify_all()
+
+    def acquire_exclusive(self):
+        with self._cond:
+            self._writers_waiting += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._writers_waiting -= 1
+            self._writer = True
+
+    def release_exclusive(self):
+        with self._cond:
+            self._writer = False
+            self._cond.notify_all()
+
+
 class Routing:
     """This PS's view of slot ownership. ``owned is None`` means "owns every slot"
     (a standalone PS without an AIMaster)."""
@@ -33,11 +73,14 @@ class Routing:
         self.epoch = 0
         self.num_slots = DEFAULT_NUM_SLOTS
         self.owned: np.ndarray | None = None
-        self.lock = threading.Lock()
+        self.gate = ReadWriteGate()
 
     def set(self, epoch: int, num_slots: int, owned: np.ndarray) -> None:
-        with self.lock:
+        self.gate.acquire_exclusive()
+        try:
             self.epoch, self.num_slots, self.owned = epoch, num_slots, owned
+        finally:
+            self.gate.release_exclusive()
 
     def check(self, ids: np.ndarray, context) -> None:
         owned, num_slots, epoch = self.owned, self.num_slots, self.epoch
@@ -112,6 +155,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Lookup(self, request, context):
         self._count("lookups")
+        self.routing.gate.acquire_shared()
+        try:
+            return self._lookup(request, context)
+        finally:
+            self.routing.gate.release_shared()
+
+    def _lookup(self, request, context):
         work = []
         for t in request.tables:
             table = self._table(t.table, context)
@@ -127,6 +177,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Push(self, request, context):
         self._count("pushes")
+        self.routing.gate.acquire_shared()
+        try:
+            return self._push(request, context)
+        finally:
+            self.routing.gate.release_shared()
+
+    def _push(self, request, context):
         work = []
         for t in request.tables:
             table = self._table(t.table, context)
@@ -157,6 +214,91 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         log.info("%s: routing epoch %d, owns %d/%d slots", self.ps_id, request.epoch,
                  int(owned.sum()), request.num_slots)
         return ps_pb2.SetRoutingResponse()
+
+    # -- live migration -------------------------------------------------------------------
+    MIGRATE_CHUNK_ROWS = 1 << 16
+
+    def _slot_mask(self, raw: bytes, num_slots: int, context) -> np.ndarray:
+        mask = np.frombuffer(raw, dtype=np.uint8)
+        if num_slots <= 0 or mask.size != num_slots:
+            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
+                         f"slot mask has {mask.size} entries, num_slots is {num_slots}")
+        return mask.astype(bool)
+
+    def MigrateSlots(self, request, context):
+        """Send rows of the given slots written after ``since_seq`` to ``dst_address``.
+
+        The watermark is read before scanning: a row written during the scan has a larger
+        sequence number and is sent again by the next round, so no write is missed.
+        """
+        mask = self._slot_mask(request.slots, request.num_slots, context)
+        if not request.dst_address:
+            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "dst_address is empty")
+        watermark = self.store.sequence.value
+        since = None if request.since_seq < 0 else request.since_seq
+        totals = {"rows": 0, "bytes": 0, "deleted": 0}
+
+        def batches():
+            for name, table in sorted(self.store.tables().items()):
+                cfg = self._configs.get(name) or ps_pb2.TableConfig(
+                    name=name, dim=table.dim, initializer_json=json.dumps(table.initializer.config),
+                    optimizer_json=json.dumps(table.optimizer.config))
+                deleted = table.tombstones_since(since) if since is not None else np.empty(0, np.int64)
+                if deleted.size:
+                    deleted = deleted[mask[slot_of(deleted, mask.size)]]
+                totals["deleted"] += int(deleted.size)
+                yield ps_pb2.RowBatch(config=cfg, deleted_ids=codec.ids_to_bytes(deleted))
+                row = 0
+                while row is not None:
+                    keys, rows, _, row = table.export_slots(mask, since, row, self.MIGRATE_CHUNK_ROWS)
+                    if keys.size:
+                        payload = codec.floats_to_bytes(rows)
+                        totals["rows"] += int(keys.size)
+                        totals["bytes"] += len(payload) + 8 * int(keys.size)
+                        yield ps_pb2.RowBatch(config=cfg, ids=codec.ids_to_bytes(keys), rows=payload)
+
+        from deeprec_ext.grpc_util import insecure_channel
+        with insecure_channel(request.dst_address) as ch:
+            try:
+                ps_pb2_grpc.ParameterServerStub(ch).ImportRows(batches(), timeout=600)
+            except grpc.RpcError as exc:
+                context.abort(exc.code(), f"sending rows to {request.dst_address}: {exc.details()}")
+        return ps_pb2.MigrateSlotsResponse(watermark=watermark, **totals)
+
+    def ImportRows(self, request_iterator, context):
+        n = 0
+        for batch in request_iterator:
+            cfg = batch.config
+            try:
+                init = json.loads(cfg.initializer_json) if cfg.initializer_json else "zeros"
+                opt = json.loads(cfg.optimizer_json) if cfg.optimizer_json else "sgd"
+                table = self.store.create_table(cfg.name, cfg.dim, init, opt)
+                self._configs.setdefault(cfg.name, cfg)
+                deleted = codec.ids_from_bytes(batch.deleted_ids, "deleted_ids")
+                if deleted.size:
+                    table.delete(deleted)
+                ids = codec.ids_from_bytes(batch.ids)
+                if ids.size:
+                    rows = codec.floats_from_bytes(batch.rows, ids.size, table.row_width, "rows")
+                    table.import_rows(ids, rows)
+                    n += int(ids.size)
+            except (ValueError, TypeError) as exc:
+                self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, f"import into '{cfg.name}': {exc}")
+        return ps_pb2.ImportRowsResponse(rows=n)
+
+    def DropSlots(self, request, context):
+        """Free the rows of slots this PS no longer owns (after a migration published)."""
+        mask = self._slot_mask(request.slots, request.num_slots, context)
+        owned = self.routing.owned
+        if owned is not None and (owned & mask).any():
+            self._reject(context, grpc.StatusCode.FAILED_PRECONDITION,
+                         "refusing to drop slots this PS still owns")
+        n = 0
+        for table in self.store.tables().values():
+            keys = table.keys_in_slots(mask)
+            if keys.size:
+                n += table.delete(keys)
+        return ps_pb2.DropSlotsResponse(rows=n)
 
     def Stats(self, request, context):
         tables = []

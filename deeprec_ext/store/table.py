@@ -47,6 +47,8 @@ import threading
 
 import numpy as np
 
+from deeprec_ext.hashing import slot_of
+
 from deeprec_ext.store.hash_index import HashIndex
 from deeprec_ext.store.initializers import Initializer, make_initializer
 from deeprec_ext.store.optimizers import Optimizer, make_optimizer
@@ -486,6 +488,35 @@ class EmbeddingTable:
         with self._lock:
             sel = np.flatnonzero(self._row_seq[:self._hwm] > threshold)
             return self._row_key.take(sel), self._gather_rows(sel), self._row_seq.take(sel)
+
+    def export_slots(self, slot_mask: np.ndarray, since_seq: int | None = None,
+                     row_start: int = 0, max_rows: int = 1 << 18):
+        """Live rows whose key's routing slot is set in ``slot_mask`` (bool [num_slots]),
+        scanning arena rows [row_start, row_start + max_rows) so that a large table is
+        exported in slices without holding the table lock for long.
+
+        Returns ``(keys, rows, row_seq, next_row)``; ``next_row`` is None when the scan
+        reached the end of the arena.
+        """
+        threshold = 0 if since_seq is None else max(int(since_seq), 0)
+        num_slots = int(slot_mask.size)
+        with self._lock:
+            stop = min(self._hwm, row_start + max_rows)
+            seqs = self._row_seq[row_start:stop]
+            sel = np.flatnonzero(seqs > threshold)
+            if sel.size:
+                keys = self._row_key[row_start:stop].take(sel)
+                sel = sel[slot_mask[slot_of(keys, num_slots)]]
+            sel += row_start
+            out = (self._row_key.take(sel), self._gather_rows(sel), self._row_seq.take(sel))
+            return (*out, stop if stop < self._hwm else None)
+
+    def keys_in_slots(self, slot_mask: np.ndarray) -> np.ndarray:
+        """Keys of live rows whose routing slot is set in ``slot_mask``."""
+        with self._lock:
+            live = np.flatnonzero(self._row_seq[:self._hwm] > 0)
+            keys = self._row_key.take(live)
+        return keys[slot_mask[slot_of(keys, int(slot_mask.size))]]
 
     def clear(self) -> None:
         """Drop every row (no tombstones are logged)."""

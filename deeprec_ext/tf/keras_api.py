@@ -116,11 +116,12 @@ class ElasticCallback(keras.callbacks.Callback):
         self._since_sync += 1
         if self._since_sync >= self.sync_every:
             self._sync()
+        if ctx.stop_requested.is_set():
+            self.model.stop_training = True  # leave at this step boundary
 
     def on_train_end(self, logs=None):
         self._sync()
-        ctx = get_context()
-        ctx.tracker.finish(ctx.exhausted)
+        get_context().tracker.finish()
 
     def on_test_begin(self, logs=None):
         if self._dense is not None:

@@ -66,9 +66,10 @@ class ElasticSessionHook(v1.train.SessionRunHook):
             session = run_context.session
             self._assign(session, self._dense.sync(session.run(self._vars)))
             self._since_sync = 0
+        if ctx.stop_requested.is_set():
+            run_context.request_stop()  # leave at this step boundary
 
     def end(self, session):
         if self._vars and self._dense.base is not None:
             self._dense.sync(session.run(self._vars))
-        ctx = get_context()
-        ctx.tracker.finish(ctx.exhausted)
+        get_context().tracker.finish()

@@ -82,7 +82,7 @@ def run_keras(args, ctx) -> dict:
     out = {"train_seconds": time.monotonic() - start, "steps": ctx.session.steps,
            "samples": ctx.session.samples,
            "final_loss": float(history.history["loss"][-1]) if history.history.get("loss") else None}
-    if args.test and ctx.rank == 0:
+    if args.test and ctx.rank == 0 and not ctx.stop_requested.is_set():
         ctx.wait_all_done()
         callback.on_test_begin()  # pull the final dense weights every worker contributed to
         labels, scores = predict_keras(model, args.test, 4096)

@@ -1,0 +1,29 @@
+"""A worker without TensorFlow for exactness tests: each record of its shards is an
+integer id; training a record = pushing +1 to that id's row of a counter table (SGD,
+learning rate 1, gradient -1). Run by the AIMaster like any worker command."""
+import os
+import sys
+import time
+
+import numpy as np
+
+from deeprec_ext.worker import WorkerContext, shard_batches
+
+
+def main() -> int:
+    delay = float(os.environ.get("COUNTING_DELAY", "0.01"))
+    batch = int(os.environ.get("COUNTING_BATCH", "50"))
+    ctx = WorkerContext()
+    ctx.client.create_table("records", dim=1, initializer="zeros",
+                            optimizer={"name": "sgd", "learning_rate": 1.0})
+    for lines in shard_batches(ctx, batch):
+        ids = np.array([int(x) for x in lines], dtype=np.int64)
+        ctx.client.push("records", ids, -np.ones((ids.size, 1), np.float32))
+        ctx.record_steps(1, ctx.tracker.advance(1))
+        time.sleep(delay)
+    ctx.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

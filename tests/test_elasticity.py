@@ -1,0 +1,180 @@
+"""Live elasticity: PS and worker sets change under a running job with no restart of a
+surviving process, and every update and every record is accounted for exactly."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from deeprec_ext import PSClient
+from tests.conftest import ROOT, wait_for
+
+
+def scale(job, *args, expect_ok=True):
+    r = subprocess.run([sys.executable, "-m", "aimaster.cli", "scale", "--master", job.address,
+                        *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    if expect_ok:
+        assert r.returncode == 0, r.stderr + job.output()[-3000:]
+        return json.loads(r.stdout)
+    assert r.returncode != 0
+    return r.stderr
+
+
+def pids(job, role):
+    return {m["id"]: m["pid"] for m in job.status()["members"]
+            if m["role"] == role and m["state"] == "running"}
+
+
+def test_ps_scale_under_pushes_counts_exact(start_job):
+    job = start_job({"name": "counters", "ps": {"replicas": 2, "max_replicas": 4}},
+                    ["--workers", "0"])
+    client = PSClient.connect(job.address, timeout=60)
+    client.create_table("c", dim=2, initializer="zeros", optimizer={"name": "sgd", "learning_rate": 1.0})
+    client.create_table("a", dim=16, initializer={"name": "normal", "seed": 3}, optimizer="adagrad")
+    expected = np.zeros(200_000, dtype=np.int64)
+    rng = np.random.default_rng(0)
+    stop = threading.Event()
+    errors = []
+
+    def pusher():
+        try:
+            while not stop.is_set():
+                ids = rng.integers(0, expected.size, 5000)
+                client.push("c", ids, -np.ones((ids.size, 2), np.float32))
+                np.add.at(expected, ids, 1)
+                client.push("a", ids[:500], np.full((500, 16), 0.1, np.float32))
+        except Exception as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
+
+    t = threading.Thread(target=pusher)
+    t.start()
+    try:
+        wait_for(lambda: expected.sum() > 200_000, 60, "pushes to start")
+        ps0 = pids(job, "ps")["ps-0"]
+        before = pids(job, "ps")
+        ev = scale(job, "--ps", "3")
+        assert ev["kind"] == "scale" and ev["ps"] == [2, 3] and ev["workers"] == [0, 0]
+        assert ev["moved_rows"] > 0 and ev["moved_bytes"] > 0 and ev["duration_ms"] > 0
+        assert 0 < ev["max_stall_ms"] < 5000
+        after = pids(job, "ps")
+        assert all(after[i] == before[i] for i in before), "a surviving PS restarted"
+        assert scale(job, "--ps", "1")["ps"] == [3, 1]
+        assert pids(job, "ps") == {"ps-0": ps0}
+        # refusals change nothing
+        assert "outside" in scale(job, "--ps", "0", expect_ok=False)
+        assert "outside" in scale(job, "--ps", "5", expect_ok=False)
+        assert scale(job, "--ps", "2")["ps"] == [1, 2]
+        wait_for(lambda: expected.sum() > 2_000_000, 120, "more pushes after the last change")
+    finally:
+        stop.set()
+        t.join(60)
+    assert not errors, errors
+    assert pids(job, "ps")["ps-0"] == ps0
+    got = client.lookup("c", np.arange(expected.size, dtype=np.int64), insert_missing=False)
+    np.testing.assert_array_equal(got[:, 0].astype(np.int64), expected)
+    np.testing.assert_array_equal(got[:, 1].astype(np.int64), expected)
+    # every row lives on exactly one PS after the moved rows were dropped
+    stats = client.ps_stats()
+    assert sum(t.rows for s in stats for t in s.tables if t.name == "c") == int((expected > 0).sum())
+    st = job.status()
+    assert [e["ps"] for e in st["events"] if e["kind"] == "scale"] == [[2, 3], [3, 1], [1, 2]]
+    assert st["epoch"] == 4
+    client.close()
+
+
+def test_concurrent_scale_is_refused(start_job):
+    job = start_job({"name": "busy", "ps": {"replicas": 1, "max_replicas": 3}}, ["--workers", "0"])
+    client = PSClient.connect(job.address, timeout=60)
+    client.create_table("big", dim=16, optimizer="adagrad")
+    for i in range(20):
+        client.lookup("big", np.arange(i * 100_000, (i + 1) * 100_000, dtype=np.int64))
+    results = {}
+    t = threading.Thread(target=lambda: results.setdefault("first", scale(job, "--ps", "3")))
+    t.start()
+    # the first change is underway once its new PS registered (rows still to move)
+    wait_for(lambda: len(job.status()["members"]) >= 2, 60, "the first scale to start")
+    assert "another scale event is in progress" in scale(job, "--ps", "2", expect_ok=False)
+    t.join(120)
+    assert results["first"]["ps"] == [1, 3]
+    assert client.lookup("big", np.array([0, 1_999_999]), insert_missing=False).shape == (2, 16)
+    client.close()
+
+
+def _records(tmp_path, files=4, per_file=15_000):
+    paths = []
+    for f in range(files):
+        p = tmp_path / f"rec-{f}.txt"
+        ids = np.arange(f * per_file, (f + 1) * per_file)
+        p.write_text("\n".join(map(str, ids)) + "\n")
+        paths.append(str(p))
+    return paths, files * per_file
+
+
+def _counting_job(start_job, paths, ps=2, records_per_shard=1000, delay="0.02"):
+    # replicas 0: the job never ends by itself, so the counters can be read at the end
+    job = start_job({
+        "name": "stream",
+        "ps": {"replicas": ps, "max_replicas": 4},
+        "worker": {"replicas": 0, "max_replicas": 4,
+                   "command": ["{python}", str(ROOT / "tests" / "counting_worker.py")],
+                   "env": {"COUNTING_DELAY": delay, "PYTHONPATH": str(ROOT)}},
+        "data": {"files": paths, "records_per_shard": records_per_shard},
+        "master": {"heartbeat_seconds": 0.5},
+    })
+    wait_for(lambda: job.status()["phase"] == "running", 60, "the job to be running")
+    return job
+
+
+def _all_done(job):
+    sh = job.status()["shards"]
+    return sh["todo"] == 0 and sh["doing"] == 0
+
+
+def _check_every_record_once(job, total):
+    client = PSClient.connect(job.address, timeout=30)
+    got = client.lookup("records", np.arange(total, dtype=np.int64), insert_missing=False)[:, 0]
+    client.close()
+    counts = np.bincount(np.clip(got.astype(np.int64), 0, 3), minlength=4)
+    assert counts[1] == total, f"records trained 0/1/2/3+ times: {counts.tolist()}"
+    state = job.state()
+    assert set(state["shards"]["done"]) == {s["shard_id"] for s in state["shards"]["shards"]}
+
+
+def test_ps_and_worker_changes_mid_stream_every_record_once(start_job, tmp_path):
+    paths, total = _records(tmp_path, files=5, per_file=16_000)
+    job = _counting_job(start_job, paths, delay="0.04")
+    assert scale(job, "--workers", "2")["workers"] == [0, 2]
+    wait_for(lambda: job.status()["shards"]["done"] >= 3, 120, "training to start")
+    w0, ps0 = pids(job, "worker")["worker-0"], pids(job, "ps")["ps-0"]
+    steps = [("--ps", "3"), ("--workers", "4"), ("--ps", "1"), ("--workers", "1"), ("--ps", "2")]
+    events = []
+    for flag, n in steps:
+        assert job.status()["shards"]["todo"] > 0, "the stream ended before the changes"
+        events.append(scale(job, flag, n))
+        assert pids(job, "worker")["worker-0"] == w0 and pids(job, "ps")["ps-0"] == ps0
+    assert [e["ps"] for e in events] == [[2, 3], [3, 3], [3, 1], [1, 1], [1, 2]]
+    assert [e["workers"] for e in events] == [[2, 2], [2, 4], [4, 4], [4, 1], [1, 1]]
+    wait_for(lambda: _all_done(job), 300, "every shard DONE")
+    _check_every_record_once(job, total)
+
+
+def test_leaving_worker_returns_shard_progress(start_job, tmp_path):
+    """Worker scale-in mid-shard: the shard continues elsewhere exactly where it stopped."""
+    paths, total = _records(tmp_path, files=2, per_file=10_000)
+    job = _counting_job(start_job, paths, ps=1, records_per_shard=2500)
+    scale(job, "--workers", "2")
+    wait_for(lambda: job.status()["shards"]["done"] >= 1, 120, "training to start")
+    scale(job, "--workers", "1")
+    st = job.status()
+    left = [e for e in st["events"] if e["kind"] == "worker_left"]
+    assert [e["id"] for e in left] == ["worker-1"] and left[0]["reason"] == "finished"
+    state = job.state()
+    assert state["shards"]["resume"], "the leaving worker returned no partial shard"
+    wait_for(lambda: _all_done(job), 300, "every shard DONE")
+    _check_every_record_once(job, total)
