@@ -23,7 +23,13 @@ log = logging.getLogger("aimaster")
 
 def _env_int(name: str):
     v = os.environ.get(name)
-    return int(v) if v not in (None, "") else None
+    if v in (None, ""):
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        print(f"aimaster: error: environment variable {name}={v!r} is not an integer", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -74,9 +80,9 @@ def cmd_run(args) -> int:
         return _fail(str(exc))
     try:
         address = master.start()
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:
         master.shutdown()
-        return _fail(f"cannot start the AIMaster service: {exc}")
+        return _fail(f"cannot start the AIMaster service on port {config.port}: {exc}")
     signal.signal(signal.SIGTERM, lambda *_: master.stop())
     signal.signal(signal.SIGINT, lambda *_: master.stop())
     print(f"AIMaster for job '{config.name}' listening on {address} "

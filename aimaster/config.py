@@ -83,7 +83,10 @@ def _float(d: dict, key: str, what: str, default: float) -> float:
 
 def _role(d, what: str, default_replicas: int) -> RoleConfig:
     d = _expect(d, what)
-    unknown = set(d) - {"replicas", "command", "env", "max_restarts", "min_replicas", "max_replicas"}
+    allowed = {"replicas", "command", "env", "max_restarts", "min_replicas", "max_replicas"}
+    if what == "ps":  # PS always run `python -m deeprec_ext.ps`; a dead PS is not restarted empty
+        allowed -= {"command", "max_restarts"}
+    unknown = set(d) - allowed
     if unknown:
         raise ConfigError(f"{what}: unknown key(s) {sorted(unknown)}")
     command = d.get("command", [])
@@ -127,12 +130,15 @@ def parse_job(doc) -> JobConfig:
                              "ps_start_timeout", "progress_seconds"}
     if unknown:
         raise ConfigError(f"master: unknown key(s) {sorted(unknown)}")
+    if "worker" in d and "workers" in d:
+        raise ConfigError("job file: give either 'worker' or 'workers', not both")
     num_slots = _int(d, "num_slots", "job", DEFAULT_NUM_SLOTS, minimum=1)
     ps = _role(d.get("ps"), "ps", 1)
     if ps.replicas < 1:
         raise ConfigError("ps.replicas: a job needs at least 1 PS")
-    if ps.replicas > num_slots:
-        raise ConfigError(f"ps.replicas ({ps.replicas}) exceeds num_slots ({num_slots})")
+    if ps.max_replicas > num_slots:
+        raise ConfigError(f"ps.max_replicas ({ps.max_replicas}) exceeds num_slots ({num_slots}): "
+                          "a PS would own no slot")
     cfg = JobConfig(
         name=name, num_slots=num_slots, ps=ps,
         worker=_role(d.get("worker", d.get("workers")), "worker", 0),
@@ -149,6 +155,9 @@ def parse_job(doc) -> JobConfig:
     )
     if cfg.worker.replicas and not cfg.worker.command:
         raise ConfigError("worker.command: required when worker.replicas > 0")
+    if cfg.heartbeat_seconds * 2 > cfg.lease_seconds:
+        raise ConfigError(f"master.heartbeat_seconds ({cfg.heartbeat_seconds}) must be at most half "
+                          f"of master.lease_seconds ({cfg.lease_seconds})")
     return cfg
 
 
@@ -170,16 +179,18 @@ def with_overrides(cfg: JobConfig, ps: int | None = None, workers: int | None = 
     if ps is not None:
         if ps < 1:
             raise ConfigError(f"--ps: a job needs at least 1 PS, got {ps}")
-        if ps > cfg.ps.max_replicas:
-            raise ConfigError(f"--ps {ps} exceeds ps.max_replicas ({cfg.ps.max_replicas})")
+        if not max(1, cfg.ps.min_replicas) <= ps <= cfg.ps.max_replicas:
+            raise ConfigError(f"--ps {ps} is outside [{max(1, cfg.ps.min_replicas)}, "
+                              f"{cfg.ps.max_replicas}] (ps.min_replicas / ps.max_replicas)")
         cfg = replace(cfg, ps=replace(cfg.ps, replicas=ps))
     if workers is not None:
         if workers < 0:
             raise ConfigError(f"--workers: must be >= 0, got {workers}")
         if workers and not cfg.worker.command:
             raise ConfigError("--workers > 0 needs worker.command in the job file")
-        if workers > cfg.worker.max_replicas:
-            raise ConfigError(f"--workers {workers} exceeds worker.max_replicas ({cfg.worker.max_replicas})")
+        if not cfg.worker.min_replicas <= workers <= cfg.worker.max_replicas:
+            raise ConfigError(f"--workers {workers} is outside [{cfg.worker.min_replicas}, "
+                              f"{cfg.worker.max_replicas}] (worker.min_replicas / max_replicas)")
         cfg = replace(cfg, worker=replace(cfg.worker, replicas=workers))
     if port is not None:
         if not 0 <= port < 65536:

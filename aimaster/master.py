@@ -72,6 +72,8 @@ class JobMaster:
         self.shards = self._load_shards()
         self._last_progress = 0.0
         self._workers_started = False
+        # the job completes by itself only while it has workers to run (0: PS-only job)
+        self._worker_target = config.worker.replicas
         self._scale_lock = threading.Lock()
         self._leaving: set[str] = set()
         self._main_calls: queue.Queue = queue.Queue()
@@ -197,6 +199,13 @@ class JobMaster:
     def shutdown(self) -> None:
         if self.scaler is not None:
             self.scaler.shutdown()
+            for m in self.registry.members():
+                self.registry.mark(m.id, MemberState.LEFT)
+            self._save()
+            try:
+                os.remove(os.path.join(self.config.state_dir, "master.addr"))
+            except FileNotFoundError:
+                pass
         if self.server is not None:
             self.server.stop(grace=1).wait()
             self.server = None
@@ -210,7 +219,14 @@ class JobMaster:
             if member.pid != node.pid and member.state == MemberState.RUNNING:
                 continue  # an older process of a re-used id; the live one registered since
             if member.state in (MemberState.LEFT, MemberState.SUCCEEDED):
-                continue  # an expected exit (scale-in, finished worker)
+                # an expected exit (scale-in, finished worker) -- unless a worker left on
+                # its own (preemption notice) while work remains: replace it
+                if (node.role == "worker" and member.state == MemberState.LEFT
+                        and node.id not in self._leaving and self.phase == JobPhase.RUNNING
+                        and self.shards is not None and not self.shards.finished()):
+                    info = self.scaler.restart(node.id)
+                    self._event("worker_replaced", id=node.id, pid=info.pid, reason="left early")
+                continue
             if member.state == MemberState.DEAD:  # lease expired earlier; now it is gone
                 if node.role == "worker" and self.phase == JobPhase.RUNNING:
                     self._maybe_restart(node.id)
@@ -228,7 +244,7 @@ class JobMaster:
                                 f"only {ready}/{self.config.ps.replicas} PS registered within "
                                 f"{self.config.ps_start_timeout:.0f}s; see {self.config.state_dir}/logs")
             return
-        if self.phase == JobPhase.RUNNING and self.config.worker.replicas > 0:
+        if self.phase == JobPhase.RUNNING and self._worker_target > 0:
             if not self._workers_started:
                 # Launch from this (main) thread: children die with the thread that forked
                 # them (PR_SET_PDEATHSIG), so never fork from a short-lived RPC thread.
@@ -354,7 +370,9 @@ class JobMaster:
                              catchup_rows=result.catchup_rows, rounds=result.rounds,
                              fence_ms=round(result.fence_ms, 3), epoch=result.routing.epoch)
             if workers is not None and workers != workers_before:
+                self._workers_started = True
                 self._scale_workers(workers, start + timeout)
+                self._worker_target = workers
                 event["workers"] = [workers_before, len(self._live_workers())]
             if event["fence_ms"]:
                 # workers report their stalls with the next heartbeats
@@ -411,6 +429,11 @@ class JobMaster:
         try:
             result = migrate(old, new_owner, new_ids, [addresses[i] for i in new_ids], publish)
         except MigrationError as exc:
+            joined = [i for i in new_ids if i not in old_ids]
+            for ps_id in joined:  # the layout is the old one again: the new PS own nothing
+                self.registry.mark(ps_id, MemberState.LEFT)
+            if joined:
+                self.on_main(lambda: self.scaler.apply(ScalePlan(ps=len(old_ids))))
             raise ScaleRefused(str(exc)) from exc
         leaving = [i for i in old_ids if i not in new_ids]
         for ps_id in leaving:
@@ -447,8 +470,10 @@ class JobMaster:
                 self.shards.give_back(v)
 
     def barrier(self, worker_id: str, generation: int, timeout: float) -> tuple[int, list[str], bool]:
-        """Step-boundary barrier for synchronous training: returns when every member
-        worker has arrived. Membership changes (joins, leaves) take effect here."""
+        """Step-boundary barrier for synchronous training: returns when every live worker
+        (registered, not leaving) has arrived. Joins and leaves take effect here: a worker
+        that registered meanwhile is waited for at the next boundary, a leaving or dead
+        one is not, and a leaving one is told ``leave`` at the boundary it reaches."""
         deadline = self.clock() + timeout
         with self._barrier_cond:
             if 0 <= generation < self._barrier_gen:  # that barrier already completed
@@ -457,12 +482,9 @@ class JobMaster:
             self._barrier_arrived.add(worker_id)
             self._barrier_cond.notify_all()
             while self._barrier_gen == gen:
-                live = {w.id for w in self.registry.members("worker")
-                        if w.state == MemberState.RUNNING}
-                expected = (self._barrier_members & live) | self._barrier_arrived
+                expected = {w.id for w in self._live_workers()}
                 if self._barrier_arrived >= expected:
-                    self._barrier_members = {w for w in self._barrier_arrived
-                                             if w not in self._leaving}
+                    self._barrier_members = self._barrier_arrived & expected
                     self._barrier_arrived = set()
                     self._barrier_gen += 1
                     self._barrier_cond.notify_all()
@@ -534,9 +556,12 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     def Heartbeat(self, request, context):
         member = self.m.registry.heartbeat(request.id, request.steps, request.samples)
         self.m.report_stall(request.max_stall_ms)
+        known = self.m.registry.get(request.id)
+        left = known is not None and known.state == MemberState.LEFT
+        # a member that left (scale-in) is told to stop, never to register again
         return master_pb2.HeartbeatResponse(
-            epoch=self.m.epoch, known=member is not None,
-            stop=self.m.phase in FINAL_PHASES or request.id in self.m._leaving)
+            epoch=self.m.epoch, known=member is not None or left,
+            stop=left or self.m.phase in FINAL_PHASES or request.id in self.m._leaving)
 
     def Deregister(self, request, context):
         member = self.m.registry.mark(request.id, MemberState.LEFT)

@@ -84,6 +84,7 @@ class ShardQueue:
                 if self._doing.get(sid) == worker_id:
                     del self._doing[sid]
                     self._done.add(sid)
+                    self._resume.pop(sid, None)
                     taken.append(sid)
         return taken
 

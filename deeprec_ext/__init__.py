@@ -4,9 +4,10 @@
 TensorFlow integration (imported separately so PS processes never load TensorFlow).
 """
 from deeprec_ext.client import PSClient, RoutingTable
-from deeprec_ext.errors import (DeepRecError, InvalidRequestError, StaleRoutingError,
-                                UnavailableError, UnknownTableError)
+from deeprec_ext.errors import (DeepRecError, InvalidRequestError, RoutingNotReadyError,
+                                StaleRoutingError, UnavailableError, UnknownTableError)
 
 __version__ = "0.1.0"
 __all__ = ["PSClient", "RoutingTable", "DeepRecError", "InvalidRequestError",
-           "StaleRoutingError", "UnavailableError", "UnknownTableError", "__version__"]
+           "RoutingNotReadyError", "StaleRoutingError", "UnavailableError", "UnknownTableError",
+           "__version__"]

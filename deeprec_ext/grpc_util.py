@@ -32,9 +32,10 @@ def create_server(address: str, max_workers: int = 8,
     """Create a server bound to ``address`` ("host:0" picks a free port); returns (server, port)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          options=channel_options(max_message_bytes))
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"could not bind {address}")
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpc raises RuntimeError when the port is taken
+        raise OSError(f"could not bind {address}: {exc}") from exc
     return server, port
 
 

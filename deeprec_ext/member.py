@@ -108,6 +108,11 @@ class MasterSession:
             return
         self._closed.set()
         if self.id:
+            try:  # a last beat carries the final step/sample counts
+                self.stub.Heartbeat(master_pb2.HeartbeatRequest(
+                    id=self.id, steps=self.steps, samples=self.samples), timeout=3)
+            except grpc.RpcError:
+                pass
             try:
                 self.stub.Deregister(master_pb2.DeregisterRequest(id=self.id, reason=reason),
                                      timeout=3)

@@ -13,9 +13,11 @@ import signal
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import grpc
+import numpy as np
 
 from deeprec_ext.client import PSClient
 from deeprec_ext.grpc_util import RetryPolicy, call_with_retry
@@ -106,6 +108,10 @@ class WorkerContext:
         self.retry = retry
         self.exhausted = False
         self._closed = False
+        self._push_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ps-push")
+        self._push_inflight: dict[str, Future] = {}
+        self._unacked_steps = 0
+        self._push_lock = threading.Lock()
 
     @property
     def worker_id(self) -> str:
@@ -114,6 +120,46 @@ class WorkerContext:
     @property
     def rank(self) -> int:
         return self.session.rank
+
+    def push_async(self, table: str, ids, grads) -> None:
+        """Send a push without waiting for it, at most one in flight per table: the next
+        push of a table first waits for the previous one (and re-raises its error), so a
+        step's lookups see every update older than one step (asynchronous PS training)."""
+        ids, grads = np.array(ids, copy=True), np.array(grads, copy=True)
+        with self._push_lock:
+            prev = self._push_inflight.get(table)
+        if prev is not None:
+            prev.result()
+        fut = self._push_pool.submit(self.client.push, table, ids, grads, unique=True)
+        with self._push_lock:
+            self._push_inflight[table] = fut
+
+    def step_done(self, steps: int = 1) -> None:
+        """A training step ended. Its pushes may still be in flight, so its records count
+        as trained at the next step end or ``settle`` (earlier steps' pushes are
+        acknowledged by then: one push in flight per table)."""
+        with self._push_lock:
+            acked, self._unacked_steps = self._unacked_steps, steps
+        if acked:
+            self.record_steps(acked, self.tracker.advance(acked))
+
+    def settle(self) -> None:
+        """Wait for in-flight pushes, then count every ended step as trained. Called at
+        the end of training and by the input source before it waits for shards (which
+        otherwise could wait on this worker's own last shard)."""
+        self.flush_pushes()
+        with self._push_lock:
+            acked, self._unacked_steps = self._unacked_steps, 0
+        if acked:
+            self.record_steps(acked, self.tracker.advance(acked))
+
+    def flush_pushes(self) -> None:
+        """Wait until every push sent so far has been applied (re-raises failures)."""
+        with self._push_lock:
+            pending = list(self._push_inflight.values())
+            self._push_inflight.clear()
+        for fut in pending:
+            fut.result()
 
     def request_stop(self) -> None:
         """Leave the job at the next step boundary (AIMaster scale-in, or SIGTERM)."""
@@ -177,6 +223,8 @@ class WorkerContext:
         if self._closed:
             return
         self._closed = True
+        self.settle()
+        self._push_pool.shutdown()
         self.tracker.finish()
         self.client.close()
         self.session.close("finished")
@@ -239,6 +287,7 @@ def shard_batches(ctx: "WorkerContext", batch_size: int, poll_seconds: float = 0
                 yield emit(len(buf))
             if resp.status == master_pb2.GetShardResponse.FINISHED:
                 return
+            ctx.settle()  # our own last shard may be what the others wait for
             time.sleep(poll_seconds)
     finally:
         cursor.close()
@@ -246,6 +295,16 @@ def shard_batches(ctx: "WorkerContext", batch_size: int, poll_seconds: float = 0
 
 _context: WorkerContext | None = None
 _context_lock = threading.Lock()
+
+
+def _on_sigterm(*_):
+    """Preemption notice: leave cleanly at the next step boundary. But if the local
+    launcher (our parent) died, the job is gone: exit now rather than retry for minutes."""
+    parent = os.environ.get("DEEPREC_PARENT_PID")
+    if parent and os.getppid() != int(parent):
+        os._exit(143)
+    if _context is not None:
+        _context.request_stop()
 
 
 def get_context() -> WorkerContext:
@@ -256,8 +315,7 @@ def get_context() -> WorkerContext:
         if _context is None:
             _context = WorkerContext()
             if threading.current_thread() is threading.main_thread():
-                # preemption notice: leave cleanly at the next step boundary
-                signal.signal(signal.SIGTERM, lambda *_: _context.request_stop())
+                signal.signal(signal.SIGTERM, _on_sigterm)
         return _context
 
 

@@ -77,7 +77,9 @@ class Job:
         return json.loads(out.stdout)
 
     def member_pids(self) -> list[int]:
-        return [m["pid"] for m in self.state()["members"] if m["pid"]]
+        """PIDs of the job's member processes (not this test process, which may have
+        registered members of its own)."""
+        return [m["pid"] for m in self.state()["members"] if m["pid"] and m["pid"] != os.getpid()]
 
     def wait(self, timeout: float) -> int:
         try:

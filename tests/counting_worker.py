@@ -21,6 +21,9 @@ def main() -> int:
         ctx.client.push("records", ids, -np.ones((ids.size, 1), np.float32))
         ctx.record_steps(1, ctx.tracker.advance(1))
         time.sleep(delay)
+    hold = os.environ.get("COUNTING_HOLD_FILE")
+    while hold and not ctx.stop_requested.is_set() and not os.path.exists(hold):
+        time.sleep(0.1)  # keep the job (and its PS) up until the test read the counters
     ctx.close()
     return 0
 

@@ -30,6 +30,10 @@ def test_job_file_and_flag_overrides(tmp_path):
 
 @pytest.mark.parametrize("doc,needle", [
     ({"ps": {"replicas": 0}}, "ps.replicas"),
+    ({"ps": {"command": ["x"]}}, "unknown key"),
+    ({"worker": {"command": ["x"]}, "workers": {}}, "not both"),
+    ({"master": {"lease_seconds": 1, "heartbeat_seconds": 1}}, "heartbeat_seconds"),
+    ({"num_slots": 2, "ps": {"replicas": 1, "max_replicas": 3}}, "max_replicas"),
     ({"ps": {"replicas": "two"}}, "ps.replicas"),
     ({"pss": 1}, "unknown key"),
     ({"worker": {"replicas": 2}}, "worker.command"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import subprocess
 import sys
 import threading
@@ -117,13 +118,14 @@ def _records(tmp_path, files=4, per_file=15_000):
 
 
 def _counting_job(start_job, paths, ps=2, records_per_shard=1000, delay="0.02"):
-    # replicas 0: the job never ends by itself, so the counters can be read at the end
+    # workers hold at the end until the test has read the counters (the job then ends)
     job = start_job({
         "name": "stream",
         "ps": {"replicas": ps, "max_replicas": 4},
         "worker": {"replicas": 0, "max_replicas": 4,
                    "command": ["{python}", str(ROOT / "tests" / "counting_worker.py")],
-                   "env": {"COUNTING_DELAY": delay, "PYTHONPATH": str(ROOT)}},
+                   "env": {"COUNTING_DELAY": delay, "PYTHONPATH": str(ROOT),
+                           "COUNTING_HOLD_FILE": str(paths[0]) + ".release"}},
         "data": {"files": paths, "records_per_shard": records_per_shard},
         "master": {"heartbeat_seconds": 0.5},
     })
@@ -136,10 +138,12 @@ def _all_done(job):
     return sh["todo"] == 0 and sh["doing"] == 0
 
 
-def _check_every_record_once(job, total):
+def _check_every_record_once(job, total, paths):
     client = PSClient.connect(job.address, timeout=30)
     got = client.lookup("records", np.arange(total, dtype=np.int64), insert_missing=False)[:, 0]
     client.close()
+    open(str(paths[0]) + ".release", "w").close()
+    assert job.wait(120) == 0, job.output()[-3000:]
     counts = np.bincount(np.clip(got.astype(np.int64), 0, 3), minlength=4)
     assert counts[1] == total, f"records trained 0/1/2/3+ times: {counts.tolist()}"
     state = job.state()
@@ -161,7 +165,7 @@ def test_ps_and_worker_changes_mid_stream_every_record_once(start_job, tmp_path)
     assert [e["ps"] for e in events] == [[2, 3], [3, 3], [3, 1], [1, 1], [1, 2]]
     assert [e["workers"] for e in events] == [[2, 2], [2, 4], [4, 4], [4, 1], [1, 1]]
     wait_for(lambda: _all_done(job), 300, "every shard DONE")
-    _check_every_record_once(job, total)
+    _check_every_record_once(job, total, paths)
 
 
 def test_leaving_worker_returns_shard_progress(start_job, tmp_path):
@@ -177,4 +181,49 @@ def test_leaving_worker_returns_shard_progress(start_job, tmp_path):
     state = job.state()
     assert state["shards"]["resume"], "the leaving worker returned no partial shard"
     wait_for(lambda: _all_done(job), 300, "every shard DONE")
-    _check_every_record_once(job, total)
+    _check_every_record_once(job, total, paths)
+
+
+def test_step_barrier_membership_changes_at_boundary(start_job):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from deeprec_ext.member import MasterSession
+    from deeprec_ext.proto import master_pb2
+
+    job = start_job({"name": "barrier", "worker": {"replicas": 0, "max_replicas": 4,
+                                                   "command": ["true"]}}, ["--workers", "0"])
+    wait_for(lambda: job.status()["phase"] == "running", 60, "running")
+    sessions = [MasterSession(job.address, "worker", f"worker-{i}") for i in range(3)]
+    for s in sessions:
+        s.register()
+
+    def enter(s, gen, timeout=30):
+        return s.stub.Barrier(master_pb2.BarrierRequest(worker_id=s.id, generation=gen),
+                              timeout=timeout)
+
+    with ThreadPoolExecutor(4) as pool:
+        # generation 0: everyone who arrives forms the membership
+        first = list(pool.map(lambda s: enter(s, 0), sessions))
+        assert {r.generation for r in first} == {1}
+        assert list(first[0].worker_ids) == ["worker-0", "worker-1", "worker-2"]
+        # generation 1 cannot complete without worker-2 ...
+        slow = [pool.submit(enter, s, 1) for s in sessions[:2]]
+        time.sleep(1.0)
+        assert not any(f.done() for f in slow)
+        # ... until worker-2 leaves the job (deregisters): membership shrinks at the boundary
+        sessions[2].close("scale-in")
+        got = [f.result(timeout=30) for f in slow]
+        assert {r.generation for r in got} == {2}
+        assert list(got[0].worker_ids) == ["worker-0", "worker-1"]
+        # a joining worker is part of the next boundary
+        late = MasterSession(job.address, "worker", "worker-3")
+        late.register()
+        got = list(pool.map(lambda s: enter(s, 2), [sessions[0], sessions[1], late]))
+        assert list(got[0].worker_ids) == ["worker-0", "worker-1", "worker-3"]
+    # a stale generation returns at once with the current one
+    assert enter(sessions[0], 0).generation == 3
+    with pytest.raises(grpc.RpcError) as info:
+        sessions[0].stub.Barrier(master_pb2.BarrierRequest(worker_id="nobody", generation=3), timeout=5)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION

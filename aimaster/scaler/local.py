@@ -70,6 +70,7 @@ class LocalProcessScaler(Scaler):
         env["DEEPREC_STATE_DIR"] = os.path.abspath(self.config.state_dir)
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         env.setdefault("PYTHONUNBUFFERED", "1")
+        env["DEEPREC_PARENT_PID"] = str(os.getpid())
         return env
 
     def _spawn(self, role: str, node_id: str, restarts: int = 0) -> _Node:

@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 def _as_ids(ids, what: str) -> np.ndarray:
     arr = np.asarray(ids)
+    if arr.size == 0:
+        return arr.astype(np.int64)
     if arr.dtype.kind not in "iu":
         raise InvalidRequestError(f"{what}: ids must be an integer array (np.int64), got dtype {arr.dtype}")
     if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
@@ -229,18 +231,26 @@ class PSClient:
         return arr
 
     # -- data plane ------------------------------------------------------------------
-    def lookup(self, table: str, ids, insert_missing: bool = True) -> np.ndarray:
-        """Values of ``ids`` (any shape, any order, repeats allowed): float32 ids.shape + [dim]."""
-        return self.lookup_many({table: ids}, insert_missing)[table]
+    def lookup(self, table: str, ids, insert_missing: bool = True,
+               unique: bool = False) -> np.ndarray:
+        """Values of ``ids`` (any shape, any order, repeats allowed): float32 ids.shape + [dim].
 
-    def lookup_many(self, requests: Mapping[str, np.ndarray],
-                    insert_missing: bool = True) -> dict[str, np.ndarray]:
+        ``unique=True`` promises the ids hold no repeats (the TF ops de-duplicate in the
+        graph) and skips the client's own de-duplication.
+        """
+        return self.lookup_many({table: ids}, insert_missing, unique)[table]
+
+    def lookup_many(self, requests: Mapping[str, np.ndarray], insert_missing: bool = True,
+                    unique: bool = False) -> dict[str, np.ndarray]:
         """Look up several tables with one RPC per PS."""
         prepared = []
         for name, ids in requests.items():
             arr = _as_ids(ids, f"lookup '{name}'")
             dim = self.dim(name)
-            uniq, inverse = np.unique(arr.ravel(), return_inverse=True)
+            if unique:
+                uniq, inverse = arr.ravel(), None
+            else:
+                uniq, inverse = np.unique(arr.ravel(), return_inverse=True)
             prepared.append((name, arr.shape, dim, uniq, inverse))
         uniq_values = {name: np.empty((u.size, dim), np.float32) for name, _, dim, u, _ in prepared}
 
@@ -255,22 +265,30 @@ class PSClient:
 
         self._fan_out([(n, u) for n, _, _, u, _ in prepared], build,
                       lambda stub: stub.Lookup, store, "lookup")
-        return {name: uniq_values[name][inverse].reshape(shape + (dim,))
-                for name, shape, dim, _, inverse in prepared}
+        return {name: (uniq_values[name] if inverse is None else uniq_values[name][inverse])
+                .reshape(shape + (dim,)) for name, shape, dim, _, inverse in prepared}
 
-    def push(self, table: str, ids, grads, return_values: bool = False):
-        """Send gradients; repeated ids are summed before the PS applies its optimizer."""
-        out = self.push_many({table: (ids, grads)}, return_values)
+    def push(self, table: str, ids, grads, return_values: bool = False, unique: bool = False):
+        """Send gradients; repeated ids are summed before the PS applies its optimizer.
+        ``unique=True`` promises no repeated ids and skips the client-side summing."""
+        out = self.push_many({table: (ids, grads)}, return_values, unique)
         return out[table] if return_values else None
 
-    def push_many(self, updates: Mapping[str, tuple], return_values: bool = False):
+    def push_many(self, updates: Mapping[str, tuple], return_values: bool = False,
+                  unique: bool = False):
         """Push to several tables with one RPC per PS. With ``return_values`` the PS answers
         each row's value after the update (dense variables use this to sync in one trip)."""
         prepared = []
+        shapes = {}
         for name, (ids, grads) in updates.items():
-            arr = _as_ids(ids, f"push '{name}'").ravel()
+            arr = _as_ids(ids, f"push '{name}'")
+            shapes[name] = arr.shape
+            arr = arr.ravel()
             dim = self.dim(name)
             g = self._as_values(grads, arr.size, dim, f"push '{name}' gradients")
+            if unique:
+                prepared.append((name, dim, arr, g, arr.size, None))
+                continue
             uniq, inverse = np.unique(arr, return_inverse=True)
             if uniq.size != arr.size:  # sum repeated ids: one sorted segment-sum, no Python loop
                 order = np.argsort(inverse, kind="stable")
@@ -295,18 +313,21 @@ class PSClient:
 
         self._fan_out([(n, u) for n, _, u, _, _, _ in prepared], build,
                       lambda stub: stub.Push, store if return_values else None, "push",
-                      with_positions=True)
+                      with_positions=True, idempotent=False)
         if not return_values:
             return None
-        return {name: results[name][inverse] for name, _, _, _, _, inverse in prepared}
+        return {name: (results[name] if inverse is None else results[name][inverse])
+                .reshape(shapes[name] + (dim,)) for name, dim, _, _, _, inverse in prepared}
 
-    def _fan_out(self, tables, build, method, store, what: str, with_positions: bool = False):
+    def _fan_out(self, tables, build, method, store, what: str, with_positions: bool = False,
+                 idempotent: bool = True):
         """Send each table's unique ids to their owners, one RPC per PS, in parallel.
 
         ``tables`` is [(name, unique ids)]. Parts refused with stale routing or an
         unavailable PS are re-partitioned with fresh routing and resent; parts that
-        succeeded are never resent (a push is applied exactly once per PS). The time a
-        call spends waiting on re-routing is its stall, reported in ``stats``.
+        succeeded are never resent. A push that timed out is not resent either: it may
+        have been applied, and sending it again could apply it twice. The time a call
+        spends waiting on re-routing is its stall, reported in ``stats``.
         """
         pending = [(name, ids, np.arange(ids.size)) for name, ids in tables if ids.size]
         delays = self.retry.sleeps()
@@ -332,6 +353,8 @@ class PSClient:
                     err = _error_from_rpc(exc, f"{what} on PS")
                     if not isinstance(err, (StaleRoutingError, UnavailableError)):
                         raise err from exc
+                    if not idempotent and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        raise err from exc
                     key = "stale_retries" if isinstance(err, StaleRoutingError) else "unavailable_retries"
                     self.stats[key] += 1
                     if failure is None or isinstance(err, StaleRoutingError):
@@ -344,10 +367,10 @@ class PSClient:
             pending = retry
             if pending:
                 first_failure = first_failure or time.monotonic()
+                delay = next(delays, None)
+                if delay is None:  # retry deadline spent (stale or unavailable alike)
+                    raise failure
                 if isinstance(failure, UnavailableError):
-                    delay = next(delays, None)
-                    if delay is None:
-                        raise failure
                     time.sleep(delay)
                 log.debug("%s: %s; refreshing routing and resending %d table part(s)",
                           what, failure, len(pending))

@@ -94,10 +94,6 @@ class Routing:
                           f"stale routing: key {bad} is not owned by this PS at epoch {epoch}")
 
 
-def _config_json(spec) -> dict | str:
-    return spec
-
-
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, ps_id: str = "ps", store: EmbeddingStore | None = None):
         self.ps_id = ps_id
@@ -297,7 +293,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         for table in self.store.tables().values():
             keys = table.keys_in_slots(mask)
             if keys.size:
-                n += table.delete(keys)
+                n += table.delete(keys, log_tombstone=False)
         return ps_pb2.DropSlotsResponse(rows=n)
 
     def Stats(self, request, context):

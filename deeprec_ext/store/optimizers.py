@@ -133,7 +133,7 @@ class Adagrad(Optimizer):
     _defaults = {"learning_rate": 0.001, "initial_accumulator_value": 0.1, "epsilon": 1e-7}
     _rules = {"learning_rate": {"positive": True},
               "initial_accumulator_value": {"nonneg": True},
-              "epsilon": {"nonneg": True}}
+              "epsilon": {"positive": True}}
 
     def slot_initial_values(self):
         return (self.params["initial_accumulator_value"],)
@@ -155,7 +155,7 @@ class Adam(Optimizer):
     num_slots = 3  # m, v, per-row step count t
     _defaults = {"learning_rate": 0.001, "beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7}
     _rules = {"learning_rate": {"positive": True}, "beta_1": {"lt1": True},
-              "beta_2": {"lt1": True}, "epsilon": {"nonneg": True}}
+              "beta_2": {"lt1": True}, "epsilon": {"positive": True}}
 
     def slot_initial_values(self):
         return (0.0, 0.0, 0.0)

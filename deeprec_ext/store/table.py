@@ -442,8 +442,9 @@ class EmbeddingTable:
             self._row_seq[rows] = seq
             return seq
 
-    def delete(self, keys) -> int:
-        """Remove keys; returns how many were present. Logs a tombstone."""
+    def delete(self, keys, log_tombstone: bool = True) -> int:
+        """Remove keys; returns how many were present. Logs a tombstone unless the rows
+        are only leaving this PS (moved to another one), which is not a deletion."""
         keys = _check_keys(keys)
         if keys.size == 0:
             return 0
@@ -456,7 +457,8 @@ class EmbeddingTable:
             removed_keys = keys[found][first]
             seq = self.sequence.next()
             self._release(removed_rows)
-            self._tombstones.append((seq, removed_keys))
+            if log_tombstone:
+                self._tombstones.append((seq, removed_keys))
             return int(removed_rows.size)
 
     def tombstones_since(self, seq: int) -> np.ndarray:

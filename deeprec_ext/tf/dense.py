@@ -47,6 +47,21 @@ class DenseSync:
         self.base = [got[n].reshape(s) for n, s in zip(self.names, self.shapes)]
         return self.base
 
+    def start_sync(self, local_values: list[np.ndarray], pool) -> None:
+        """Send the deltas in the background (overlapping the next training step)."""
+        snapshot = [np.array(v, np.float32, copy=True) for v in local_values]
+        self._pending = (snapshot, pool.submit(self.sync, snapshot))
+
+    def finish_sync(self, local_values: list[np.ndarray]) -> list[np.ndarray] | None:
+        """Collect a background sync: the merged value plus whatever the local optimizer
+        changed since the snapshot was sent (that change is in the next delta), or None."""
+        pending, self._pending = getattr(self, "_pending", None), None
+        if pending is None:
+            return None
+        snapshot, fut = pending
+        merged = fut.result()
+        return [m + (np.asarray(v, np.float32) - s) for m, v, s in zip(merged, local_values, snapshot)]
+
     def sync(self, local_values: list[np.ndarray]) -> list[np.ndarray]:
         """Send local - base for every variable; returns (and adopts) the merged values."""
         updates = {}

@@ -74,11 +74,15 @@ class ElasticCallback(keras.callbacks.Callback):
     """Add to ``model.fit(callbacks=[...])`` in a job run by the AIMaster.
 
     - dense weights: created on the PS from the first worker's values, pulled before the
-      first step, and synced (local delta pushed, merged value pulled) every
-      ``sync_every`` steps, so all workers train one set of dense weights;
-    - data: marks the shards of ``deeprec_ext.tf.shard_dataset`` DONE as their batches are
-      trained, and returns unfinished shards if training stops early;
-    - progress: steps and samples go to the AIMaster with the lease heartbeat.
+      first step, then synced every ``sync_every`` steps in the background while the next
+      step trains (local delta pushed, merged value adopted, no local update lost), so all
+      workers train one set of dense weights;
+    - data: marks the shards of ``deeprec_ext.tf.shard_dataset`` DONE once their batches
+      are trained and those batches' embedding pushes acknowledged (one step behind, as
+      pushes are in flight one step), and returns unfinished shards if training stops early;
+    - progress: steps and samples go to the AIMaster with the lease heartbeat;
+    - leaving: when the AIMaster scales this worker in (or it gets SIGTERM), training stops
+      at the next step boundary.
     """
 
     def __init__(self, sync_every: int = 1):
@@ -89,9 +93,16 @@ class ElasticCallback(keras.callbacks.Callback):
         self._dense: DenseSync | None = None
         self._vars: list = []
         self._since_sync = 0
+        self._last_batch = -1
+        self._pool = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._last_batch = -1
 
     def on_train_begin(self, logs=None):
+        from concurrent.futures import ThreadPoolExecutor
         ctx = get_context()
+        self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="dense-sync")
         anchors = _anchor_ids(self.model)
         self._vars = [v for v in self.model.trainable_variables if id(v) not in anchors]
         if self._dense is None:
@@ -105,26 +116,43 @@ class ElasticCallback(keras.callbacks.Callback):
         for v, value in zip(self._vars, values):
             v.assign(value)
 
-    def _sync(self):
-        if self._dense is not None and self._vars:
-            self._assign(self._dense.sync([np.asarray(v.numpy()) for v in self._vars]))
-        self._since_sync = 0
+    def _local(self):
+        return [np.asarray(v.numpy()) for v in self._vars]
 
     def on_train_batch_end(self, batch, logs=None):
         ctx = get_context()
-        ctx.record_steps(1, ctx.tracker.advance(1))
-        self._since_sync += 1
-        if self._since_sync >= self.sync_every:
-            self._sync()
+        # with steps_per_execution > 1 Keras calls this once per execution, with the
+        # index of its last step: count every step it covers
+        steps = max(1, batch - self._last_batch)
+        self._last_batch = batch
+        ctx.step_done(steps)
+        if self._dense is not None and self._vars:
+            merged = self._dense.finish_sync(self._local())
+            if merged is not None:
+                self._assign(merged)
+            self._since_sync += steps
+            if self._since_sync >= self.sync_every:
+                self._dense.start_sync(self._local(), self._pool)
+                self._since_sync = 0
         if ctx.stop_requested.is_set():
             self.model.stop_training = True  # leave at this step boundary
 
+    def _settle(self):
+        get_context().settle()
+        if self._dense is not None and self._vars:
+            merged = self._dense.finish_sync(self._local())
+            if merged is not None:
+                self._assign(merged)
+            self._assign(self._dense.sync(self._local()))
+        self._since_sync = 0
+
     def on_train_end(self, logs=None):
-        self._sync()
+        self._settle()
         get_context().tracker.finish()
 
     def on_test_begin(self, logs=None):
         if self._dense is not None:
+            get_context().flush_pushes()
             self._assign(self._dense.pull())
 
     on_predict_begin = on_test_begin

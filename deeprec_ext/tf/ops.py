@@ -16,43 +16,41 @@ from deeprec_ext.worker import get_context
 ANCHOR_SUFFIX = "push_anchor"
 
 
-def table_spec(initializer, optimizer) -> tuple:
-    return initializer, optimizer
-
-
-def ensure_table(name: str, dim: int, initializer, optimizer) -> None:
-    ctx = get_context()
-    ctx.client.create_table(name, dim, initializer=initializer, optimizer=optimizer)
-
-
 def elastic_lookup(table: str, dim: int, ids: tf.Tensor, anchor: tf.Tensor,
                    training: bool = True) -> tf.Tensor:
-    """Values of ``ids`` from PS table ``table``: shape ids.shape + [dim], float32."""
+    """Values of ``ids`` from PS table ``table``: shape ids.shape + [dim], float32.
+
+    Ids are de-duplicated in the graph (``tf.unique``: no Python, no GIL), the PS sees each
+    id once, and TensorFlow's gather gradient sums the gradients of repeated ids. Pushes
+    go out asynchronously with at most one in flight per table (see
+    ``WorkerContext.push_async``).
+    """
     ids = tf.cast(ids, tf.int64)
-    flat = tf.reshape(ids, [-1])
+    uniq, idx = tf.unique(tf.reshape(ids, [-1]))
     out_shape = tf.concat([tf.shape(ids, out_type=tf.int32), [dim]], axis=0)
 
     def _lookup(i):
-        return get_context().client.lookup(table, i, insert_missing=training)
+        return get_context().client.lookup(table, i, insert_missing=training, unique=True)
 
     def _push(i, g):
-        get_context().client.push(table, i, g)
+        get_context().push_async(table, i, g)
         return np.zeros((), np.float32)
 
     @tf.custom_gradient
     def fwd(anchor_value):
-        values = tf.numpy_function(_lookup, [flat], tf.float32, stateful=True,
+        values = tf.numpy_function(_lookup, [uniq], tf.float32, stateful=True,
                                    name=f"ps_lookup_{_clean(table)}")
-        values = tf.reshape(values, out_shape)
+        values = tf.reshape(values, [-1, dim])
 
         def grad(dy):
-            done = tf.numpy_function(_push, [flat, tf.reshape(dy, [-1, dim])], tf.float32,
+            dy = tf.convert_to_tensor(dy)  # the gather gradient may be IndexedSlices
+            done = tf.numpy_function(_push, [uniq, tf.reshape(dy, [-1, dim])], tf.float32,
                                      stateful=True, name=f"ps_push_{_clean(table)}")
             return tf.reshape(done, []) * tf.zeros_like(anchor_value)
 
         return values, grad
 
-    return fwd(anchor)
+    return tf.reshape(tf.gather(fwd(anchor), idx), out_shape)
 
 
 def _clean(name: str) -> str:

@@ -60,7 +60,7 @@ class ElasticSessionHook(v1.train.SessionRunHook):
 
     def after_run(self, run_context, run_values):
         ctx = get_context()
-        ctx.record_steps(1, ctx.tracker.advance(1))
+        ctx.step_done(1)
         self._since_sync += 1
         if self._since_sync >= self.sync_every and self._vars:
             session = run_context.session
@@ -70,6 +70,8 @@ class ElasticSessionHook(v1.train.SessionRunHook):
             run_context.request_stop()  # leave at this step boundary
 
     def end(self, session):
+        ctx = get_context()
+        ctx.settle()
         if self._vars and self._dense.base is not None:
             self._dense.sync(session.run(self._vars))
-        get_context().tracker.finish()
+        ctx.tracker.finish()

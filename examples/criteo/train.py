@@ -2,7 +2,7 @@
 
 Launched by ``aimaster run examples/criteo/job.yaml``; each worker reads the shards the
 AIMaster hands it. Worker 0 waits for the whole job to finish, then evaluates AUC on the
-test file and writes ``metrics.json`` into the job's state dir.
+test file; every worker writes ``metrics-<worker id>.json`` into the job's state dir.
 
     --mode keras   model.fit with ElasticEmbedding + ElasticCallback (default)
     --mode tf1     MonitoredTrainingSession with embedding_lookup + ElasticSessionHook
