@@ -227,3 +227,31 @@ def test_step_barrier_membership_changes_at_boundary(start_job):
     with pytest.raises(grpc.RpcError) as info:
         sessions[0].stub.Barrier(master_pb2.BarrierRequest(worker_id="nobody", generation=3), timeout=5)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_deepfm_training_through_scale_changes_converges(start_job, tmp_path):
+    """The example model keeps training, and reaches a useful AUC, while PS and workers
+    change under it (2 -> 3 -> 1 -> 2 PS, 2 -> 3 -> 1 workers)."""
+    from examples.criteo.generate import generate
+    data = generate(str(tmp_path / "data"), rows=600_000, files=4, test_rows=30_000, seed=5)
+    job = start_job({
+        "name": "deepfm-elastic",
+        "ps": {"replicas": 2, "max_replicas": 3},
+        "worker": {"replicas": 2, "max_replicas": 3,
+                   "command": ["{python}", "-m", "examples.criteo.train", "--batch-size", "256",
+                               "--test", data["test"]]},
+        "data": {"files": data["train"], "records_per_shard": 5000},
+        "master": {"heartbeat_seconds": 0.5},
+    })
+    wait_for(lambda: job.status()["shards"]["done"] >= 2, 180, "training to start")
+    w0 = pids(job, "worker")["worker-0"]
+    for flag, n in [("--ps", "3"), ("--workers", "3"), ("--ps", "1"), ("--workers", "1"), ("--ps", "2")]:
+        assert job.status()["shards"]["todo"] > 0, "training ended before the changes"
+        scale(job, flag, n)
+        assert pids(job, "worker")["worker-0"] == w0
+    assert job.wait(600) == 0, job.output()[-3000:]
+    state = job.state()
+    assert set(state["shards"]["done"]) == {s["shard_id"] for s in state["shards"]["shards"]}
+    metrics = json.loads((job.state_dir / "metrics-worker-0.json").read_text())
+    print(f"AUC after elastic training: {metrics['auc']:.4f}")
+    assert metrics["auc"] > 0.72
