@@ -54,9 +54,11 @@ class JobConfig:
     heartbeat_seconds: float = 1.0
     ps_start_timeout: float = 60.0
     progress_seconds: float = 5.0
+    replication_interval_ms: float = 200.0
+    sync_replication: bool = False
 
 
-_TOP_KEYS = {"name", "num_slots", "ps", "worker", "workers", "data", "master"}
+_TOP_KEYS = {"name", "num_slots", "ps", "worker", "workers", "data", "master", "replication"}
 
 
 def _expect(d, what: str) -> dict:
@@ -130,6 +132,13 @@ def parse_job(doc) -> JobConfig:
                              "ps_start_timeout", "progress_seconds"}
     if unknown:
         raise ConfigError(f"master: unknown key(s) {sorted(unknown)}")
+    repl = _expect(d.get("replication"), "replication")
+    unknown = set(repl) - {"interval_ms", "mode"}
+    if unknown:
+        raise ConfigError(f"replication: unknown key(s) {sorted(unknown)}")
+    mode = repl.get("mode", "async")
+    if mode not in ("async", "sync"):
+        raise ConfigError(f"replication.mode: expected 'async' or 'sync', got {mode!r}")
     if "worker" in d and "workers" in d:
         raise ConfigError("job file: give either 'worker' or 'workers', not both")
     num_slots = _int(d, "num_slots", "job", DEFAULT_NUM_SLOTS, minimum=1)
@@ -152,6 +161,8 @@ def parse_job(doc) -> JobConfig:
         heartbeat_seconds=_float(master, "heartbeat_seconds", "master", 1.0),
         ps_start_timeout=_float(master, "ps_start_timeout", "master", 60.0),
         progress_seconds=_float(master, "progress_seconds", "master", 5.0),
+        replication_interval_ms=_float(repl, "interval_ms", "replication", 200.0),
+        sync_replication=mode == "sync",
     )
     if cfg.worker.replicas and not cfg.worker.command:
         raise ConfigError("worker.command: required when worker.replicas > 0")

@@ -265,10 +265,12 @@ class JobMaster:
                 self._maybe_restart(member_id)
         elif role == "ps":
             self._event("ps_end", id=member_id, state=state.value, reason=why)
-            if self.phase in (JobPhase.STARTING, JobPhase.RUNNING):
-                # Without a peer replica (fault-tolerance issue) a dead PS's rows are gone;
-                # restarting it empty would silently lose the model, so fail loudly.
-                self._set_phase(JobPhase.FAILED, f"{member_id} died ({why}); its rows have no replica")
+            routing = self.routing
+            if self.phase == JobPhase.RUNNING and routing is not None and member_id in routing.ps_ids:
+                threading.Thread(target=self._recover_ps, args=(member_id, why), daemon=True,
+                                 name=f"recover-{member_id}").start()
+            elif self.phase == JobPhase.STARTING:
+                self._set_phase(JobPhase.FAILED, f"{member_id} died while the job was starting ({why})")
         self._save()
 
     def _maybe_restart(self, member_id: str) -> None:
@@ -320,11 +322,17 @@ class JobMaster:
         self._set_phase(JobPhase.RUNNING)
 
     def _push_routing(self, routing: RoutingTable) -> None:
+        """Ownership plus the replication ring (each PS's peer is the next PS in order)."""
+        n = len(routing.ps_addresses)
         for p, address in enumerate(routing.ps_addresses):
             owned = (routing.slot_owner == p).astype(np.uint8)
             with insecure_channel(address) as ch:
                 ps_pb2_grpc.ParameterServerStub(ch).SetRouting(ps_pb2.SetRoutingRequest(
-                    epoch=routing.epoch, num_slots=routing.num_slots, owned_slots=owned.tobytes()),
+                    epoch=routing.epoch, num_slots=routing.num_slots, owned_slots=owned.tobytes(),
+                    ps_id=routing.ps_ids[p],
+                    replica_peer=routing.ps_addresses[(p + 1) % n] if n > 1 else "",
+                    replication_interval_ms=self.config.replication_interval_ms,
+                    sync_replication=self.config.sync_replication),
                     timeout=10, wait_for_ready=True)
 
     # -- elasticity ----------------------------------------------------------------------------
@@ -392,6 +400,70 @@ class JobMaster:
         finally:
             self._scale_lock.release()
 
+    def _recover_ps(self, dead: str, why: str) -> None:
+        """A PS died: its ring peer already holds its rows. Promote that copy (no bulk copy,
+        no checkpoint read), publish a new epoch without the dead PS, re-form the ring,
+        then start a replacement that joins by an ordinary scale-out."""
+        detected = self.clock()
+        member = self.registry.get(dead)
+        silent_ms = (detected - member.last_heartbeat) * 1000 if member else 0.0
+        with self._scale_lock:
+            old = self.routing
+            if self.phase != JobPhase.RUNNING or dead not in old.ps_ids:
+                return
+            ids = list(old.ps_ids)
+            i = ids.index(dead)
+            n = len(ids)
+            peer = ids[(i + 1) % n] if n > 1 else None
+            live = {m.id for m in self._live_ps()}
+            if peer is None or peer not in live:
+                # TODO(checkpoint restore): restore only these slots from the newest checkpoint
+                self._set_phase(JobPhase.FAILED, f"{dead} died ({why}) and its replica peer "
+                                f"{peer or '(none)'} is not alive; its rows are lost")
+                return
+            mask = old.slot_owner == i
+            try:
+                with insecure_channel(old.ps_addresses[ids.index(peer)]) as ch:
+                    resp = ps_pb2_grpc.ParameterServerStub(ch).Promote(ps_pb2.PromoteRequest(
+                        origin=dead, slots=mask.astype(np.uint8).tobytes(),
+                        num_slots=old.num_slots), timeout=120)
+            except grpc.RpcError as exc:
+                self._set_phase(JobPhase.FAILED, f"{dead} died and promoting its replica on "
+                                f"{peer} failed: {exc.code().name}: {exc.details()}")
+                return
+            new_ids = [x for x in ids if x != dead]
+            owner_ids = np.asarray(ids, dtype=object)[old.slot_owner]
+            owner_ids[mask] = peer
+            index_of = {x: k for k, x in enumerate(new_ids)}
+            new_owner = np.array([index_of[x] for x in owner_ids], dtype=np.int32)
+            addresses = dict(zip(old.ps_ids, old.ps_addresses))
+            routing = RoutingTable(old.epoch + 1, old.num_slots, tuple(new_ids),
+                                   tuple(addresses[x] for x in new_ids), new_owner)
+            self._push_routing(routing)
+            with self._lock:
+                self.routing, self.epoch = routing, routing.epoch
+            resumed = self.clock()
+            event = {"kind": "recovery", "dead": dead, "reason": why, "promoted_on": peer,
+                     "promoted_rows": resp.rows, "epoch": routing.epoch,
+                     "last_heartbeat_age_ms": round(silent_ms, 1),
+                     "resumed_ms": round((resumed - detected) * 1000, 1),
+                     "replication_interval_ms": 0.0 if self.config.sync_replication
+                     else self.config.replication_interval_ms,
+                     # the updates at risk are those the dead PS applied after its last
+                     # shipment: measured as the replica's age when it was promoted
+                     "updates_at_risk_ms": 0.0 if self.config.sync_replication
+                     else round(resp.replica_age_ms, 1),
+                     "replication": "sync" if self.config.sync_replication else "async",
+                     "time": time.time()}
+            with self._lock:
+                self.events.append(event)
+            log.info("event recovery %s", event)
+            self._save()
+        try:  # replacement: an ordinary scale-out back to the previous PS count
+            self.scale(ps=n)
+        except ScaleRefused as exc:
+            self._event("replacement_failed", dead=dead, reason=str(exc))
+
     def _live_workers(self) -> list[Member]:
         return [m for m in self.registry.members("worker")
                 if m.state == MemberState.RUNNING and m.id not in self._leaving]
@@ -421,6 +493,7 @@ class JobMaster:
         new_owner = rebalance(old.slot_owner, old_ids, new_ids)
 
         def publish(routing: RoutingTable):
+            self._push_routing(routing)  # same ownership, re-formed replication ring
             with self._lock:
                 self.routing, self.epoch = routing, routing.epoch
             self._event("routing", epoch=routing.epoch, ps=list(routing.ps_ids))

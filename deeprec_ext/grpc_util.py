@@ -46,7 +46,9 @@ def insecure_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_
 @dataclass(frozen=True)
 class RetryPolicy:
     """Backoff delays (seconds) tried in order, then the last one repeats until ``deadline``."""
-    delays: tuple[float, ...] = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+    # short and capped: a PS being replaced comes back (as its promoted peer) in well
+    # under a second, and every retry interval adds to the training stall
+    delays: tuple[float, ...] = (0.01, 0.02, 0.05, 0.1, 0.2, 0.25)
     deadline: float = 120.0
 
     def sleeps(self):

@@ -8,8 +8,11 @@ restarting or being replaced) until the retry deadline.
 """
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import logging
+import uuid
 import threading
 import time
 from typing import Mapping
@@ -76,6 +79,8 @@ class PSClient:
         self._stubs: dict[str, ps_pb2_grpc.ParameterServerStub] = {}
         self._dims: dict[str, int] = {}
         self.routing: RoutingTable | None = None
+        self._client_id = uuid.uuid4().hex[:12]
+        self._push_counter = itertools.count()
         self.stats = {"rpcs": 0, "stale_retries": 0, "unavailable_retries": 0}
 
     # -- connection ----------------------------------------------------------------
@@ -300,8 +305,15 @@ class PSClient:
         grads_of = {name: g for name, _, _, g, _, _ in prepared}
         results = {name: np.empty((u.size, dim), np.float32) for name, dim, u, _, _, _ in prepared}
 
+        call_id = f"{self._client_id}-{next(self._push_counter)}"
+
         def build(ps_tables):
+            digest = hashlib.blake2b(digest_size=8)
+            for n, i, _ in ps_tables:
+                digest.update(n.encode())
+                digest.update(codec.ids_to_bytes(i))
             return ps_pb2.PushRequest(
+                request_id=f"{call_id}-{digest.hexdigest()}",
                 epoch=self.routing.epoch if self.routing else 0, return_values=return_values,
                 tables=[ps_pb2.TableUpdate(table=n, ids=codec.ids_to_bytes(i),
                                            values=codec.floats_to_bytes(grads_of[n][pos]))

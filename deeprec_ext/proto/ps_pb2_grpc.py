@@ -79,6 +79,16 @@ class ParameterServerStub:
                 request_serializer=deeprec__ext_dot_proto_dot_ps__pb2.DropSlotsRequest.SerializeToString,
                 response_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.DropSlotsResponse.FromString,
                 _registered_method=True)
+        self.Replicate = channel.stream_unary(
+                '/deeprec_ext.ps.ParameterServer/Replicate',
+                request_serializer=deeprec__ext_dot_proto_dot_ps__pb2.RowBatch.SerializeToString,
+                response_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.ReplicateResponse.FromString,
+                _registered_method=True)
+        self.Promote = channel.unary_unary(
+                '/deeprec_ext.ps.ParameterServer/Promote',
+                request_serializer=deeprec__ext_dot_proto_dot_ps__pb2.PromoteRequest.SerializeToString,
+                response_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.PromoteResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -138,6 +148,18 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replicate(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Promote(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +207,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.DropSlots,
                     request_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.DropSlotsRequest.FromString,
                     response_serializer=deeprec__ext_dot_proto_dot_ps__pb2.DropSlotsResponse.SerializeToString,
+            ),
+            'Replicate': grpc.stream_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.RowBatch.FromString,
+                    response_serializer=deeprec__ext_dot_proto_dot_ps__pb2.ReplicateResponse.SerializeToString,
+            ),
+            'Promote': grpc.unary_unary_rpc_method_handler(
+                    servicer.Promote,
+                    request_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.PromoteRequest.FromString,
+                    response_serializer=deeprec__ext_dot_proto_dot_ps__pb2.PromoteResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +462,60 @@ class ParameterServer:
             '/deeprec_ext.ps.ParameterServer/DropSlots',
             deeprec__ext_dot_proto_dot_ps__pb2.DropSlotsRequest.SerializeToString,
             deeprec__ext_dot_proto_dot_ps__pb2.DropSlotsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/deeprec_ext.ps.ParameterServer/Replicate',
+            deeprec__ext_dot_proto_dot_ps__pb2.RowBatch.SerializeToString,
+            deeprec__ext_dot_proto_dot_ps__pb2.ReplicateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Promote(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deeprec_ext.ps.ParameterServer/Promote',
+            deeprec__ext_dot_proto_dot_ps__pb2.PromoteRequest.SerializeToString,
+            deeprec__ext_dot_proto_dot_ps__pb2.PromoteResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -20,6 +21,7 @@ from deeprec_ext.errors import InvalidRequestError
 from deeprec_ext.grpc_util import ROUTING_EPOCH_KEY
 from deeprec_ext.hashing import DEFAULT_NUM_SLOTS, slot_of
 from deeprec_ext.proto import ps_pb2, ps_pb2_grpc
+from deeprec_ext.ps.replication import AppliedRequests, ReplicaSet, Replicator
 from deeprec_ext.store import EmbeddingStore
 
 log = logging.getLogger(__name__)
@@ -102,6 +104,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.counters = {"lookups": 0, "pushes": 0, "rejected": 0}
         self._counter_lock = threading.Lock()
         self._configs: dict[str, ps_pb2.TableConfig] = {}
+        self.applied = AppliedRequests()
+        self.replicator = Replicator(self.store, self._configs, self.applied)
+        self.replicas = ReplicaSet()
+        self._sync_lock = threading.Lock()
 
     # -- helpers ---------------------------------------------------------------------
     def _count(self, key: str) -> None:
@@ -194,12 +200,37 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             self.routing.check(ids, context)
             work.append((table, ids, vals))
+        rid = request.request_id
+        if rid and self.applied.seen(rid):  # a resend of a push already applied here
+            return ps_pb2.PushResponse(
+                values=[codec.floats_to_bytes(t.lookup(i, insert_missing=False)) for t, i, _ in work]
+                if request.return_values else [], sequence=self.store.sequence.value)
+        if self.replicator.sync and self.replicator.peer:
+            # synchronous replication: answer only once the peer holds these rows; one
+            # push at a time so the peer sees the rows in the order they were written
+            with self._sync_lock:
+                out = self._apply(work, request.return_values)
+                self.applied.add(rid)
+                try:
+                    for k, (table, ids, _) in enumerate(work):
+                        self.replicator.ship_rows(table.name, ids, rid if k == len(work) - 1 else "")
+                except grpc.RpcError as exc:
+                    context.abort(grpc.StatusCode.UNAVAILABLE,
+                                  f"applied, but replica {self.replicator.peer} unreachable: "
+                                  f"{exc.code().name}")
+        else:
+            out = self._apply(work, request.return_values)
+            self.applied.add(rid)
+        return ps_pb2.PushResponse(values=out, sequence=self.store.sequence.value)
+
+    @staticmethod
+    def _apply(work, return_values: bool) -> list[bytes]:
         out = []
         for table, ids, vals in work:
             table.apply_gradients(ids, vals)
-            if request.return_values:
+            if return_values:
                 out.append(codec.floats_to_bytes(table.lookup(ids, insert_missing=False)))
-        return ps_pb2.PushResponse(values=out, sequence=self.store.sequence.value)
+        return out
 
     def SetRouting(self, request, context):
         owned = np.frombuffer(request.owned_slots, dtype=np.uint8)
@@ -207,6 +238,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
                          f"owned_slots has {owned.size} entries, num_slots is {request.num_slots}")
         self.routing.set(request.epoch, request.num_slots, owned.astype(bool))
+        if request.ps_id:
+            self.ps_id = request.ps_id
+            self.replicator.configure(request.ps_id, request.replica_peer,
+                                      request.replication_interval_ms or 200.0,
+                                      request.sync_replication)
         log.info("%s: routing epoch %d, owns %d/%d slots", self.ps_id, request.epoch,
                  int(owned.sum()), request.num_slots)
         return ps_pb2.SetRoutingResponse()
@@ -295,6 +331,41 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             if keys.size:
                 n += table.delete(keys, log_tombstone=False)
         return ps_pb2.DropSlotsResponse(rows=n)
+
+    # -- peer replication -------------------------------------------------------------------
+    def Replicate(self, request_iterator, context):
+        try:
+            return ps_pb2.ReplicateResponse(rows=self.replicas.apply(request_iterator))
+        except (ValueError, TypeError) as exc:
+            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, f"replicate: {exc}")
+
+    def Promote(self, request, context):
+        """Take over a dead PS's slots from the replica this PS holds of it: its rows move
+        into this PS's own tables (no bulk copy over the network)."""
+        mask = self._slot_mask(request.slots, request.num_slots, context)
+        age = (time.monotonic() - self.replicas.updated.get(request.origin, time.monotonic())) * 1000
+        seq = self.replicas.sequence.get(request.origin, 0)
+        for rid in self.replicas.take_applied(request.origin):
+            self.applied.add(rid)
+        replica = self.replicas.take(request.origin)
+        if replica is None:
+            self._reject(context, grpc.StatusCode.FAILED_PRECONDITION,
+                         f"this PS holds no replica of {request.origin!r}")
+        n = 0
+        for name, rtable in replica.tables().items():
+            cfg = rtable.config
+            table = self.store.create_table(name, rtable.dim, cfg["initializer"], cfg["optimizer"])
+            self._configs.setdefault(name, ps_pb2.TableConfig(
+                name=name, dim=rtable.dim, initializer_json=json.dumps(cfg["initializer"]),
+                optimizer_json=json.dumps(cfg["optimizer"])))
+            keys = rtable.keys_in_slots(mask)
+            if keys.size:
+                found, rows = rtable.export_keys(keys)
+                table.import_rows(found, rows)
+                n += int(found.size)
+        log.info("%s: promoted %d rows of %s (replica %.0f ms old)", self.ps_id, n,
+                 request.origin, age)
+        return ps_pb2.PromoteResponse(rows=n, origin_sequence=seq, replica_age_ms=age)
 
     def Stats(self, request, context):
         tables = []

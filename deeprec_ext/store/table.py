@@ -513,6 +513,14 @@ class EmbeddingTable:
             out = (self._row_key.take(sel), self._gather_rows(sel), self._row_seq.take(sel))
             return (*out, stop if stop < self._hwm else None)
 
+    def export_keys(self, keys) -> tuple[np.ndarray, np.ndarray]:
+        """Full rows (value + slots) of those ``keys`` that exist: ``(keys, rows)``."""
+        keys = _check_keys(keys)
+        with self._lock:
+            rows = self._index.find(keys)
+            hit = np.flatnonzero(rows >= 0)
+            return keys.take(hit), self._gather_rows(rows.take(hit))
+
     def keys_in_slots(self, slot_mask: np.ndarray) -> np.ndarray:
         """Keys of live rows whose routing slot is set in ``slot_mask``."""
         with self._lock:
