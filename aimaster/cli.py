@@ -22,14 +22,10 @@ log = logging.getLogger("aimaster")
 
 
 def _env_int(name: str):
+    """Default from the environment; argparse converts it (type=int) only when the
+    subcommand that owns the flag runs, and names the flag if it is not an integer."""
     v = os.environ.get(name)
-    if v in (None, ""):
-        return None
-    try:
-        return int(v)
-    except ValueError:
-        print(f"aimaster: error: environment variable {name}={v!r} is not an integer", file=sys.stderr)
-        raise SystemExit(2)
+    return v if v not in (None, "") else None
 
 
 def get_args_parser() -> argparse.ArgumentParser:

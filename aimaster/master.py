@@ -379,18 +379,18 @@ class JobMaster:
                              fence_ms=round(result.fence_ms, 3), epoch=result.routing.epoch)
             if workers is not None and workers != workers_before:
                 self._workers_started = True
+                self._worker_target = workers  # before the change: 0 means "no completion check"
                 self._scale_workers(workers, start + timeout)
-                self._worker_target = workers
                 event["workers"] = [workers_before, len(self._live_workers())]
+            event["duration_ms"] = round((self.clock() - start) * 1000, 3)
             if event["fence_ms"]:
-                # workers report their stalls with the next heartbeats
+                # workers report their stalls with the next heartbeats (not part of the event)
                 time.sleep(2.5 * cfg.heartbeat_seconds)
                 with self._lock:
                     reported = [v for t, v in self._stall_reports if t >= start]
                 # the fence window bounds any request's wait; client reports add their
                 # own re-routing round trips on top of it
                 event["max_stall_ms"] = round(max([event["fence_ms"], *reported]), 3)
-            event["duration_ms"] = round((self.clock() - start) * 1000, 3)
             event["time"] = started_at
             with self._lock:
                 self.events.append(event)
@@ -481,9 +481,16 @@ class JobMaster:
         old_ids = list(old.ps_ids)
         if n > len(old_ids):
             self.on_main(lambda: self.scaler.apply(ScalePlan(ps=n)))
-            fresh = self._wait(lambda: (lambda new: new if len(new) >= n - len(old_ids) else None)(
-                [m for m in self._live_ps() if m.id not in old_ids]), deadline,
-                f"{n - len(old_ids)} new PS to register")
+            try:
+                fresh = self._wait(lambda: (lambda new: new if len(new) >= n - len(old_ids) else None)(
+                    [m for m in self._live_ps() if m.id not in old_ids]), deadline,
+                    f"{n - len(old_ids)} new PS to register")
+            except ScaleRefused:
+                for m in self._live_ps():
+                    if m.id not in old_ids:
+                        self.registry.mark(m.id, MemberState.LEFT)
+                self.on_main(lambda: self.scaler.apply(ScalePlan(ps=len(old_ids))))
+                raise
             joining = sorted(fresh, key=lambda m: m.rank)[: n - len(old_ids)]
             new_ids = old_ids + [m.id for m in joining]
         else:
@@ -550,7 +557,7 @@ class JobMaster:
         deadline = self.clock() + timeout
         with self._barrier_cond:
             if 0 <= generation < self._barrier_gen:  # that barrier already completed
-                return self._barrier_gen, sorted(self._barrier_members), worker_id in self._leaving
+                return self._barrier_gen, self._by_rank(self._barrier_members), worker_id in self._leaving
             gen = self._barrier_gen
             self._barrier_arrived.add(worker_id)
             self._barrier_cond.notify_all()
@@ -567,7 +574,11 @@ class JobMaster:
                     raise TimeoutError(f"barrier {gen}: still waiting for "
                                        f"{sorted(expected - self._barrier_arrived)}")
                 self._barrier_cond.wait(0.1)
-            return self._barrier_gen, sorted(self._barrier_members), worker_id in self._leaving
+            return self._barrier_gen, self._by_rank(self._barrier_members), worker_id in self._leaving
+
+    def _by_rank(self, ids) -> list[str]:
+        rank = {m.id: m.rank for m in self.registry.members("worker")}
+        return sorted(ids, key=lambda i: (rank.get(i, 1 << 30), i))
 
     # -- reporting ---------------------------------------------------------------------------
     def progress_line(self) -> str:

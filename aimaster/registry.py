@@ -28,6 +28,8 @@ class Member:
     rank: int = -1
     steps: int = 0
     samples: int = 0
+    base_steps: int = 0    # counts of earlier processes under this id (restarts)
+    base_samples: int = 0
 
 
 class Registry:
@@ -48,8 +50,14 @@ class Registry:
             if old is not None and old.role != role:
                 raise ValueError(f"member id {member_id!r} is already used by a {old.role}")
             rank = int(member_id.rsplit("-", 1)[1]) if member_id.rsplit("-", 1)[-1].isdigit() else -1
+            steps = old.steps if old else 0
+            samples = old.samples if old else 0
+            if old is not None and old.pid == pid:  # the same process registering again
+                base_steps, base_samples = old.base_steps, old.base_samples
+            else:
+                base_steps, base_samples = steps, samples
             m = Member(role, member_id, pid, address, MemberState.RUNNING, self.clock(), rank,
-                       old.steps if old else 0, old.samples if old else 0)
+                       steps, samples, base_steps, base_samples)
             self._members[member_id] = m
             return m
 
@@ -58,8 +66,8 @@ class Registry:
             m = self._members.get(member_id)
             if m is None or m.state != MemberState.RUNNING:
                 return None
-            m = replace(m, last_heartbeat=self.clock(), steps=max(m.steps, steps),
-                        samples=max(m.samples, samples))
+            m = replace(m, last_heartbeat=self.clock(), steps=max(m.steps, m.base_steps + steps),
+                        samples=max(m.samples, m.base_samples + samples))
             self._members[member_id] = m
             return m
 

@@ -26,7 +26,8 @@ Per size and direction it reports: the event's ``duration_ms``, ``fence_ms`` and
 ``max_stall_ms``; the load thread's longest step overlapping the event and its longest
 re-routing stall; moved rows and MB; migrated MB/s (``moved_bytes / duration``); and the
 throughput during the event, ``steps completed in [event start, event end] / duration``
-divided by the steady steps/s measured just before the event.
+(a step straddling an edge counts for its fraction inside) divided by the steady steps/s
+measured just before the event.
 
 The event's window is placed on this process's clock with its wall-clock ``time`` (same
 machine). Its phases come from ``job_state.json`` events: new PS registered (scale-out),
@@ -34,7 +35,9 @@ machine). Its phases come from ``job_state.json`` events: new PS registered (sca
 (``DropSlots``, stopping leaving PS), and the ``2.5 * heartbeat_seconds`` the AIMaster
 sleeps at the end of every PS scale to collect worker stall reports. Throughput and the
 longest step are also given per phase, and for the *active* window (event minus that
-final sleep).
+final sleep). The fence window is split further with the PS logs' ``routing epoch`` lines
+(SetRouting to the old PS, last-delta round, SetRouting to the new layout, publish), and
+the CPU seconds of every job process during the scale call are read from ``/proc``.
 
 ``--no-breakdown`` skips the in-process cost breakdown that follows the runs: for each
 size, one source PS's share of the table is built in this process and the steps of one
@@ -128,15 +131,21 @@ class PsJob:
             stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + start_timeout
         addr_file = os.path.join(state_dir, "master.addr")
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"aimaster exited with {self.proc.returncode}: {self.tail()}")
-            if os.path.exists(addr_file):
-                self.address = open(addr_file).read().strip()
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no master.addr after {start_timeout}s: {self.tail()}")
-            time.sleep(0.1)
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"aimaster exited with {self.proc.returncode}: {self.tail()}")
+                if os.path.exists(addr_file):
+                    with open(addr_file) as f:
+                        self.address = f.read().strip()
+                    if self.address:
+                        break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no master.addr after {start_timeout}s: {self.tail()}")
+                time.sleep(0.1)
+        except BaseException:
+            self.stop()  # the caller never gets this object: do not leak the job
+            raise
 
     def tail(self, n: int = 3000) -> str:
         self._log.flush()

@@ -147,17 +147,18 @@ class WorkerContext:
         """Wait for in-flight pushes, then count every ended step as trained. Called at
         the end of training and by the input source before it waits for shards (which
         otherwise could wait on this worker's own last shard)."""
-        self.flush_pushes()
-        with self._push_lock:
+        with self._push_lock:  # the steps ended so far, and the pushes they sent
             acked, self._unacked_steps = self._unacked_steps, 0
+            pending = list(self._push_inflight.values())
+        for fut in pending:
+            fut.result()
         if acked:
             self.record_steps(acked, self.tracker.advance(acked))
 
     def flush_pushes(self) -> None:
         """Wait until every push sent so far has been applied (re-raises failures)."""
-        with self._push_lock:
+        with self._push_lock:  # entries stay: the next push of a table still waits on them
             pending = list(self._push_inflight.values())
-            self._push_inflight.clear()
         for fut in pending:
             fut.result()
 
@@ -209,12 +210,14 @@ class WorkerContext:
             log.warning("could not return shards %s: %s", shard_ids, exc.details())
 
     def wait_all_done(self, timeout: float = 3600.0, poll_seconds: float = 0.5) -> bool:
-        """Block until every shard of the job is DONE (e.g. before a final evaluation)."""
-        from deeprec_ext.proto import master_pb2 as m
+        """Block until every shard of the job is DONE and every other worker has finished
+        (sent its final dense delta and left), e.g. before a final evaluation."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            st = self.session.stub.Status(m.StatusRequest(), timeout=10)
-            if st.shards.todo == 0 and st.shards.doing == 0:
+            st = self.session.stub.Status(master_pb2.StatusRequest(), timeout=10)
+            others = [m for m in st.members if m.role == "worker" and m.id != self.worker_id
+                      and m.state == "running"]
+            if st.shards.todo == 0 and st.shards.doing == 0 and not others:
                 return True
             time.sleep(poll_seconds)
         return False
@@ -298,13 +301,18 @@ _context_lock = threading.Lock()
 
 
 def _on_sigterm(*_):
-    """Preemption notice: leave cleanly at the next step boundary. But if the local
-    launcher (our parent) died, the job is gone: exit now rather than retry for minutes."""
+    """Preemption notice: leave cleanly at the next step boundary. A second SIGTERM, or
+    one arriving after the local launcher (the AIMaster) died, exits at once: the job is
+    gone, or the sender has run out of patience."""
     parent = os.environ.get("DEEPREC_PARENT_PID")
-    if parent and os.getppid() != int(parent):
+    if parent:
+        try:
+            os.kill(int(parent), 0)
+        except (ProcessLookupError, ValueError):
+            os._exit(143)
+    if _context is None or _context.stop_requested.is_set():
         os._exit(143)
-    if _context is not None:
-        _context.request_stop()
+    _context.request_stop()
 
 
 def get_context() -> WorkerContext:

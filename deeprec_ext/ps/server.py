@@ -248,7 +248,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.SetRoutingResponse()
 
     # -- live migration -------------------------------------------------------------------
-    MIGRATE_CHUNK_ROWS = 1 << 16
+    MIGRATE_CHUNK_ROWS = 1 << 14  # rows per streamed batch / per table-lock hold
 
     def _slot_mask(self, raw: bytes, num_slots: int, context) -> np.ndarray:
         mask = np.frombuffer(raw, dtype=np.uint8)
@@ -328,8 +328,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         n = 0
         for table in self.store.tables().values():
             keys = table.keys_in_slots(mask)
-            if keys.size:
-                n += table.delete(keys, log_tombstone=False)
+            # in slices, releasing the table lock between them: one big delete stalled
+            # every request to this PS for hundreds of ms
+            for i in range(0, keys.size, self.MIGRATE_CHUNK_ROWS):
+                n += table.delete(keys[i:i + self.MIGRATE_CHUNK_ROWS], log_tombstone=False)
         return ps_pb2.DropSlotsResponse(rows=n)
 
     # -- peer replication -------------------------------------------------------------------

@@ -151,8 +151,14 @@ class ElasticCallback(keras.callbacks.Callback):
         get_context().tracker.finish()
 
     def on_test_begin(self, logs=None):
-        if self._dense is not None:
-            get_context().flush_pushes()
-            self._assign(self._dense.pull())
+        """Evaluate with the shared weights: finish any background sync and send what is
+        left (so no local update is lost), adopting the merged values."""
+        get_context().flush_pushes()
+        if self._dense is not None and self._vars:
+            merged = self._dense.finish_sync(self._local())
+            if merged is not None:
+                self._assign(merged)
+            self._assign(self._dense.sync(self._local()))
+            self._since_sync = 0
 
     on_predict_begin = on_test_begin

@@ -1,0 +1,811 @@
+"""Reading checkpoints: verification, chains, restore, retention."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import zstandard
+
+from deeprec_ext.hashing import slot_of
+
+from checkpoint.format import (CHUNK_FIELDS, DIR_RE, FORMAT_VERSION, KIND_ARRAY, KIND_END,
+                               KIND_ROWS, KIND_TOMBSTONES, MANIFEST_FORMAT,
+                               MANIFEST_NAME, CheckpointError, NoValidCheckpoint, crc32,
+                               decode_header, header_size, manifest_checksum)
+
+log = logging.getLogger("checkpoint")
+
+_CI = {f: i for i, f in enumerate(CHUNK_FIELDS)}
+_LEVELS = ("manifest", "chunks", "full")
+_READ_THREADS = min(4, os.cpu_count() or 1)
+
+
+# ----------------------------------------------------------------------------- manifest
+def _req(cond, what: str) -> None:
+    if not cond:
+        raise ValueError(what)
+
+
+def load_manifest(ckpt_dir) -> dict:
+    """Parse and check ``manifest.json`` of one checkpoint directory (JSON, checksum,
+    schema, id/kind against the directory name). Raises CheckpointError naming the
+    problem. Does not look at the data files."""
+    ckpt_dir = Path(ckpt_dir)
+    path = ckpt_dir / MANIFEST_NAME
+    where = f"{ckpt_dir.name}/{MANIFEST_NAME}"
+    try:
+        blob = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{where}: missing (checkpoint never committed, or "
+                              "deleted)") from None
+    except OSError as e:
+        raise CheckpointError(f"{where}: unreadable: {e}") from None
+    try:
+        m = json.loads(blob.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
+        raise CheckpointError(f"{where}: not a checkpoint manifest")
+    if m.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{where}: unsupported format version {m.get('version')!r}")
+    try:
+        ok = m.get("checksum") == manifest_checksum(m)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{where}: manifest checksum mismatch (file modified or "
+                              "corrupt)")
+    mt = DIR_RE.match(ckpt_dir.name)
+    if mt and (int(mt.group(1)) != m.get("id") or mt.group(2) != m.get("kind")):
+        raise CheckpointError(f"{where}: id/kind {m.get('id')}/{m.get('kind')} do not match "
+                              f"the directory name")
+    try:
+        _req(m["kind"] in ("full", "incr"), "kind")
+        _req((m["parent"] is None) == (m["kind"] == "full"), "parent")
+        _req(type(m["num_slots"]) is int and m["num_slots"] > 0, "num_slots")
+        _req(m.get("chunk_fields") == CHUNK_FIELDS, "chunk_fields")
+        for e in m["files"]:
+            _req(isinstance(e["path"], str) and "/" not in e["path"] and e["path"][:1] != ".",
+                 "file path")
+            _req(e["type"] in ("rows", "dense"), "file type")
+            _req(type(e["size"]) is int and isinstance(e["sha256"], str), "file size/sha256")
+            _req(isinstance(e["chunks"], list), "chunk index")
+            if e["type"] == "rows":
+                _req(e["table"] in m["tables"], f"table of {e['path']}")
+        for name, t in m["tables"].items():
+            _req(type(t["dim"]) is int and t["dim"] > 0 and type(t["row_width"]) is int
+                 and t["row_width"] % t["dim"] == 0, f"dim/row_width of table {name}")
+        _req(isinstance(m["dropped_tables"], list) and isinstance(m["extra"], dict), "fields")
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{where}: malformed manifest ({type(e).__name__} {e})") from None
+    except ValueError as e:
+        raise CheckpointError(f"{where}: malformed manifest (bad {e})") from None
+    return m
+
+
+# ----------------------------------------------------------------------------- model
+@dataclass
+class Checkpoint:
+    """One checkpoint directory as found on disk."""
+    id: int
+    kind: str
+    path: Path
+    manifest: dict | None = None
+    problems: list = field(default_factory=list)
+    level: str | None = None          # how deeply it has been verified
+    verified_chunks: set = field(default_factory=set)  # (file, chunk#) checked (restore)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def valid(self) -> bool:
+        return self.manifest is not None and not self.problems
+
+    @property
+    def parent(self) -> int | None:
+        return self.manifest["parent"] if self.manifest else None
+
+    @property
+    def created(self) -> float | None:
+        return self.manifest.get("created") if self.manifest else None
+
+    def summary(self) -> dict:
+        m = self.manifest or {}
+        tot = m.get("totals", {})
+        return {"id": self.id, "kind": self.kind, "dir": self.name,
+                "parent": m.get("parent"), "created": m.get("created_iso"),
+                "tables": sorted(m.get("tables", {})), "rows": tot.get("rows"),
+                "tombstones": tot.get("tombstones"), "bytes": tot.get("bytes"),
+                "files": len(m.get("files", [])), "num_slots": m.get("num_slots"),
+                "valid": self.valid, "problems": list(self.problems)}
+
+
+@dataclass
+class Chain:
+    """A full checkpoint followed by its incrementals, oldest first."""
+    checkpoints: list
+
+    @property
+    def head(self) -> Checkpoint:
+        return self.checkpoints[-1]
+
+    @property
+    def root(self) -> Checkpoint:
+        return self.checkpoints[0]
+
+    @property
+    def ids(self) -> list[int]:
+        return [c.id for c in self.checkpoints]
+
+    def __repr__(self) -> str:
+        return f"Chain({' -> '.join(c.name for c in self.checkpoints)})"
+
+
+@dataclass
+class RestoreInfo:
+    """What :func:`restore` applied.
+
+    ``checkpoint_id``/``chain``/``dir``: the checkpoint restored (head) and its chain,
+    oldest first. ``tables``: per table, rows imported and deletions applied over the
+    chain (``live_rows`` for store targets). ``extra``: the head checkpoint's ``extra``.
+    ``dense``: the newest ``write_dense`` arrays along the chain. ``watermarks``: the
+    head's per-(writer, table) cut_seq (of the writing processes, informational).
+    ``skipped``: problems of the checkpoints passed over. ``sequence``: the target
+    store's counter afterwards (``since_seq`` for an incremental on top of this
+    restore)."""
+    checkpoint_id: int
+    chain: list
+    dir: str
+    num_slots: int
+    tables: dict
+    extra: dict
+    dense: dict
+    watermarks: dict
+    skipped: list
+    bytes_read: int
+    seconds: float
+    sequence: int | None = None   # store.sequence.value after the restore (store sinks)
+
+
+# ----------------------------------------------------------------------------- verification
+def _decode_payload(comp: bytes, raw_len: int, where: str) -> bytes:
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(comp, max_output_size=raw_len)
+    except zstandard.ZstdError as e:
+        raise CheckpointError(f"{where}: zstd decompression failed ({e})") from None
+    if len(raw) != raw_len:
+        raise CheckpointError(f"{where}: decompressed {len(raw)} bytes, expected {raw_len}")
+    return raw
+
+
+def _split_rows(raw: bytes, n: int, w: int, where: str):
+    if len(raw) != n * (8 + 4 * w):
+        raise CheckpointError(f"{where}: payload length {len(raw)} != {n} x (8 + 4 x {w})")
+    keys = np.frombuffer(raw, dtype="<i8", count=n)
+    rows = np.frombuffer(raw, dtype="<f4", offset=8 * n).reshape(n, w) if w else None
+    return keys, rows
+
+
+def _check_chunk_header(buf, off: int, ch: list, name: str, num_slots: int, w: int,
+                        where: str) -> dict:
+    h = decode_header(buf, where)
+    want = {"kind": ch[_CI["kind"]], "n": ch[_CI["n"]], "slot_lo": ch[_CI["slot_lo"]],
+            "slot_hi": ch[_CI["slot_hi"]], "raw_len": ch[_CI["raw_len"]],
+            "comp_len": ch[_CI["comp_len"]], "crc32": ch[_CI["crc32"]], "name": name,
+            "num_slots": num_slots}
+    if h["kind"] == KIND_ROWS:
+        want["row_width"] = w
+    bad = [k for k, v in want.items() if h[k] != v]
+    if bad:
+        raise CheckpointError(f"{where}: chunk header disagrees with the manifest ({', '.join(bad)})")
+    return h
+
+
+def _deep_check(comp: bytes, h: dict, num_slots: int, where: str) -> None:
+    raw = _decode_payload(comp, h["raw_len"], where)
+    if h["kind"] in (KIND_ROWS, KIND_TOMBSTONES):
+        w = h["row_width"] if h["kind"] == KIND_ROWS else 0
+        keys, rows = _split_rows(raw, h["n"], w, where)
+        if keys.size:
+            s = slot_of(keys, num_slots)
+            if s.min() < h["slot_lo"] or s.max() > h["slot_hi"] or (np.diff(s) < 0).any():
+                raise CheckpointError(f"{where}: keys outside the chunk's slot range "
+                                      f"[{h['slot_lo']}, {h['slot_hi']}]")
+        if rows is not None and not np.isfinite(rows).all():
+            raise CheckpointError(f"{where}: non-finite values")
+
+
+def verify_file(ckpt_dir: Path, entry: dict, manifest: dict, deep: bool = True,
+                pool: ThreadPoolExecutor | None = None) -> None:
+    """Check one data file completely: size, sha256, every chunk header and payload
+    crc32, the END chunk; ``deep`` also decompresses (zstd content checksum, lengths,
+    slot ranges, finiteness). Raises CheckpointError naming the file and problem."""
+    path = ckpt_dir / entry["path"]
+    where_f = f"{ckpt_dir.name}/{entry['path']}"
+    num_slots = manifest["num_slots"]
+    name = entry["table"] if entry["type"] == "rows" else None
+    w = manifest["tables"].get(name, {}).get("row_width", 0) if name else 0
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"{where_f}: file missing") from None
+    if size != entry["size"]:
+        raise CheckpointError(f"{where_f}: size {size} != {entry['size']} in the manifest "
+                              f"({'truncated' if size < entry['size'] else 'extra bytes'})")
+    sha = hashlib.sha256()
+    futures = deque()
+    with open(path, "rb") as f:
+        pos = 0
+        for i, ch in enumerate(entry["chunks"]):
+            where = f"{where_f}: chunk {i} at offset {ch[0]}"
+            if ch[0] != pos:
+                raise CheckpointError(f"{where}: chunk index not contiguous")
+            cname = name if name is not None else _array_name_of(entry, i)
+            hlen = header_size(cname.encode("utf-8"))
+            buf = f.read(hlen + ch[_CI["comp_len"]])
+            sha.update(buf)
+            if len(buf) != hlen + ch[_CI["comp_len"]]:
+                raise CheckpointError(f"{where}: truncated")
+            h = _check_chunk_header(buf, pos, ch, cname, num_slots, w, where)
+            comp = memoryview(buf)[hlen:]
+            if crc32(comp) != h["crc32"]:
+                raise CheckpointError(f"{where}: payload crc32 mismatch (corrupt data)")
+            if deep:
+                if pool is not None:
+                    futures.append(pool.submit(_deep_check, comp, h, num_slots, where))
+                    while len(futures) > 2 * _READ_THREADS:
+                        futures.popleft().result()
+                else:
+                    _deep_check(comp, h, num_slots, where)
+            pos += len(buf)
+        rest = f.read()
+        sha.update(rest)
+    while futures:
+        futures.popleft().result()
+    where = f"{where_f}: END chunk at offset {pos}"
+    h = decode_header(rest, where)
+    if h["kind"] != KIND_END or h["n"] != len(entry["chunks"]) or h["raw_len"] != pos \
+            or h["header_len"] != len(rest):
+        raise CheckpointError(f"{where}: bad END chunk")
+    if sha.hexdigest() != entry["sha256"]:
+        raise CheckpointError(f"{where_f}: sha256 mismatch")
+
+
+def _array_name_of(entry: dict, i: int) -> str:
+    """Name of the dense array chunk ``i`` of a dense file belongs to (arrays are stored
+    one after the other, ``chunks`` pieces each)."""
+    seen = 0
+    for name, meta in entry["arrays"].items():
+        seen += int(meta["chunks"])
+        if i < seen:
+            return name
+    raise CheckpointError(f"{entry['path']}: chunk {i} does not belong to any array")
+
+
+def _verify_checkpoint(c: Checkpoint, level: str, pool=None) -> None:
+    """Check ``c`` at ``level`` ("manifest": manifest + file sizes; "full": every byte),
+    recording problems in ``c.problems``."""
+    if c.manifest is None and not c.problems:
+        try:
+            c.manifest = load_manifest(c.path)
+        except CheckpointError as e:
+            c.problems.append(str(e))
+            return
+    if not c.valid:
+        return
+    if level == "manifest" and c.level is None:
+        for e in c.manifest["files"]:
+            p = c.path / e["path"]
+            try:
+                size = p.stat().st_size
+            except FileNotFoundError:
+                c.problems.append(f"{c.name}/{e['path']}: file missing")
+                continue
+            if size != e["size"]:
+                c.problems.append(f"{c.name}/{e['path']}: size {size} != {e['size']} in the "
+                                  f"manifest ({'truncated' if size < e['size'] else 'extra bytes'})")
+        c.level = "manifest"
+    elif level == "full" and c.level != "full":
+        for e in c.manifest["files"]:
+            try:
+                verify_file(c.path, e, c.manifest, deep=True, pool=pool)
+            except CheckpointError as err:
+                c.problems.append(str(err))
+            except OSError as err:
+                c.problems.append(f"{c.name}/{e['path']}: {err}")
+        c.level = "full"
+
+
+def scan(root, verify: str = "full") -> list[Checkpoint]:
+    """Every checkpoint directory under ``root`` (ascending id), checked at ``verify``
+    level ("manifest" or "full"); invalid ones have ``problems``. Does not log."""
+    if verify not in ("manifest", "full"):
+        raise ValueError(f"verify must be 'manifest' or 'full', got {verify!r}")
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {root} does not exist")
+    out = []
+    for p in sorted(root.iterdir()):
+        m = DIR_RE.match(p.name)
+        if m and p.is_dir():
+            out.append(Checkpoint(int(m.group(1)), m.group(2), p))
+    out.sort(key=lambda c: (c.id, c.kind))
+    ids = [c.id for c in out]
+    for c in out:
+        if ids.count(c.id) > 1:
+            c.problems.append(f"{c.name}: another checkpoint directory has the same id {c.id}")
+    with ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="ckpt-verify") as pool:
+        for c in out:
+            _verify_checkpoint(c, verify, pool)
+    return out
+
+
+def _chain_problem(c: Checkpoint, by_id: dict) -> str | None:
+    """Why ``c`` (itself valid) cannot be restored: a broken link to its parent."""
+    seen = set()
+    while c.kind == "incr":
+        seen.add(c.id)
+        p = by_id.get(c.parent)
+        if p is None:
+            return f"{c.name}: parent checkpoint {c.parent} is missing"
+        if not p.valid:
+            return f"{c.name}: parent {p.name} is invalid"
+        if p.id >= c.id or p.id in seen:
+            return f"{c.name}: bad parent link to {p.name}"
+        if p.manifest["checksum"] != c.manifest.get("parent_checksum"):
+            return f"{c.name}: parent {p.name} was rewritten (checksum differs)"
+        if p.manifest["num_slots"] != c.manifest["num_slots"]:
+            return f"{c.name}: num_slots differs from parent {p.name}"
+        c = p
+    return None
+
+
+def _path_to(c: Checkpoint, by_id: dict) -> list[Checkpoint]:
+    path = [c]
+    while path[-1].kind == "incr":
+        path.append(by_id[path[-1].parent])
+    return path[::-1]
+
+
+def _restorable(cks: list[Checkpoint]) -> tuple[list[Checkpoint], dict]:
+    """(restorable checkpoints ascending, {id: problem} for valid but unrestorable ones)."""
+    by_id = {c.id: c for c in cks if c.valid}
+    ok, broken = [], {}
+    for c in cks:
+        if not c.valid:
+            continue
+        why = _chain_problem(c, by_id)
+        if why is None:
+            ok.append(c)
+        else:
+            broken[c.id] = why
+    return ok, broken
+
+
+def _chains(cks: list[Checkpoint]) -> list[Chain]:
+    ok, _ = _restorable(cks)
+    by_id = {c.id: c for c in ok}
+    has_child = {c.parent for c in ok if c.kind == "incr"}
+    leaves = [c for c in ok if c.id not in has_child]
+    return [Chain(_path_to(c, by_id)) for c in sorted(leaves, key=lambda c: -c.id)]
+
+
+def _warn_invalid(cks: list[Checkpoint], what: str = "skipped") -> None:
+    for c in cks:
+        for p in c.problems:
+            log.warning("checkpoint %s %s: %s", c.name, what, p)
+    _, broken = _restorable(cks)
+    for c in cks:
+        if c.id in broken:
+            log.warning("checkpoint %s %s: %s", c.name, what, broken[c.id])
+
+
+def list_chains(root, verify: str = "full") -> list[Chain]:
+    """Restorable chains under ``root``, newest head first. A chain is a full checkpoint
+    and its incrementals in order (one chain per branch tip). Checkpoints whose manifest
+    is missing/corrupt or whose files fail size/sha256/chunk checks (``verify="full"``,
+    the default, reads every byte; ``"manifest"`` checks manifests and file sizes only)
+    are skipped with a ``logging.warning`` naming the file and the problem."""
+    cks = scan(root, verify)
+    _warn_invalid(cks)
+    return _chains(cks)
+
+
+def verify(root) -> dict:
+    """Check every byte of every checkpoint under ``root``. Returns a JSON-serializable
+    report: ``ok``, ``checkpoints`` (id, kind, parent, tables, rows, bytes, created,
+    valid, problems), ``chains`` (lists of ids, newest first) and ``newest`` (id of the
+    checkpoint a restore would use)."""
+    cks = scan(root, "full")
+    _, broken = _restorable(cks)
+    items = []
+    for c in cks:
+        s = c.summary()
+        if c.id in broken and c.valid:
+            s["valid"] = False
+            s["problems"].append(broken[c.id])
+        items.append(s)
+    chains = _chains(cks)
+    return {"root": str(Path(root)), "ok": all(s["valid"] for s in items),
+            "checkpoints": items, "chains": [ch.ids for ch in chains],
+            "newest": max((ch.head.id for ch in chains), default=None)}
+
+
+# ----------------------------------------------------------------------------- restore
+class _StoreSink:
+    def __init__(self, store):
+        self.store = store
+
+    def table(self, name, info, expected_rows):
+        try:
+            t = self.store.create_table(name, info["dim"], info["initializer"],
+                                        info["optimizer"],
+                                        initial_capacity=max(int(expected_rows), 1024))
+        except ValueError as e:
+            raise CheckpointError(f"cannot create table '{name}' in the target store: {e}") \
+                from None
+        if t.row_width != info["row_width"]:
+            raise CheckpointError(f"table '{name}': row width {t.row_width} != "
+                                  f"{info['row_width']} in the checkpoint")
+
+    def drop(self, name):
+        if name in self.store:
+            self.store.drop_table(name)
+
+    def delete(self, name, keys):
+        self.store.get(name).delete(keys, log_tombstone=False)
+
+    def rows(self, name, keys, rows):
+        self.store.get(name).import_rows(keys, rows)
+
+
+class _CallbackSink:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def table(self, name, info, expected_rows):
+        self.fn("table", name, None, None, info)
+
+    def drop(self, name):
+        self.fn("drop", name, None, None, None)
+
+    def delete(self, name, keys):
+        self.fn("delete", name, keys, None, None)
+
+    def rows(self, name, keys, rows):
+        self.fn("rows", name, keys, rows, None)
+
+
+def _read_chunk(fd: int, entry: dict, ci: int, name: str, manifest: dict, w: int,
+                where_f: str) -> tuple[bytes, dict]:
+    """Read chunk ``ci`` of a file with pread and check header and payload crc."""
+    ch = entry["chunks"][ci]
+    where = f"{where_f}: chunk {ci} at offset {ch[0]}"
+    hlen = header_size(name.encode("utf-8"))
+    want = hlen + ch[_CI["comp_len"]]
+    buf = os.pread(fd, want, ch[0])
+    if len(buf) != want:
+        raise CheckpointError(f"{where}: truncated")
+    h = _check_chunk_header(buf, ch[0], ch, name, manifest["num_slots"], w, where)
+    comp = memoryview(buf)[hlen:]
+    if crc32(comp) != h["crc32"]:
+        raise CheckpointError(f"{where}: payload crc32 mismatch (corrupt data)")
+    return comp, h
+
+
+class _Plan:
+    """Which chunks of which files a restore of ``chain`` for ``slot_mask`` reads."""
+
+    def __init__(self, chain: list[Checkpoint], slot_mask: np.ndarray | None):
+        head = chain[-1].manifest
+        self.num_slots = head["num_slots"]
+        self.final_tables = set(head["tables"])
+        if slot_mask is not None:
+            pre = np.concatenate([[0], np.cumsum(slot_mask, dtype=np.int64)])
+        self.items = []   # (ckpt, entry, [(chunk index, kind, partial)])
+        for c in chain:
+            for e in c.manifest["files"]:
+                if e["type"] == "rows" and e["table"] not in self.final_tables:
+                    continue
+                sel = []
+                for ci, ch in enumerate(e["chunks"]):
+                    kind = ch[_CI["kind"]]
+                    partial = False
+                    if slot_mask is not None and kind in (KIND_ROWS, KIND_TOMBSTONES):
+                        lo, hi = ch[_CI["slot_lo"]], ch[_CI["slot_hi"]]
+                        if not (0 <= lo <= hi < self.num_slots):
+                            err = CheckpointError(f"{c.name}/{e['path']}: chunk {ci}: bad "
+                                                  f"slot range [{lo}, {hi}]")
+                            err.ckpt = c
+                            raise err
+                        inside = int(pre[hi + 1] - pre[lo])
+                        if inside == 0:
+                            continue
+                        partial = inside != hi - lo + 1
+                    sel.append((ci, kind, partial))
+                self.items.append((c, e, sel))
+
+
+def _check_end(fd: int, e: dict, where_f: str) -> None:
+    name = (e["table"] if e["type"] == "rows" else "").encode("utf-8")
+    off = e["size"] - header_size(name)
+    where = f"{where_f}: END chunk at offset {off}"
+    buf = os.pread(fd, header_size(name), off) if off >= 0 else b""
+    h = decode_header(buf, where)
+    if h["kind"] != KIND_END or h["n"] != len(e["chunks"]) or h["raw_len"] != off:
+        raise CheckpointError(f"{where}: bad END chunk")
+
+
+def _prevalidate(plan: _Plan) -> None:
+    """Pass 1: read every planned chunk and check header + crc32 (no decompression).
+    Raises CheckpointError (with ``.ckpt`` set) at the first problem."""
+    for c, e, sel in plan.items:
+        todo = [s for s in sel if (e["path"], s[0]) not in c.verified_chunks]
+        if not todo:
+            continue
+        path = c.path / e["path"]
+        where_f = f"{c.name}/{e['path']}"
+        try:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise CheckpointError(f"{where_f}: file missing") from None
+            try:
+                if os.fstat(fd).st_size != e["size"]:
+                    raise CheckpointError(f"{where_f}: size {os.fstat(fd).st_size} != "
+                                          f"{e['size']} in the manifest")
+                w = c.manifest["tables"].get(e["table"], {}).get("row_width", 0) \
+                    if e["type"] == "rows" else 0
+                for ci, kind, _ in todo:
+                    name = e["table"] if e["type"] == "rows" else _array_name_of(e, ci)
+                    _read_chunk(fd, e, ci, name, c.manifest, w, where_f)
+                    c.verified_chunks.add((e["path"], ci))
+                _check_end(fd, e, where_f)
+            finally:
+                os.close(fd)
+        except CheckpointError as err:
+            err.ckpt = c
+            raise
+        except OSError as err:
+            new = CheckpointError(f"{where_f}: {err}")
+            new.ckpt = c
+            raise new from None
+
+
+def restore(root, store_or_callback, slot_mask: np.ndarray | None = None,
+            upto: int | None = None, verify: str = "chunks", exact: bool = False) -> RestoreInfo:
+    """Apply the newest valid chain under ``root`` to an EmbeddingStore (tables are
+    created from the manifest configs) or to a callback
+    ``fn(op, table, keys, rows, info)`` with ``op`` in "table", "drop", "delete", "rows".
+
+    Each checkpoint of the chain is applied in order: dropped tables, then deletions
+    (tombstones), then rows. ``slot_mask`` (bool [num_slots]) restricts the restore to
+    the keys whose routing slot is set -- how a checkpoint restores onto a different
+    number of PS; chunks outside the mask are not read at all. ``upto``: use the newest
+    restorable checkpoint with id <= upto (``exact=True``: exactly that checkpoint, or
+    raise) -- several PS restoring the same job must restore the same checkpoint, so a
+    coordinator picks it (e.g. ``list_chains``/``verify``) and passes ``upto=id,
+    exact=True``.
+
+    Nothing is applied before every chunk to be read has passed its checks: the manifest
+    checksum and file sizes of every checkpoint, then the header and crc32 of every
+    chunk the restore needs (``verify="full"``: every byte of every file of the chain,
+    sha256 included). A checkpoint failing a check is skipped with a warning and the
+    newest remaining restorable checkpoint is used. While applying, each chunk is read
+    again and its crc32 and zstd content checksum re-checked; a failure then raises
+    CheckpointError (the target is partially restored). Raises NoValidCheckpoint if
+    nothing is restorable.
+    """
+    t0 = time.perf_counter()
+    if verify not in _LEVELS:
+        raise ValueError(f"verify must be one of {_LEVELS}, got {verify!r}")
+    if exact and upto is None:
+        raise ValueError("exact=True needs upto=<checkpoint id>")
+    if hasattr(store_or_callback, "create_table"):
+        sink = _StoreSink(store_or_callback)
+    elif callable(store_or_callback):
+        sink = _CallbackSink(store_or_callback)
+    else:
+        raise TypeError("store_or_callback must be an EmbeddingStore or a callable")
+    cks = scan(root, "manifest")
+    warned = set()
+
+    def warn_new():
+        _, broken = _restorable(cks)
+        for c in cks:
+            for p in c.problems + ([broken[c.id]] if c.id in broken else []):
+                if (c.id, p) not in warned:
+                    warned.add((c.id, p))
+                    log.warning("checkpoint %s skipped: %s", c.name, p)
+
+    warn_new()
+    while True:
+        ok, _ = _restorable(cks)
+        cand = [c for c in ok if upto is None or c.id <= upto]
+        if exact:
+            cand = [c for c in cand if c.id == upto]
+        if not cand:
+            skipped = "; ".join(p for c in cks for p in c.problems) or "none"
+            raise NoValidCheckpoint(
+                f"no restorable checkpoint under {root}"
+                + (f" with id {'==' if exact else '<='} {upto}" if upto is not None else "")
+                + f" (found {len(cks)} checkpoint directories; problems: {skipped})")
+        head = cand[-1]
+        by_id = {c.id: c for c in ok}
+        chain = _path_to(head, by_id)
+        if slot_mask is not None:
+            slot_mask = np.asarray(slot_mask)
+            n = head.manifest["num_slots"]
+            if slot_mask.dtype != np.bool_ or slot_mask.shape != (n,):
+                raise ValueError(f"slot_mask must be bool [{n}] (the checkpoint's num_slots), "
+                                 f"got {slot_mask.dtype} {slot_mask.shape}")
+        try:
+            if verify == "full":
+                for c in chain:
+                    _verify_checkpoint(c, "full")
+                    if c.problems:
+                        err = CheckpointError(c.problems[0])
+                        err.ckpt = c
+                        raise err
+            plan = _Plan(chain, slot_mask)
+            if verify != "manifest":
+                _prevalidate(plan)
+        except CheckpointError as err:
+            c = getattr(err, "ckpt", head)
+            if str(err) not in c.problems:
+                c.problems.append(str(err))
+            warn_new()
+            continue
+        break
+
+    newer = [c for c in cks if c.id > head.id and (upto is None or c.id <= upto)]
+    if newer:
+        log.warning("restoring %s (chain %s): newer checkpoint(s) %s are not restorable",
+                    head.name, " -> ".join(str(c.id) for c in chain),
+                    ", ".join(c.name for c in newer))
+    else:
+        log.info("restoring %s (chain %s)", head.name, " -> ".join(str(c.id) for c in chain))
+    tables, dense, nbytes = _apply(plan, chain, sink, slot_mask)
+    seq = None
+    if isinstance(sink, _StoreSink):
+        seq = int(sink.store.sequence.value)
+        for name, st in tables.items():
+            st["live_rows"] = len(sink.store.get(name))
+    skipped = [p for c in cks for p in c.problems]
+    _, broken = _restorable(cks)
+    skipped += [broken[i] for i in sorted(broken)]
+    return RestoreInfo(checkpoint_id=head.id, chain=[c.id for c in chain], dir=str(head.path),
+                       num_slots=head.manifest["num_slots"], tables=tables,
+                       extra=head.manifest.get("extra", {}), dense=dense,
+                       watermarks=head.manifest.get("watermarks", {}), skipped=skipped,
+                       bytes_read=nbytes, seconds=time.perf_counter() - t0, sequence=seq)
+
+
+def _load_chunk(path: Path, e: dict, ci: int, name: str, manifest: dict, w: int,
+                slot_mask, partial: bool, where_f: str):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        comp, h = _read_chunk(fd, e, ci, name, manifest, w, where_f)
+    finally:
+        os.close(fd)
+    where = f"{where_f}: chunk {ci}"
+    raw = _decode_payload(comp, h["raw_len"], where)
+    if h["kind"] == KIND_ARRAY:
+        return h, raw, None, len(comp)
+    keys, rows = _split_rows(raw, h["n"], w if h["kind"] == KIND_ROWS else 0, where)
+    if partial:
+        sel = slot_mask[slot_of(keys, manifest["num_slots"])]
+        keys = keys[sel]
+        rows = rows[sel] if rows is not None else None
+    return h, keys, rows, len(comp)
+
+
+def _apply(plan: _Plan, chain, sink, slot_mask):
+    """Pass 2: read, decompress (worker threads, bounded look-ahead) and apply."""
+    stats: dict[str, dict] = {}
+    dense_parts: dict[str, list] = {}
+    dense_meta: dict[str, dict] = {}
+    nbytes = 0
+    with ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="ckpt-read") as pool:
+        for c in chain:
+            m = c.manifest
+            items = [(e, sel) for cc, e, sel in plan.items if cc is c]
+            for name in m.get("dropped_tables", []):
+                sink.drop(name)
+                stats.pop(name, None)
+            for name, info in m["tables"].items():
+                if name not in plan.final_tables:
+                    continue
+                if name not in stats:
+                    expected = sum(ch[_CI["n"]] for cc, e, sel in plan.items
+                                   if e.get("table") == name
+                                   for ci, kind, _ in sel
+                                   for ch in [e["chunks"][ci]] if kind == KIND_ROWS)
+                    sink.table(name, info, expected)
+                    stats.setdefault(name, {"rows": 0, "deleted": 0})
+            for phase in (KIND_TOMBSTONES, KIND_ROWS, KIND_ARRAY):
+                jobs = deque()
+
+                def finish(job):
+                    nonlocal nbytes
+                    e, fut = job
+                    h, keys, rows, n = fut.result()
+                    nbytes += n
+                    if h["kind"] == KIND_TOMBSTONES:
+                        if keys.size:
+                            sink.delete(e["table"], keys)
+                        stats[e["table"]]["deleted"] += int(keys.size)
+                    elif h["kind"] == KIND_ROWS:
+                        if keys.size:
+                            sink.rows(e["table"], keys, rows)
+                        stats[e["table"]]["rows"] += int(keys.size)
+                    else:
+                        dense_parts.setdefault(h["name"], []).append(keys)
+
+                for e, sel in items:
+                    if e["type"] == "dense" and phase == KIND_ARRAY:
+                        for name, meta in e["arrays"].items():
+                            dense_parts[name] = []
+                            dense_meta[name] = meta
+                    w = m["tables"][e["table"]]["row_width"] if e["type"] == "rows" else 0
+                    for ci, kind, partial in sel:
+                        if kind != phase:
+                            continue
+                        name = e["table"] if e["type"] == "rows" else _array_name_of(e, ci)
+                        fut = pool.submit(_load_chunk, c.path / e["path"], e, ci, name, m, w,
+                                          slot_mask, partial, f"{c.name}/{e['path']}")
+                        jobs.append((e, fut))
+                        while len(jobs) > 2 * _READ_THREADS:
+                            finish(jobs.popleft())
+                while jobs:
+                    finish(jobs.popleft())
+    dense = {}
+    for name, meta in dense_meta.items():
+        blob = b"".join(bytes(p) for p in dense_parts.get(name, []))
+        dt = np.dtype(meta["dtype"])
+        want = int(np.prod(meta["shape"], dtype=np.int64)) * dt.itemsize
+        if len(blob) != want:
+            raise CheckpointError(f"dense variable '{name}': {len(blob)} bytes, expected {want}")
+        dense[name] = np.frombuffer(blob, dtype=dt).reshape(meta["shape"]).copy()
+    return stats, dense, nbytes
+
+
+# ----------------------------------------------------------------------------- retention
+def apply_retention(root, keep_chains: int = 2, verify: str = "full") -> list[str]:
+    """Delete checkpoints older than the newest ``keep_chains`` restorable chains (and
+    older incomplete or corrupt ones). Never deletes the newest restorable chain, nor
+    anything when no chain is restorable, nor anything newer than the oldest kept chain
+    (e.g. a checkpoint still being written). Returns the deleted directory names."""
+    if isinstance(keep_chains, bool) or not isinstance(keep_chains, int) or keep_chains < 1:
+        raise ValueError(f"keep_chains must be an integer >= 1, got {keep_chains!r}")
+    root = Path(root)
+    chains = list_chains(root, verify)
+    if not chains:
+        log.warning("retention: no restorable checkpoint under %s; nothing deleted", root)
+        return []
+    kept = chains[:keep_chains]
+    floor = min(ch.root.id for ch in kept)
+    deleted = []
+    for p in sorted(root.iterdir()):
+        m = DIR_RE.match(p.name)
+        if not (m and p.is_dir() and int(m.group(1)) < floor):
+            continue
+        trash = root / f".deleting-{p.name}-{os.getpid()}"
+        os.replace(p, trash)  # atomic: readers never see a half-deleted checkpoint
+        shutil.rmtree(trash, ignore_errors=True)
+        deleted.append(p.name)
+    if deleted:
+        log.info("retention: deleted %s (keeping chains from %s on)", ", ".join(deleted),
+                 kept[-1].root.name)
+    return deleted

@@ -1,0 +1,543 @@
+"""Writing checkpoints: :class:`CheckpointWriter`."""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import zstandard
+
+from deeprec_ext.hashing import DEFAULT_NUM_SLOTS, slot_of
+from deeprec_ext.store import EmbeddingTable
+
+from checkpoint.format import (CHUNK_FIELDS, FORMAT_VERSION, KIND_ARRAY, KIND_END, KIND_ROWS,
+                               KIND_TOMBSTONES, MANIFEST_FORMAT, MANIFEST_NAME, CheckpointError,
+                               crc32, dir_name, encode_header, manifest_checksum, quote_name)
+
+log = logging.getLogger("checkpoint")
+
+ROWS_PER_CHUNK = 1 << 16          # ~64k rows per chunk ...
+CHUNK_RAW_BYTES = 8 << 20         # ... but at most ~8 MB uncompressed (wide rows)
+TOMBSTONES_PER_CHUNK = 1 << 20    # tombstone chunks hold keys only
+EXPORT_SLICE_ROWS = 1 << 18       # arena rows scanned per table-lock hold while exporting
+ZSTD_LEVEL = 1                    # float rows barely compress; level 1 is ~2x faster than 3
+_WINDOW_PER_THREAD = 2            # chunks in flight per compression thread
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def find_checkpoint_dir(root: Path, ckpt_id: int) -> Path | None:
+    """The directory of checkpoint ``ckpt_id`` under ``root`` (either kind), or None."""
+    for kind in ("full", "incr"):
+        p = root / dir_name(ckpt_id, kind)
+        if p.is_dir():
+            return p
+    return None
+
+
+def _table_info(table: EmbeddingTable) -> dict:
+    cfg = table.config
+    return {"dim": int(cfg["dim"]), "initializer": cfg["initializer"],
+            "optimizer": cfg["optimizer"], "row_width": int(table.row_width)}
+
+
+def _slot_order(slots: np.ndarray, num_slots: int) -> np.ndarray:
+    """Stable permutation sorting rows by routing slot (radix sort for <= 65536 slots)."""
+    if num_slots <= 1 << 16:
+        return np.argsort(slots.astype(np.uint16), kind="stable")
+    return np.argsort(slots, kind="stable")
+
+
+class CheckpointWriter:
+    """Writes one checkpoint directory ``ROOT/ckpt-<id:08d>-<kind>/``.
+
+    ``kind="full"`` holds every live row of every table written; ``kind="incr"`` holds the
+    rows changed and the keys deleted since ``since_seq`` (the ``cut_seq`` the same writer
+    reported for the parent checkpoint), and needs ``parent`` (the previous checkpoint's
+    id, full or incremental).
+
+    Call :meth:`write_table` once per (writer, table) -- a writer is typically one PS, e.g.
+    ``"ps-0"`` -- then :meth:`add_extra` / :meth:`write_dense` as needed, then
+    :meth:`commit`, which writes ``manifest.json`` last (temp file + fsync + rename). Until
+    then the checkpoint does not exist for readers. Used as a context manager it commits on
+    a clean exit and :meth:`abort` s on an exception.
+
+    Incremental checkpoints carry the table configs of their parent forward: a table not
+    written in an incremental simply had no changes. Use :meth:`drop_table` to record
+    that a table was dropped.
+
+    Several processes may write files of the same checkpoint into the same directory (on
+    shared storage): each uses its own ``CheckpointWriter`` and never commits, and passes
+    :meth:`file_entries` to the one writer that does (:meth:`add_file_entries`).
+    """
+
+    def __init__(self, root, ckpt_id: int, kind: str = "full", parent: int | None = None,
+                 num_slots: int = DEFAULT_NUM_SLOTS, level: int = ZSTD_LEVEL,
+                 threads: int | None = None):
+        if kind not in ("full", "incr"):
+            raise ValueError(f"kind must be 'full' or 'incr', got {kind!r}")
+        if isinstance(ckpt_id, bool) or not isinstance(ckpt_id, (int, np.integer)) or ckpt_id < 0:
+            raise ValueError(f"ckpt_id must be a non-negative integer, got {ckpt_id!r}")
+        if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) \
+                or not 1 <= num_slots < 1 << 32:
+            raise ValueError(f"num_slots must be a positive integer, got {num_slots!r}")
+        self.root = Path(root)
+        self.id = int(ckpt_id)
+        self.kind = kind
+        self.num_slots = int(num_slots)
+        self.level = int(level)
+        self.threads = max(1, int(threads if threads is not None else min(4, os.cpu_count() or 1)))
+        self._lock = threading.Lock()
+        self._files: dict[str, dict] = {}
+        self._created_files: list[Path] = []
+        self._extra: dict = {}
+        self._dropped: set[str] = set()
+        self._tables: dict[str, dict] = {}
+        self._watermarks: dict[str, dict[str, int]] = {}
+        self._committed = False
+        self._pool: ThreadPoolExecutor | None = None
+        self._tls = threading.local()
+        self.parent = None
+        self._parent_checksum = None
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        other = find_checkpoint_dir(self.root, self.id)
+        self.dir = self.root / dir_name(self.id, kind)
+        if other is not None and other != self.dir:
+            raise FileExistsError(f"checkpoint id {self.id} already exists as {other}")
+        if (self.dir / MANIFEST_NAME).exists():
+            raise FileExistsError(f"checkpoint {self.dir} is already committed")
+        if kind == "incr":
+            if parent is None:
+                raise ValueError("an incremental checkpoint needs parent=<id of the previous "
+                                 "checkpoint>")
+            parent = int(parent)
+            if parent >= self.id:
+                raise ValueError(f"parent id {parent} must be smaller than the checkpoint id "
+                                 f"{self.id}")
+            from checkpoint.reader import load_manifest  # late: reader imports this module
+            pdir = find_checkpoint_dir(self.root, parent)
+            if pdir is None:
+                raise CheckpointError(f"parent checkpoint {parent} not found under {self.root}")
+            pm = load_manifest(pdir)
+            if pm["num_slots"] != self.num_slots:
+                raise ValueError(f"num_slots={self.num_slots} differs from the parent's "
+                                 f"num_slots={pm['num_slots']}")
+            self.parent = parent
+            self._parent_checksum = pm["checksum"]
+            for name, info in pm["tables"].items():
+                self._tables[name] = {k: copy.deepcopy(v) for k, v in info.items()
+                                      if k in ("dim", "initializer", "optimizer", "row_width")}
+        elif parent is not None:
+            raise ValueError("a full checkpoint has no parent")
+
+        self.dir.mkdir(exist_ok=True)
+        _fsync_dir(self.root)
+
+    # -- context manager ----------------------------------------------------------------
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            self.abort()
+        elif not self._committed:
+            self.commit()
+        return False
+
+    # -- writing ------------------------------------------------------------------------
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        c = getattr(self._tls, "c", None)
+        if c is None:
+            c = self._tls.c = zstandard.ZstdCompressor(level=self.level, write_checksum=True,
+                                                       write_content_size=True)
+        return c
+
+    def _get_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-write")
+            return self._pool
+
+    def _check_open(self):
+        if self._committed:
+            raise RuntimeError(f"checkpoint {self.dir} is already committed")
+
+    def write_table(self, writer_id: str, table: EmbeddingTable, since_seq: int | None = None,
+                    slot_mask: np.ndarray | None = None) -> dict:
+        """Write the rows of ``table`` held by ``writer_id`` to ``<writer>.<table>.rows``.
+
+        Full checkpoint: every live row (``since_seq`` must be None). Incremental: the rows
+        written and the keys deleted after ``since_seq`` (required: the ``cut_seq`` this
+        writer reported for the previous checkpoint of the chain). ``slot_mask`` (bool
+        [num_slots]) restricts the rows and deletions to the slots this writer owns.
+
+        The table is exported in slices (the table lock is held per slice only); the
+        sequence watermark ``cut_seq`` is read first, so every write with a sequence
+        number <= cut_seq is in this checkpoint (or an earlier one of the chain), and
+        writes after it may appear twice, harmlessly. Returns stats: writer, table, file,
+        rows, tombstones, bytes, raw_bytes, chunks, seconds, since_seq, cut_seq.
+        """
+        self._check_open()
+        t0 = time.perf_counter()
+        writer_id = str(writer_id)
+        if not writer_id:
+            raise ValueError("writer_id must be a non-empty string")
+        if self.kind == "full":
+            if since_seq is not None:
+                raise ValueError("a full checkpoint writes every row: since_seq must be None")
+        elif since_seq is None:
+            raise ValueError("an incremental checkpoint needs since_seq (the cut_seq of this "
+                             "writer's previous checkpoint of the chain)")
+        cut = int(table.sequence.value)  # read BEFORE exporting
+        if since_seq is not None:
+            since_seq = int(since_seq)
+            if since_seq < 0 or since_seq > cut:
+                raise ValueError(f"since_seq={since_seq} is outside [0, {cut}] (the table's "
+                                 "sequence counter): it must come from this table's PS")
+        if slot_mask is not None:
+            slot_mask = np.asarray(slot_mask)
+            if slot_mask.dtype != np.bool_ or slot_mask.shape != (self.num_slots,):
+                raise ValueError(f"slot_mask must be bool [{self.num_slots}], got "
+                                 f"{slot_mask.dtype} {slot_mask.shape}")
+            export_mask = slot_mask
+        else:
+            export_mask = np.ones(self.num_slots, dtype=bool)
+
+        info = _table_info(table)
+        name = table.name
+        with self._lock:
+            have = self._tables.get(name)
+            if have is not None and have != info:
+                raise ValueError(f"table '{name}': config {info} differs from the config "
+                                 f"{have} recorded in this chain (write a full checkpoint "
+                                 f"after re-creating a table with another config)")
+            fname = f"{quote_name(writer_id)}.{quote_name(name)}.rows"
+            if fname in self._files:
+                raise ValueError(f"writer '{writer_id}' already wrote table '{name}'")
+            self._files[fname] = {}  # reserve
+
+        try:
+            # Rows: sliced export (short lock holds), then one slot sort.
+            kparts, rparts = [], []
+            start = 0
+            while True:
+                k, r, _, nxt = table.export_slots(export_mask, since_seq, start,
+                                                  EXPORT_SLICE_ROWS)
+                if k.size:
+                    kparts.append(k)
+                    rparts.append(r)
+                if nxt is None:
+                    break
+                start = nxt
+            w = info["row_width"]
+            keys = np.concatenate(kparts) if kparts else np.empty(0, np.int64)
+            rows = (np.concatenate(rparts) if len(rparts) > 1 else
+                    rparts[0] if rparts else np.empty((0, w), np.float32))
+            del kparts, rparts
+            tomb = (table.tombstones_since(since_seq) if self.kind == "incr"
+                    else np.empty(0, np.int64))
+            if tomb.size and slot_mask is not None:
+                tomb = tomb[slot_mask[slot_of(tomb, self.num_slots)]]
+
+            path = self.dir / fname
+            entry = self._write_data_file(path, name, [(KIND_TOMBSTONES, tomb, None),
+                                                       (KIND_ROWS, keys, rows)])
+        except BaseException:
+            with self._lock:
+                self._files.pop(fname, None)
+            raise
+        entry.update({"path": fname, "type": "rows", "writer": writer_id, "table": name,
+                      "rows": int(keys.size), "tombstones": int(tomb.size),
+                      "since_seq": since_seq, "cut_seq": cut})
+        with self._lock:
+            self._files[fname] = entry
+            self._tables.setdefault(name, info)
+            self._watermarks.setdefault(writer_id, {})[name] = cut
+        return {"writer": writer_id, "table": name, "file": fname, "rows": entry["rows"],
+                "tombstones": entry["tombstones"], "bytes": entry["size"],
+                "raw_bytes": entry["raw_bytes"], "chunks": len(entry["chunks"]),
+                "seconds": time.perf_counter() - t0, "since_seq": since_seq, "cut_seq": cut}
+
+    def _write_data_file(self, path: Path, name: str, parts) -> dict:
+        """Write chunks of (kind, keys, rows) groups, each sorted by slot; returns the
+        file's manifest entry (size, sha256, raw_bytes, chunk index)."""
+        bname = name.encode("utf-8")
+        pool = self._get_pool()
+        window = deque()
+        index = []
+        sha = hashlib.sha256()
+        pos = 0
+        raw_total = 0
+
+        def drain_one(f):
+            nonlocal pos, raw_total
+            kind, n, lo, hi, w, fut = window.popleft()
+            comp, raw_len, ccrc = fut.result()
+            head = encode_header(kind, bname, self.num_slots, lo, hi, n, w, raw_len,
+                                 len(comp), ccrc)
+            f.write(head)
+            f.write(comp)
+            sha.update(head)
+            sha.update(comp)
+            index.append([pos, kind, n, lo, hi, raw_len, len(comp), ccrc])
+            pos += len(head) + len(comp)
+            raw_total += raw_len
+
+        self._created_files.append(path)
+        with open(path, "wb") as f:
+            for kind, keys, rows in parts:
+                m = int(keys.size)
+                if m == 0:
+                    continue
+                w = 0 if rows is None else int(rows.shape[1])
+                slots = slot_of(keys, self.num_slots)
+                order = _slot_order(slots, self.num_slots)
+                slots = slots.take(order)
+                keys = np.ascontiguousarray(keys, dtype="<i8")
+                rows_v = None
+                if rows is not None:
+                    rows = np.ascontiguousarray(rows, dtype="<f4")
+                    rows_v = rows.view(np.dtype((np.void, 4 * w))).reshape(-1)
+                per = (max(1024, min(ROWS_PER_CHUNK, CHUNK_RAW_BYTES // (8 + 4 * w)))
+                       if rows is not None else TOMBSTONES_PER_CHUNK)
+                # small exports (incrementals): still one chunk per compression thread
+                per = min(per, max(4096, -(-m // self.threads)))
+                for s in range(0, m, per):
+                    idx = order[s:s + per]
+                    fut = pool.submit(self._payload, keys, rows_v, idx, w)
+                    window.append((kind, int(idx.size), int(slots[s]),
+                                   int(slots[min(s + per, m) - 1]), w, fut))
+                    while len(window) > _WINDOW_PER_THREAD * self.threads:
+                        drain_one(f)
+            while window:
+                drain_one(f)
+            end = encode_header(KIND_END, bname, self.num_slots, 0, 0, len(index), 0, pos, 0, 0)
+            f.write(end)
+            sha.update(end)
+            pos += len(end)
+            f.flush()
+            os.fsync(f.fileno())
+        return {"size": pos, "sha256": sha.hexdigest(), "raw_bytes": raw_total,
+                "chunks": index}
+
+    def _payload(self, keys, rows_v, idx, w):
+        n = idx.size
+        buf = np.empty(n * (8 + 4 * w), dtype=np.uint8)
+        np.take(keys, idx, out=buf[:8 * n].view("<i8"))
+        if w:
+            np.take(rows_v, idx, out=buf[8 * n:].view(rows_v.dtype))
+        comp = self._compressor().compress(buf)
+        return comp, buf.nbytes, crc32(comp)
+
+    def write_dense(self, variables: dict, writer_id: str = "dense") -> dict:
+        """Store named numeric numpy arrays (e.g. dense variables or other worker state
+        that does not live on a PS) in ``<writer>.dense``; a restore returns the newest
+        value of each name along the chain in ``RestoreInfo.dense``."""
+        self._check_open()
+        t0 = time.perf_counter()
+        fname = f"{quote_name(str(writer_id))}.dense"
+        arrays = {}
+        for name, a in variables.items():
+            a = np.asarray(a)
+            if a.dtype.kind not in "biufc":
+                raise TypeError(f"dense variable '{name}': dtype {a.dtype} is not numeric")
+            arrays[str(name)] = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<"))
+        with self._lock:
+            if fname in self._files:
+                raise ValueError(f"writer '{writer_id}' already wrote dense variables")
+            self._files[fname] = {}
+        try:
+            path = self.dir / fname
+            self._created_files.append(path)
+            sha = hashlib.sha256()
+            index, pos, raw_total = [], 0, 0
+            meta = {}
+            c = self._compressor()
+            with open(path, "wb") as f:
+                for name, a in arrays.items():
+                    meta[name] = {"dtype": a.dtype.str, "shape": list(a.shape),
+                                  "chunks": 0}
+                    bname = name.encode("utf-8")
+                    raw = a.reshape(-1).view(np.uint8)
+                    for s in range(0, max(raw.size, 1), CHUNK_RAW_BYTES):
+                        piece = raw[s:s + CHUNK_RAW_BYTES]
+                        comp = c.compress(piece)
+                        ccrc = crc32(comp)
+                        head = encode_header(KIND_ARRAY, bname, self.num_slots, 0, 0,
+                                             piece.size, 0, piece.size, len(comp), ccrc)
+                        f.write(head)
+                        f.write(comp)
+                        sha.update(head)
+                        sha.update(comp)
+                        index.append([pos, KIND_ARRAY, piece.size, 0, 0, piece.size,
+                                      len(comp), ccrc])
+                        pos += len(head) + len(comp)
+                        raw_total += piece.size
+                        meta[name]["chunks"] += 1
+                end = encode_header(KIND_END, b"", self.num_slots, 0, 0, len(index), 0, pos,
+                                    0, 0)
+                f.write(end)
+                sha.update(end)
+                pos += len(end)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            with self._lock:
+                self._files.pop(fname, None)
+            raise
+        entry = {"path": fname, "type": "dense", "writer": str(writer_id), "table": None,
+                 "size": pos, "sha256": sha.hexdigest(), "raw_bytes": raw_total,
+                 "chunks": index, "arrays": meta}
+        with self._lock:
+            self._files[fname] = entry
+        return {"writer": str(writer_id), "file": fname, "arrays": len(meta), "bytes": pos,
+                "raw_bytes": raw_total, "seconds": time.perf_counter() - t0}
+
+    def add_extra(self, extra: dict) -> None:
+        """Merge JSON-serializable caller state into the manifest's ``extra`` (e.g. the
+        AIMaster's data-shard queues and dense variable info)."""
+        self._check_open()
+        if not isinstance(extra, dict):
+            raise TypeError(f"extra must be a dict, got {type(extra).__name__}")
+        try:
+            json.dumps(extra, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"extra must be JSON-serializable: {e}") from None
+        with self._lock:
+            self._extra.update(copy.deepcopy(extra))
+
+    def drop_table(self, name: str) -> None:
+        """Record that ``name`` was dropped since the parent: a restore of this checkpoint
+        (or a later one of the chain) does not bring back its earlier rows. A table
+        re-created under the same name is written after this call (any config)."""
+        self._check_open()
+        with self._lock:
+            if any(e.get("table") == name for e in self._files.values()):
+                raise ValueError(f"table '{name}' was written in this checkpoint")
+            self._dropped.add(name)
+            self._tables.pop(name, None)
+
+    def file_entries(self) -> list[dict]:
+        """JSON-serializable records of the files written by this writer, to be committed
+        by another writer of the same checkpoint (:meth:`add_file_entries`)."""
+        with self._lock:
+            return [{"entry": copy.deepcopy(e),
+                     "table_info": copy.deepcopy(self._tables.get(e.get("table")))}
+                    for e in self._files.values() if e]
+
+    def add_file_entries(self, records: list[dict]) -> None:
+        """Adopt files written into this checkpoint's directory by other writers."""
+        self._check_open()
+        with self._lock:
+            for rec in records:
+                e, info = rec["entry"], rec.get("table_info")
+                if e["path"] in self._files:
+                    raise ValueError(f"file {e['path']} is already part of this checkpoint")
+                name = e.get("table")
+                if name is not None:
+                    have = self._tables.get(name)
+                    if have is not None and have != info:
+                        raise ValueError(f"table '{name}': config {info} differs from {have}")
+                    self._tables[name] = info
+                    if e.get("cut_seq") is not None:
+                        self._watermarks.setdefault(e["writer"], {})[name] = e["cut_seq"]
+                self._files[e["path"]] = copy.deepcopy(e)
+
+    # -- commit -------------------------------------------------------------------------
+    def commit(self) -> dict:
+        """Write ``manifest.json`` atomically (last); returns the manifest."""
+        self._check_open()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        with self._lock:
+            files = [e for e in self._files.values() if e]
+            if len(files) != len(self._files):
+                raise RuntimeError("commit() while a write is still in progress")
+            for e in files:
+                p = self.dir / e["path"]
+                try:
+                    size = p.stat().st_size
+                except FileNotFoundError:
+                    raise CheckpointError(f"{p}: file missing at commit") from None
+                if size != e["size"]:
+                    raise CheckpointError(f"{p}: size {size} != recorded {e['size']}")
+            tables = {}
+            for name, info in sorted(self._tables.items()):
+                mine = [e for e in files if e.get("table") == name]
+                tables[name] = dict(info, rows=sum(e["rows"] for e in mine),
+                                    tombstones=sum(e["tombstones"] for e in mine))
+            now = time.time()
+            body = {
+                "format": MANIFEST_FORMAT, "version": FORMAT_VERSION,
+                "id": self.id, "kind": self.kind, "parent": self.parent,
+                "parent_checksum": self._parent_checksum,
+                "created": now,
+                "created_iso": datetime.fromtimestamp(now, timezone.utc).isoformat(
+                    timespec="seconds"),
+                "num_slots": self.num_slots,
+                "tables": tables,
+                "dropped_tables": sorted(self._dropped),
+                "files": sorted(files, key=lambda e: e["path"]),
+                "chunk_fields": CHUNK_FIELDS,
+                "watermarks": self._watermarks,
+                "totals": {"rows": sum(e.get("rows", 0) for e in files),
+                           "tombstones": sum(e.get("tombstones", 0) for e in files),
+                           "bytes": sum(e["size"] for e in files),
+                           "raw_bytes": sum(e["raw_bytes"] for e in files)},
+                "extra": self._extra,
+            }
+            body["checksum"] = manifest_checksum(body)
+            blob = json.dumps(body, indent=1, sort_keys=True, allow_nan=False).encode("utf-8")
+            _fsync_dir(self.dir)  # directory entries of the data files
+            tmp = self.dir / f".{MANIFEST_NAME}.tmp-{os.getpid()}-{threading.get_ident()}"
+            with open(tmp, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.dir / MANIFEST_NAME)
+            _fsync_dir(self.dir)
+            self._committed = True
+        log.info("checkpoint %s committed: %d files, %d rows, %d tombstones, %d bytes",
+                 self.dir.name, len(files), body["totals"]["rows"],
+                 body["totals"]["tombstones"], body["totals"]["bytes"])
+        return body
+
+    def abort(self) -> None:
+        """Remove the files this writer created (never a committed checkpoint)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._committed:
+            return
+        for p in self._created_files:
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+        try:
+            self.dir.rmdir()  # only if empty (other writers' files stay)
+        except OSError:
+            pass
+        self._committed = True  # closed
