@@ -106,14 +106,17 @@ def test_kill9_aimaster_leaves_no_orphans(start_job):
     wait_for(lambda: not any(pid_alive(p) for p in pids), 40, "PS to exit after the AIMaster died")
 
 
-def test_dead_ps_fails_the_job_loudly(start_job):
-    job = start_job({"name": "psdeath"}, ["--ps", "2", "--workers", "0"])
+def test_dead_ps_without_replica_fails_the_job_loudly(start_job):
+    """A lone PS has no ring peer holding its rows: the job fails with a clear message
+    rather than carry on with an empty PS (with a peer, see test_fault_tolerance)."""
+    job = start_job({"name": "psdeath"}, ["--ps", "1", "--workers", "0"])
     wait_for(lambda: job.status()["epoch"] >= 1, 60, "routing")
-    ps1 = next(m for m in job.status()["members"] if m["id"] == "ps-1")
-    os.kill(ps1["pid"], signal.SIGKILL)
+    ps0 = next(m for m in job.status()["members"] if m["id"] == "ps-0")
+    os.kill(ps0["pid"], signal.SIGKILL)
     assert job.wait(60) == 1
     state = job.state()
-    assert state["phase"] == "failed" and "ps-1 died" in state["message"]
+    assert state["phase"] == "failed" and "ps-0 died" in state["message"]
+    assert "rows are lost" in state["message"]
 
 
 def _cli(*args, timeout=60):
