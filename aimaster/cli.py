@@ -56,6 +56,12 @@ def get_args_parser() -> argparse.ArgumentParser:
     scale.add_argument("--ps", type=int, default=None, help="new PS count")
     scale.add_argument("--workers", type=int, default=None, help="new worker count")
     scale.add_argument("--timeout", type=float, default=600.0)
+    ck = sub.add_parser("checkpoint", help="take a checkpoint of a running job now; prints the event")
+    ck.add_argument("--master", default=os.environ.get("DEEPREC_MASTER_ADDR"),
+                    help="AIMaster address host:port (env DEEPREC_MASTER_ADDR)")
+    ck.add_argument("--full", action="store_true", help="a full checkpoint (default: incremental "
+                    "when the job has one to build on)")
+    ck.add_argument("--timeout", type=float, default=3600.0)
     return p
 
 
@@ -151,9 +157,25 @@ def cmd_scale(args) -> int:
     return 0
 
 
+def cmd_checkpoint(args) -> int:
+    if not args.master:
+        return _fail("--master is required (or set DEEPREC_MASTER_ADDR)")
+    from deeprec_ext.grpc_util import insecure_channel
+    from deeprec_ext.proto import master_pb2, master_pb2_grpc
+    try:
+        with insecure_channel(args.master) as ch:
+            resp = master_pb2_grpc.MasterStub(ch).Checkpoint(
+                master_pb2.CheckpointRequest(full=args.full), timeout=args.timeout)
+    except grpc.RpcError as exc:
+        return _fail(f"checkpoint failed at {args.master}: {exc.code().name}: {exc.details()}", 1)
+    print(resp.event_json)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = get_args_parser().parse_args(argv)
-    return {"run": cmd_run, "status": cmd_status, "scale": cmd_scale}[args.command](args)
+    return {"run": cmd_run, "status": cmd_status, "scale": cmd_scale,
+            "checkpoint": cmd_checkpoint}[args.command](args)
 
 
 if __name__ == "__main__":

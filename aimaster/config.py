@@ -56,9 +56,14 @@ class JobConfig:
     progress_seconds: float = 5.0
     replication_interval_ms: float = 200.0
     sync_replication: bool = False
+    checkpoint_dir: str = ""            # default: <state_dir>/checkpoints
+    checkpoint_interval_seconds: float = 0.0  # 0: only on request (aimaster checkpoint)
+    checkpoint_keep_chains: int = 2
+    checkpoint_full_every: int = 5      # every Nth checkpoint is full, the others incremental
 
 
-_TOP_KEYS = {"name", "num_slots", "ps", "worker", "workers", "data", "master", "replication"}
+_TOP_KEYS = {"name", "num_slots", "ps", "worker", "workers", "data", "master", "replication",
+             "checkpoint"}
 
 
 def _expect(d, what: str) -> dict:
@@ -139,6 +144,13 @@ def parse_job(doc) -> JobConfig:
     mode = repl.get("mode", "async")
     if mode not in ("async", "sync"):
         raise ConfigError(f"replication.mode: expected 'async' or 'sync', got {mode!r}")
+    ck = _expect(d.get("checkpoint"), "checkpoint")
+    unknown = set(ck) - {"dir", "interval_seconds", "keep_chains", "full_every"}
+    if unknown:
+        raise ConfigError(f"checkpoint: unknown key(s) {sorted(unknown)}")
+    interval = ck.get("interval_seconds", 0)
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval < 0:
+        raise ConfigError(f"checkpoint.interval_seconds: expected a number >= 0, got {interval!r}")
     if "worker" in d and "workers" in d:
         raise ConfigError("job file: give either 'worker' or 'workers', not both")
     num_slots = _int(d, "num_slots", "job", DEFAULT_NUM_SLOTS, minimum=1)
@@ -163,6 +175,10 @@ def parse_job(doc) -> JobConfig:
         progress_seconds=_float(master, "progress_seconds", "master", 5.0),
         replication_interval_ms=_float(repl, "interval_ms", "replication", 200.0),
         sync_replication=mode == "sync",
+        checkpoint_dir=str(ck.get("dir", "")),
+        checkpoint_interval_seconds=float(interval),
+        checkpoint_keep_chains=_int(ck, "keep_chains", "checkpoint", 2, minimum=1),
+        checkpoint_full_every=_int(ck, "full_every", "checkpoint", 5, minimum=1),
     )
     if cfg.worker.replicas and not cfg.worker.command:
         raise ConfigError("worker.command: required when worker.replicas > 0")

@@ -83,6 +83,10 @@ class JobMaster:
         self._barrier_gen = 0
         self._barrier_arrived: set[str] = set()
         self._barrier_members: set[str] = set()
+        self.checkpoint_dir = config.checkpoint_dir or os.path.join(config.state_dir, "checkpoints")
+        self._ckpt_lock = threading.Lock()
+        self._ckpt_chain: dict | None = None  # {"id", "since": {(ps id, pid): {table: seq}}, "n"}
+        self._last_ckpt = self.clock()
         self._last_samples = (0, self.clock())
 
     # -- state ---------------------------------------------------------------------------
@@ -178,6 +182,7 @@ class JobMaster:
             while not self._stop.is_set():
                 self._drain_main_calls()
                 self._tick(deadline)
+                self._maybe_periodic_checkpoint()
                 if self.phase in FINAL_PHASES:
                     break
                 if on_progress and self.phase == JobPhase.RUNNING and \
@@ -464,6 +469,76 @@ class JobMaster:
         except ScaleRefused as exc:
             self._event("replacement_failed", dead=dead, reason=str(exc))
 
+    def checkpoint(self, full: bool = False) -> dict:
+        """Take a checkpoint now: every PS writes the rows of its slots (incremental: rows
+        changed since its part of the previous checkpoint), then the manifest is committed
+        with the data-shard queues and the routing, so model and consumed data match."""
+        from checkpoint import CheckpointWriter, apply_retention, next_id
+        if not self._ckpt_lock.acquire(blocking=False):
+            raise ScaleRefused("a checkpoint is already being taken")
+        try:
+            if self.phase != JobPhase.RUNNING:
+                raise ScaleRefused(f"the job is {self.phase.value}, not running")
+            start = self.clock()
+            with self._scale_lock:  # a stable layout while the PS write
+                routing = self.routing
+                members = {m.id: m for m in self._live_ps()}
+                chain = self._ckpt_chain
+                incr = (not full and chain is not None
+                        and chain["n"] % self.config.checkpoint_full_every != 0)
+                ckpt_id = next_id(self.checkpoint_dir)
+                kind = "incr" if incr else "full"
+                shard_state = self.shards.to_state() if self.shards else None
+                results = {}
+                for ps_id, address in zip(routing.ps_ids, routing.ps_addresses):
+                    key = f"{ps_id}@{members[ps_id].pid}"
+                    since = (chain["since"].get(key, {}) if incr else {})
+                    with insecure_channel(address) as ch:
+                        results[key] = ps_pb2_grpc.ParameterServerStub(ch).WriteCheckpoint(
+                            ps_pb2.WriteCheckpointRequest(
+                                root=os.path.abspath(self.checkpoint_dir), ckpt_id=ckpt_id,
+                                kind=kind, parent=chain["id"] if incr else 0, writer_id=ps_id,
+                                since_json=json.dumps(since)), timeout=3600)
+            writer = CheckpointWriter(self.checkpoint_dir, ckpt_id, kind,
+                                      parent=chain["id"] if incr else None,
+                                      num_slots=routing.num_slots)
+            for resp in results.values():
+                writer.add_file_entries(json.loads(resp.files_json))
+            writer.add_extra({"job": self.config.name, "epoch": routing.epoch,
+                              "ps_ids": list(routing.ps_ids), "shards": shard_state})
+            writer.commit()
+            self._ckpt_chain = {"id": ckpt_id, "n": (chain["n"] + 1) if incr else 1,
+                                "since": {k: json.loads(r.cut_json) for k, r in results.items()}}
+            self._last_ckpt = self.clock()
+            deleted = apply_retention(self.checkpoint_dir, self.config.checkpoint_keep_chains)
+            event = {"kind": "checkpoint", "id": ckpt_id, "type": kind,
+                     "rows": sum(r.rows for r in results.values()),
+                     "bytes": sum(r.bytes for r in results.values()),
+                     "duration_ms": round((self.clock() - start) * 1000, 1),
+                     "dir": os.path.abspath(self.checkpoint_dir), "retention_deleted": deleted,
+                     "time": time.time()}
+            with self._lock:
+                self.events.append(event)
+                self.checkpoint_pointer = event
+            log.info("event checkpoint %s", event)
+            self._save()
+            return event
+        finally:
+            self._ckpt_lock.release()
+
+    def _maybe_periodic_checkpoint(self) -> None:
+        every = self.config.checkpoint_interval_seconds
+        if every and self.phase == JobPhase.RUNNING and self.clock() - self._last_ckpt >= every \
+                and not self._ckpt_lock.locked():
+            self._last_ckpt = self.clock()
+
+            def run():
+                try:
+                    self.checkpoint()
+                except Exception as exc:  # noqa: BLE001 - reported as an event, job goes on
+                    self._event("checkpoint_failed", reason=str(exc))
+            threading.Thread(target=run, daemon=True, name="checkpoint").start()
+
     def _live_workers(self) -> list[Member]:
         return [m for m in self.registry.members("worker")
                 if m.state == MemberState.RUNNING and m.id not in self._leaving]
@@ -714,6 +789,15 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         except ScaleRefused as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return master_pb2.ScaleResponse(event_json=json.dumps(event, sort_keys=True))
+
+    def Checkpoint(self, request, context):
+        try:
+            event = self.m.checkpoint(full=request.full)
+        except ScaleRefused as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except (OSError, ValueError, grpc.RpcError) as exc:
+            context.abort(grpc.StatusCode.INTERNAL, f"checkpoint failed: {exc}")
+        return master_pb2.CheckpointResponse(event_json=json.dumps(event, sort_keys=True))
 
     def Barrier(self, request, context):
         member = self.m.registry.get(request.worker_id)

@@ -88,3 +88,56 @@ def test_async_replication_loss_within_reported_bound(start_job):
             np.add.at(at_risk, ids, 1)
     lost = expected - got
     assert (lost <= at_risk).all(), f"lost {lost.sum()} updates, at most {at_risk.sum()} at risk"
+
+
+def _cli(job, *args, timeout=300):
+    import json as _json
+    import subprocess
+    import sys
+    from tests.conftest import ROOT
+    r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=timeout, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    return r.returncode, r.stdout, r.stderr
+
+
+def test_checkpoints_of_a_live_job_restore_exactly(start_job, tmp_path):
+    from checkpoint import restore
+    from deeprec_ext.store import EmbeddingStore
+    ck_dir = tmp_path / "ckpts"
+    job = start_job({"name": "ckpt", "ps": {"replicas": 2, "max_replicas": 3},
+                     "checkpoint": {"dir": str(ck_dir), "keep_chains": 2}}, ["--workers", "0"])
+    client = PSClient.connect(job.address, timeout=60)
+    client.create_table("emb", dim=8, initializer={"name": "normal", "seed": 2}, optimizer="adagrad")
+    rng = np.random.default_rng(3)
+    ids = rng.integers(-2**62, 2**62, 40_000)
+    client.push("emb", ids, rng.normal(size=(ids.size, 8)).astype(np.float32))
+
+    def snapshot():
+        return client.lookup("emb", ids, insert_missing=False)
+
+    def restored():
+        store = EmbeddingStore()
+        info = restore(str(ck_dir), store)
+        return store.get("emb").lookup(ids, insert_missing=False), info
+
+    code, out, err = _cli(job, "aimaster.cli", "checkpoint", "--master", job.address, "--full")
+    assert code == 0, err
+    import json as _json
+    first = _json.loads(out)
+    assert first["type"] == "full" and first["rows"] == np.unique(ids).size
+    np.testing.assert_array_equal(restored()[0], snapshot())
+    # touch 5% of the rows, grow to 3 PS (rows move), then an incremental
+    touched = ids[:2000]
+    client.push("emb", touched, np.ones((touched.size, 8), np.float32))
+    assert _json.loads(_cli(job, "aimaster.cli", "scale", "--master", job.address,
+                            "--ps", "3")[1])["ps"] == [2, 3]
+    code, out, err = _cli(job, "aimaster.cli", "checkpoint", "--master", job.address)
+    assert code == 0, err
+    second = _json.loads(out)
+    assert second["type"] == "incr"
+    values, info = restored()
+    np.testing.assert_array_equal(values, snapshot())
+    assert info.extra["ps_ids"] == ["ps-0", "ps-1", "ps-2"]
+    code, out, err = _cli(job, "checkpoint", "inspect", str(ck_dir))
+    assert code == 0, out + err
+    client.close()

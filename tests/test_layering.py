@@ -15,6 +15,10 @@ FORBIDDEN = {
 }
 
 
+# The PS server writes checkpoints (it owns the rows); nothing else in deeprec_ext may.
+ALLOWED = {("deeprec_ext/ps/server.py", "checkpoint")}
+
+
 def _imports(path: pathlib.Path) -> set[str]:
     tree = ast.parse(path.read_text())
     out = set()
@@ -30,7 +34,8 @@ def test_layers():
     problems = []
     for pkg, banned in FORBIDDEN.items():
         for f in (ROOT / pkg).rglob("*.py"):
-            bad = _imports(f) & banned
+            rel = str(f.relative_to(ROOT))
+            bad = {b for b in _imports(f) & banned if (rel, b) not in ALLOWED}
             if bad:
                 problems.append(f"{f.relative_to(ROOT)} imports {sorted(bad)}")
     ours = [p for d in ("deeprec_ext", "aimaster", "gazer", "graph_opt", "checkpoint", "tfjob_crd",

@@ -369,6 +369,37 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                  request.origin, age)
         return ps_pb2.PromoteResponse(rows=n, origin_sequence=seq, replica_age_ms=age)
 
+    def WriteCheckpoint(self, request, context):
+        """Write this PS's rows (the slots it owns) into a checkpoint; the AIMaster commits."""
+        from checkpoint import CheckpointWriter  # the PS is the writer of the format
+        if request.kind not in ("full", "incr"):
+            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
+                         f"kind must be 'full' or 'incr', got {request.kind!r}")
+        try:
+            since = json.loads(request.since_json) if request.since_json else {}
+            writer = CheckpointWriter(request.root, request.ckpt_id, request.kind,
+                                      parent=request.parent if request.kind == "incr" else None,
+                                      num_slots=self.routing.num_slots)
+        except (ValueError, OSError) as exc:
+            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, f"checkpoint: {exc}")
+        owned = self.routing.owned
+        rows = nbytes = 0
+        cut = {}
+        self.routing.gate.acquire_shared()
+        try:
+            for name, table in sorted(self.store.tables().items()):
+                stats = writer.write_table(
+                    request.writer_id or self.ps_id, table,
+                    since_seq=(since.get(name, 0) if request.kind == "incr" else None),
+                    slot_mask=owned)
+                rows += stats["rows"]
+                nbytes += stats["bytes"]
+                cut[name] = stats["cut_seq"]
+        finally:
+            self.routing.gate.release_shared()
+        return ps_pb2.WriteCheckpointResponse(files_json=json.dumps(writer.file_entries()),
+                                              cut_json=json.dumps(cut), rows=rows, bytes=nbytes)
+
     def Stats(self, request, context):
         tables = []
         for name, table in sorted(self.store.tables().items()):
