@@ -55,7 +55,9 @@ def test_keras_2ps_2workers_matches_single_process_auc(start_job, criteo_data, t
     local = json.loads(out.stdout.strip().splitlines()[-1])["auc"]
     print(f"AUC ours 2 PS + 2 workers {ours:.4f}, single-process Keras {local:.4f}")
     assert ours > 0.7
-    assert abs(ours - local) <= 0.02
+    # no worse than the single process by more than 0.02 (asynchronous training with
+    # server-side sparse Adam can also come out ahead)
+    assert ours >= local - 0.02
 
 
 def test_tf1_monitored_session_job(start_job, criteo_data):

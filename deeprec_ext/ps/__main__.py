@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     stop.wait()
     log.info("PS %s stopping", servicer.ps_id)
+    servicer.replicator.close()
     if session is not None:
         session.close("stopped")
     server.stop(grace=2).wait()

@@ -178,8 +178,18 @@ class Replicator:
                     self._since = -1  # resend everything once the peer is reachable
 
     def close(self) -> None:
+        """Stop shipping and cancel any stream in flight: two PS stopping together would
+        otherwise each wait at exit for a handler serving the other's stream."""
         self._stop.set()
         self._wake.set()
+        got = self._lock.acquire(timeout=1)  # a shipment may be stuck: close under it anyway
+        try:
+            if self._channel is not None:
+                self._channel.close()
+            self._stub = None
+        finally:
+            if got:
+                self._lock.release()
 
 
 class ReplicaSet:

@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -140,9 +141,15 @@ def main(argv=None) -> int:
         json.dump(out, f, indent=2)
     os.replace(path + ".tmp", path)
     log.info("done: %s", out)
-    ctx.close()
+    ctx.close()  # pushes settled, shards reported, lease given back
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything is settled and reported. TensorFlow's teardown can hold interpreter exit
+    # for tens of seconds (tf.data generator threads), which delays scale-in and job end.
+    os._exit(code)
