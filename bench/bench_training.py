@@ -395,7 +395,8 @@ def _summarize_profile(prof: dict) -> dict:
 # ours: job file + aimaster run
 # ----------------------------------------------------------------------------------------
 
-def write_job(path: str, name: str, data_dir: str, args, profile: bool) -> None:
+def write_job(path: str, name: str, data_dir: str, args, profile: bool,
+              overlap: bool = False) -> None:
     import yaml
     job = {
         "name": name,
@@ -405,7 +406,7 @@ def write_job(path: str, name: str, data_dir: str, args, profile: bool) -> None:
             "replicas": 1,
             "command": ["{python}", os.path.abspath(__file__), "--_ours-worker",
                         "--batch-size", str(args.batch_size), "--dim", str(DIM),
-                        "--lr", str(args.lr)],
+                        "--lr", str(args.lr)] + (["--overlap"] if overlap else []),
             "max_restarts": 0,
             "env": {"BENCH_PROFILE": "1"} if profile else {},
         },
@@ -425,13 +426,13 @@ def _aimaster_cmd() -> list[str]:
 
 
 def run_ours(args, data: dict, ps: int, workers: int, profile: bool = False,
-             tag: str | None = None) -> dict:
-    tag = tag or f"{ps}x{workers}"
+             tag: str | None = None, overlap: bool = False) -> dict:
+    tag = tag or f"{ps}x{workers}" + ("-overlap" if overlap else "")
     state_dir = os.path.join(REPO, "runs", f"bench-ours-{tag}")
     shutil.rmtree(state_dir, ignore_errors=True)
     os.makedirs(state_dir)
     job_path = os.path.join(state_dir, "job.yaml")
-    write_job(job_path, f"bench-ours-{tag}", data["dir"], args, profile)
+    write_job(job_path, f"bench-ours-{tag}", data["dir"], args, profile, overlap)
     cmd = _aimaster_cmd() + ["run", job_path, "--ps", str(ps), "--workers", str(workers),
                              "--state-dir", os.path.relpath(state_dir, REPO),
                              "--log-level", "WARNING"]
@@ -622,8 +623,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pss-inner-steps", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--warmup-steps", type=int, default=20)
     ap.add_argument("--records-per-shard", type=int, default=20_000)
-    ap.add_argument("--configs", default="single,pss,ours-1x1,ours-2x2",
-                    help="comma-separated subset of single,pss,ours-1x1,ours-2x2")
+    ap.add_argument("--configs", default="single,pss,ours-1x1,ours-1x1-overlap,ours-2x2",
+                    help="comma-separated subset of single,pss,ours-1x1,ours-1x1-overlap,ours-2x2")
     ap.add_argument("--repeat", type=int, default=2,
                     help="rounds over all configurations (default 2); each configuration's "
                          "best round is reported, every round is kept in the JSON")
@@ -648,7 +649,7 @@ def main(argv=None) -> int:
         os._exit(0)  # skip TF teardown (the PS coordinator can block on dead servers)
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    bad = set(configs) - {"single", "pss", "ours-1x1", "ours-2x2"}
+    bad = set(configs) - {"single", "pss", "ours-1x1", "ours-1x1-overlap", "ours-2x2"}
     if bad:
         ap.error(f"unknown config(s) {sorted(bad)}")
     started = time.time()
@@ -672,6 +673,8 @@ def main(argv=None) -> int:
                                                args.extra_pss_inner_steps)))
         elif c == "ours-1x1":
             plan.append(("ours-1x1", lambda: run_ours(args, data, 1, 1)))
+        elif c == "ours-1x1-overlap":
+            plan.append(("ours-1x1-overlap", lambda: run_ours(args, data, 1, 1, overlap=True)))
         elif c == "ours-2x2":
             plan.append(("ours-2x2", lambda: run_ours(args, data, 2, 2)))
 
@@ -715,6 +718,7 @@ def main(argv=None) -> int:
         f"tf-pss-x{args.extra_pss_inner_steps}":
             f"TF PSS, {args.extra_pss_inner_steps} steps per schedule() (info)",
         "ours-1x1": "ours 1 worker + 1 PS",
+        "ours-1x1-overlap": "ours 1 worker + 1 PS, --overlap",
         "ours-2x2": "ours 2 workers + 2 PS",
     }
     rows_out = []

@@ -111,6 +111,10 @@ class WorkerContext:
         self._push_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ps-push")
         self._push_inflight: dict[str, Future] = {}
         self._unacked_steps = 0
+        # Overlap mode: pushes go out one step in flight. Faster, but each step reads
+        # embeddings one step stale (measured: about -0.02 AUC on the example), so off
+        # unless asked for (ElasticCallback(overlap=True) / ElasticSessionHook(overlap=True)).
+        self.async_pushes = False
         self._push_lock = threading.Lock()
 
     @property
@@ -122,9 +126,13 @@ class WorkerContext:
         return self.session.rank
 
     def push_async(self, table: str, ids, grads) -> None:
-        """Send a push without waiting for it, at most one in flight per table: the next
+        """In overlap mode (``async_pushes``), send a push without waiting for it, at most
+        one in flight per table (otherwise push synchronously): the next
         push of a table first waits for the previous one (and re-raises its error), so a
         step's lookups see every update older than one step (asynchronous PS training)."""
+        if not self.async_pushes:
+            self.client.push(table, ids, grads, unique=True)
+            return
         ids, grads = np.array(ids, copy=True), np.array(grads, copy=True)
         with self._push_lock:
             prev = self._push_inflight.get(table)

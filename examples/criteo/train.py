@@ -76,7 +76,7 @@ def predict_keras(model, test_file: str, batch_size: int) -> tuple[np.ndarray, n
 def run_keras(args, ctx) -> dict:
     model = build_keras(args.lr, args.dim)
     ds = dtf.shard_dataset(args.batch_size, parse_fn=parse_lines)
-    callback = dtf.ElasticCallback()
+    callback = dtf.ElasticCallback(overlap=args.overlap)
     start = time.monotonic()
     history = model.fit(ds, epochs=1, callbacks=[callback], verbose=2,
                         shuffle=False)
@@ -127,6 +127,9 @@ def main(argv=None) -> int:
     p.add_argument("--dim", type=int, default=8)
     p.add_argument("--lr", type=float, default=0.001)
     p.add_argument("--test", default="", help="test file; worker 0 reports its AUC")
+    p.add_argument("--overlap", action="store_true",
+                   help="pushes one step in flight and dense sync in the background: faster, "
+                        "slightly staler (see docs/guide-tensorflow.md)")
     p.add_argument("--metrics-out", default="",
                    help="default: $DEEPREC_STATE_DIR/metrics-<worker>.json")
     args = p.parse_args(argv)
