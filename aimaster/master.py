@@ -329,8 +329,13 @@ class JobMaster:
     def _push_routing(self, routing: RoutingTable) -> None:
         """Ownership plus the replication ring (each PS's peer is the next PS in order)."""
         n = len(routing.ps_addresses)
+        failed = []
         for p, address in enumerate(routing.ps_addresses):
             owned = (routing.slot_owner == p).astype(np.uint8)
+            member = self.registry.get(routing.ps_ids[p])
+            if member is not None and member.state != MemberState.RUNNING:
+                failed.append(routing.ps_ids[p])  # dead too: its own recovery handles it
+                continue
             with insecure_channel(address) as ch:
                 ps_pb2_grpc.ParameterServerStub(ch).SetRouting(ps_pb2.SetRoutingRequest(
                     epoch=routing.epoch, num_slots=routing.num_slots, owned_slots=owned.tobytes(),
@@ -339,6 +344,7 @@ class JobMaster:
                     replication_interval_ms=self.config.replication_interval_ms,
                     sync_replication=self.config.sync_replication),
                     timeout=10, wait_for_ready=True)
+        return failed
 
     # -- elasticity ----------------------------------------------------------------------------
     def report_stall(self, stall_ms: float) -> None:
@@ -406,6 +412,24 @@ class JobMaster:
             self._scale_lock.release()
 
     def _recover_ps(self, dead: str, why: str) -> None:
+        try:
+            self._recover_ps_once(dead, why)
+        except Exception as exc:  # noqa: BLE001 - a recovery that cannot finish fails loudly
+            log.exception("recovery of %s failed", dead)
+            self._set_phase(JobPhase.FAILED, f"recovery of {dead} failed: {exc}")
+
+    def _stop_node(self, node_id: str, timeout: float = 30.0) -> None:
+        """Make sure a departed PS's process is gone (hung, or still exiting) before a
+        replacement is started under its id: it must not serve, nor re-register."""
+        def running():
+            return any(n.id == node_id and n.state == NodeState.RUNNING for n in self.scaler.nodes())
+        deadline = self.clock() + timeout
+        while running() and self.clock() < deadline:
+            if self.clock() > deadline - timeout + 5:  # a leaving PS gets 5 s to exit
+                self.on_main(lambda: self.scaler.kill(node_id))
+            time.sleep(0.1)
+
+    def _recover_ps_once(self, dead: str, why: str) -> None:
         """A PS died: its ring peer already holds its rows. Promote that copy (no bulk copy,
         no checkpoint read), publish a new epoch without the dead PS, re-form the ring,
         then start a replacement that joins by an ordinary scale-out."""
@@ -464,6 +488,7 @@ class JobMaster:
                 self.events.append(event)
             log.info("event recovery %s", event)
             self._save()
+        self._stop_node(dead)
         try:  # replacement: an ordinary scale-out back to the previous PS count
             self.scale(ps=n)
         except ScaleRefused as exc:
@@ -483,6 +508,9 @@ class JobMaster:
             with self._scale_lock:  # a stable layout while the PS write
                 routing = self.routing
                 members = {m.id: m for m in self._live_ps()}
+                missing = [p for p in routing.ps_ids if p not in members]
+                if missing:
+                    raise ScaleRefused(f"PS {missing} are not live (recovery in progress?)")
                 chain = self._ckpt_chain
                 incr = (not full and chain is not None
                         and chain["n"] % self.config.checkpoint_full_every != 0)
@@ -724,6 +752,14 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     def Deregister(self, request, context):
         member = self.m.registry.mark(request.id, MemberState.LEFT)
+        routing = self.m.routing
+        if (member is not None and member.role == "ps" and routing is not None
+                and request.id in routing.ps_ids and self.m.phase == JobPhase.RUNNING):
+            # a PS leaving on its own (preemption notice) after handing its last delta to
+            # its ring peer: promote that copy, as for a death, and replace it
+            self.m._event("ps_end", id=request.id, state="left", reason=request.reason)
+            threading.Thread(target=self.m._recover_ps, args=(request.id, request.reason),
+                             daemon=True, name=f"recover-{request.id}").start()
         if member is not None and member.role == "worker" and self.m.shards:
             returned = self.m.shards.give_back(request.id)
             self.m._event("worker_left", id=request.id, reason=request.reason,

@@ -141,3 +141,45 @@ def test_checkpoints_of_a_live_job_restore_exactly(start_job, tmp_path):
     code, out, err = _cli(job, "checkpoint", "inspect", str(ck_dir))
     assert code == 0, out + err
     client.close()
+
+
+def test_preempted_ps_hands_off_without_loss_even_async(start_job):
+    """SIGTERM (a preemption notice) to a PS: it fences its slots, ships its last delta to
+    its peer and leaves; the peer's copy is promoted and no acknowledged push is lost,
+    even with asynchronous replication."""
+    job = start_job({"name": "preempt", "ps": {"replicas": 3, "max_replicas": 4},
+                     "replication": {"mode": "async", "interval_ms": 500}}, ["--workers", "0"])
+    client = PSClient.connect(job.address, timeout=60)
+    client.create_table("c", dim=1, initializer="zeros", optimizer={"name": "sgd", "learning_rate": 1.0})
+    n = 20_000
+    expected = np.zeros(n, dtype=np.int64)
+    stop = threading.Event()
+    errors = []
+    rng = np.random.default_rng(4)
+
+    def pusher():
+        try:
+            while not stop.is_set():
+                ids = rng.integers(0, n, 1000)
+                client.push("c", ids, -np.ones((ids.size, 1), np.float32))
+                np.add.at(expected, ids, 1)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t = threading.Thread(target=pusher)
+    t.start()
+    try:
+        wait_for(lambda: expected.sum() > 100_000, 60, "pushes")
+        os.kill(pids(job, "ps")["ps-1"], signal.SIGTERM)
+        rec = wait_for(lambda: _events(job, "recovery"), 30, "recovery")[0]
+        wait_for(lambda: any(e["ps"] == [2, 3] for e in _events(job, "scale")), 120, "replacement")
+        total = expected.sum()
+        wait_for(lambda: expected.sum() > total + 50_000, 60, "pushes after the hand-off")
+    finally:
+        stop.set()
+        t.join(60)
+    assert not errors, errors
+    assert rec["dead"] == "ps-1" and "preempted" in rec["reason"]
+    got = client.lookup("c", np.arange(n, dtype=np.int64), insert_missing=False)[:, 0]
+    np.testing.assert_array_equal(got.astype(np.int64), expected)
+    client.close()

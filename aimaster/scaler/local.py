@@ -145,9 +145,12 @@ class LocalProcessScaler(Scaler):
             return node.info()
 
     def kill(self, node_id: str, sig: int = signal.SIGKILL) -> None:
-        """Deliver a signal to one node (tests use it to kill -9 a member)."""
+        """Deliver a signal to one node (a hung or departed member; tests kill -9 too)."""
         with self._lock:
-            self._signal(self._nodes[node_id], sig)
+            node = self._nodes.get(node_id)
+            if node is not None:
+                node.stopping = True
+                self._signal(node, sig)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._lock:

@@ -64,9 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     stop.wait()
     log.info("PS %s stopping", servicer.ps_id)
+    handed_off = servicer.hand_off()
     servicer.replicator.close()
     if session is not None:
-        session.close("stopped")
+        session.close("preempted" if handed_off else "stopped")
     server.stop(grace=2).wait()
     return 0
 

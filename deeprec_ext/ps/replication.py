@@ -12,6 +12,7 @@ import json
 import logging
 import threading
 import time
+from collections import OrderedDict, deque
 
 import grpc
 import numpy as np
@@ -37,9 +38,9 @@ class AppliedRequests:
 
     def __init__(self, capacity: int = 200_000):
         self._lock = threading.Lock()
-        self._ids: dict[str, None] = {}
+        self._ids: OrderedDict[str, None] = OrderedDict()
         self._capacity = capacity
-        self._unshipped: list[str] = []
+        self._unshipped: deque[str] = deque(maxlen=capacity)
 
     def seen(self, rid: str) -> bool:
         with self._lock:
@@ -52,13 +53,13 @@ class AppliedRequests:
             self._ids[rid] = None
             if ship:
                 self._unshipped.append(rid)
-            if len(self._ids) > self._capacity:  # forget the oldest (dicts keep order)
-                for old in list(self._ids)[: len(self._ids) - self._capacity]:
-                    del self._ids[old]
+            while len(self._ids) > self._capacity:  # forget the oldest, O(1) each
+                self._ids.popitem(last=False)
 
     def take_unshipped(self) -> list[str]:
         with self._lock:
-            out, self._unshipped = self._unshipped, []
+            out = list(self._unshipped)
+            self._unshipped.clear()
             return out
 
 
@@ -201,10 +202,16 @@ class ReplicaSet:
         self.sequence: dict[str, int] = {}
         self.updated: dict[str, float] = {}
         self.applied: dict[str, list[str]] = {}
+        self.complete: dict[str, bool] = {}  # False while a full copy is still streaming in
 
     def apply(self, batches) -> int:
         n = 0
+        reset_origin = None
         for b in batches:
+            if b.reset:
+                reset_origin = b.origin
+                with self._lock:
+                    self.complete[b.origin] = False
             with self._lock:
                 if b.reset or b.origin not in self.stores:
                     self.stores[b.origin] = EmbeddingStore()
@@ -229,7 +236,14 @@ class ReplicaSet:
             with self._lock:
                 self.sequence[b.origin] = max(self.sequence.get(b.origin, 0), b.origin_sequence)
                 self.updated[b.origin] = time.monotonic()
+        if reset_origin is not None:  # the whole stream arrived: the copy is usable
+            with self._lock:
+                self.complete[reset_origin] = True
         return n
+
+    def is_complete(self, origin: str) -> bool:
+        with self._lock:
+            return self.complete.get(origin, False)
 
     def take_applied(self, origin: str) -> list[str]:
         with self._lock:

@@ -334,6 +334,23 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 n += table.delete(keys[i:i + self.MIGRATE_CHUNK_ROWS], log_tombstone=False)
         return ps_pb2.DropSlotsResponse(rows=n)
 
+    def hand_off(self) -> bool:
+        """Leaving on a preemption notice: stop taking writes (fence every slot; clients
+        are told "stale routing" and wait for the next epoch), then ship the last delta
+        so the ring peer holds every update. Returns True if rows were handed off."""
+        owned = self.routing.owned
+        if owned is None or not owned.any() or not self.replicator.peer:
+            return False
+        self.routing.set(self.routing.epoch + 1, self.routing.num_slots, np.zeros_like(owned))
+        try:
+            self.replicator.ship()
+        except grpc.RpcError as exc:
+            log.error("%s: final delta to %s failed: %s", self.ps_id, self.replicator.peer,
+                      exc.code().name)
+            return False
+        log.info("%s: fenced and handed off to %s", self.ps_id, self.replicator.peer)
+        return True
+
     # -- peer replication -------------------------------------------------------------------
     def Replicate(self, request_iterator, context):
         try:
@@ -347,8 +364,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         mask = self._slot_mask(request.slots, request.num_slots, context)
         age = (time.monotonic() - self.replicas.updated.get(request.origin, time.monotonic())) * 1000
         seq = self.replicas.sequence.get(request.origin, 0)
+        if not self.replicas.is_complete(request.origin):
+            self._reject(context, grpc.StatusCode.FAILED_PRECONDITION,
+                         f"the replica of {request.origin!r} is incomplete (its first full copy "
+                         "did not finish); promoting it would lose rows")
         for rid in self.replicas.take_applied(request.origin):
-            self.applied.add(rid)
+            self.applied.add(rid, ship=True)
         replica = self.replicas.take(request.origin)
         if replica is None:
             self._reject(context, grpc.StatusCode.FAILED_PRECONDITION,
@@ -380,7 +401,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             writer = CheckpointWriter(request.root, request.ckpt_id, request.kind,
                                       parent=request.parent if request.kind == "incr" else None,
                                       num_slots=self.routing.num_slots)
-        except (ValueError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - bad root/parent/kind: answer, keep serving
             self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, f"checkpoint: {exc}")
         owned = self.routing.owned
         rows = nbytes = 0
@@ -395,6 +416,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 rows += stats["rows"]
                 nbytes += stats["bytes"]
                 cut[name] = stats["cut_seq"]
+        except (ValueError, OSError) as exc:
+            writer.abort()
+            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, f"checkpoint: {exc}")
         finally:
             self.routing.gate.release_shared()
         return ps_pb2.WriteCheckpointResponse(files_json=json.dumps(writer.file_entries()),
