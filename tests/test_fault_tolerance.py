@@ -183,3 +183,81 @@ def test_preempted_ps_hands_off_without_loss_even_async(start_job):
     got = client.lookup("c", np.arange(n, dtype=np.int64), insert_missing=False)[:, 0]
     np.testing.assert_array_equal(got.astype(np.int64), expected)
     client.close()
+
+
+def test_chaos_kill9_random_ps_and_worker_during_training(start_job, tmp_path):
+    """Every few seconds kill -9 a random PS and a random worker while workers train and a
+    client pushes counters. Sync replication: no counter update is lost; every record is
+    trained (a killed worker's partial shard is trained again: at least once); every shard
+    ends DONE; the job succeeds."""
+    import random
+    from tests.test_elasticity import _records
+    from tests.conftest import ROOT
+    paths, total = _records(tmp_path, files=5, per_file=10_000)
+    release = str(paths[0]) + ".release"
+    job = start_job({
+        "name": "chaos",
+        "ps": {"replicas": 3, "max_replicas": 4},
+        "replication": {"mode": "sync"},
+        "worker": {"replicas": 2, "max_restarts": 10,
+                   "command": ["{python}", str(ROOT / "tests" / "counting_worker.py")],
+                   "env": {"COUNTING_DELAY": "0.03", "PYTHONPATH": str(ROOT),
+                           "COUNTING_HOLD_FILE": release}},
+        "data": {"files": paths, "records_per_shard": 1000},
+        "master": {"heartbeat_seconds": 0.5},
+    })
+    wait_for(lambda: job.status()["shards"]["done"] >= 2, 120, "training to start")
+    client = PSClient.connect(job.address, timeout=60)
+    client.create_table("c", dim=1, initializer="zeros", optimizer={"name": "sgd", "learning_rate": 1.0})
+    n = 20_000
+    expected = np.zeros(n, dtype=np.int64)
+    stop = threading.Event()
+    errors = []
+    rng = np.random.default_rng(5)
+
+    def pusher():
+        try:
+            while not stop.is_set():
+                ids = rng.integers(0, n, 1000)
+                client.push("c", ids, -np.ones((ids.size, 1), np.float32))
+                np.add.at(expected, ids, 1)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t = threading.Thread(target=pusher)
+    t.start()
+    chooser = random.Random(7)
+    kills = []
+    try:
+        for round_ in range(3):
+            if job.status()["shards"]["todo"] == 0:
+                break
+            ps = pids(job, "ps")
+            workers = pids(job, "worker")
+            victim_ps = chooser.choice(sorted(ps))
+            os.kill(ps[victim_ps], signal.SIGKILL)
+            if workers:
+                victim_w = chooser.choice(sorted(workers))
+                os.kill(workers[victim_w], signal.SIGKILL)
+            kills.append(victim_ps)
+            # next round once the PS set is whole again (recovered and replaced)
+            wait_for(lambda: len(_events(job, "recovery")) >= len(kills)
+                     and sum(1 for e in _events(job, "scale") if e["ps"] == [2, 3]) >= len(kills),
+                     120, f"recovery and replacement after kill {round_ + 1}")
+            time.sleep(2)
+        wait_for(lambda: (lambda s: s["todo"] == 0 and s["doing"] == 0)(job.status()["shards"]),
+                 300, "every shard DONE")
+    finally:
+        stop.set()
+        t.join(60)
+    assert not errors, errors
+    assert len(kills) >= 2, "the data ran out before the chaos"
+    got = client.lookup("c", np.arange(n, dtype=np.int64), insert_missing=False)[:, 0]
+    np.testing.assert_array_equal(got.astype(np.int64), expected)
+    records = client.lookup("records", np.arange(total, dtype=np.int64), insert_missing=False)[:, 0]
+    assert (records >= 1).all(), f"{int((records < 1).sum())} records never trained"
+    client.close()
+    state = job.state()
+    assert set(state["shards"]["done"]) == {s["shard_id"] for s in state["shards"]["shards"]}
+    open(release, "w").close()
+    assert job.wait(120) == 0, job.output()[-3000:]
