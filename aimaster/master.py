@@ -74,6 +74,7 @@ class JobMaster:
         self._workers_started = False
         # the job completes by itself only while it has workers to run (0: PS-only job)
         self._worker_target = config.worker.replicas
+        self._ps_target = config.ps.replicas  # what replacements restore after a PS loss
         self._scale_lock = threading.Lock()
         self._leaving: set[str] = set()
         self._main_calls: queue.Queue = queue.Queue()
@@ -93,12 +94,25 @@ class JobMaster:
     def _load_shards(self) -> ShardQueue | None:
         files = self.config.data.resolved_files()
         previous = self.store.load()
+        self._resume_from = None
         if previous and previous.get("phase") not in [p.value for p in FINAL_PHASES]:
-            # The model of an interrupted run lived only in its PS processes; resuming its
-            # data position without its model would skip data. Keep it aside, start over.
-            os.replace(self.store.path, self.store.path + ".interrupted")
-            log.warning("previous run of %s did not finish; its state is kept in %s.interrupted",
-                        self.config.name, self.store.path)
+            head = self._newest_checkpoint_in(self.config.checkpoint_dir
+                                              or os.path.join(self.config.state_dir, "checkpoints"))
+            extra = head.manifest.get("extra", {}) if head is not None else {}
+            if head is not None and extra.get("job") == self.config.name:
+                # resume: the model from the newest checkpoint, and the data position that
+                # was recorded with it (shards DOING then are handed out again)
+                self._resume_from = head.id
+                self.epoch = int(previous.get("epoch", 0))
+                log.warning("resuming job %s from checkpoint %d", self.config.name, head.id)
+                if extra.get("shards"):
+                    return ShardQueue.from_state(extra["shards"])
+            else:
+                # without a checkpoint the model of the interrupted run is gone; resuming its
+                # data position without its model would skip data: keep it aside, start over
+                os.replace(self.store.path, self.store.path + ".interrupted")
+                log.warning("previous run of %s did not finish and left no checkpoint; its "
+                            "state is kept in %s.interrupted", self.config.name, self.store.path)
         if not files:
             return None
         shards = make_shards(files, self.config.data.records_per_shard, self.config.data.epochs)
@@ -321,6 +335,19 @@ class JobMaster:
             routing = RoutingTable.even([m.id for m in ps], [m.address for m in ps],
                                         self.config.num_slots, self.epoch + 1)
         self._push_routing(routing)
+        if self._resume_from is not None:
+            restored = 0
+            for p, address in enumerate(routing.ps_addresses):
+                mask = routing.slot_owner == p
+                with insecure_channel(address) as ch:
+                    r = ps_pb2_grpc.ParameterServerStub(ch).RestoreCheckpoint(
+                        ps_pb2.RestoreCheckpointRequest(
+                            root=os.path.abspath(self.checkpoint_dir), ckpt_id=self._resume_from,
+                            slots=mask.astype(np.uint8).tobytes(), num_slots=routing.num_slots),
+                        timeout=3600)
+                restored += r.rows
+            self._event("resumed", checkpoint=self._resume_from, rows=restored,
+                        shards=self.shards.counts() if self.shards else None)
         with self._lock:
             self.routing, self.epoch = routing, routing.epoch
         self._event("routing", epoch=routing.epoch, ps=list(routing.ps_ids))
@@ -377,11 +404,19 @@ class JobMaster:
                                        f"{cfg.worker.max_replicas}] (worker.min_replicas / max_replicas)")
                 if workers > 0 and not cfg.worker.command:
                     raise ScaleRefused("workers > 0 needs worker.command in the job file")
+            if ps is not None:
+                live = {m.id for m in self._live_ps()}
+                dead = [p for p in self.routing.ps_ids if p not in live]
+                if dead:
+                    raise ScaleRefused(f"PS {dead} died and their recovery is in progress; "
+                                       "scale after it")
             start = self.clock()
             started_at = time.time()
             event = {"kind": "scale", "ps": [ps_before, ps_before],
                      "workers": [workers_before, workers_before], "moved_rows": 0,
                      "moved_bytes": 0, "max_stall_ms": 0.0, "fence_ms": 0.0}
+            if ps is not None:
+                self._ps_target = ps
             if ps is not None and ps != ps_before:
                 result = self._scale_ps(ps, start + timeout)
                 event.update(ps=[ps_before, ps], moved_rows=result.moved_rows,
@@ -418,6 +453,49 @@ class JobMaster:
             log.exception("recovery of %s failed", dead)
             self._set_phase(JobPhase.FAILED, f"recovery of {dead} failed: {exc}")
 
+    def _newest_checkpoint(self):
+        return self._newest_checkpoint_in(self.checkpoint_dir)
+
+    @staticmethod
+    def _newest_checkpoint_in(root: str):
+        from checkpoint import list_chains
+        if not os.path.isdir(root):
+            return None
+        try:
+            chains = list_chains(root)
+        except (OSError, ValueError):
+            return None
+        return chains[0].head if chains else None
+
+    def _restore_slots_from_checkpoint(self, old: RoutingTable, mask, live, dead: str, why: str):
+        """Both copies of some slots are gone: load them from the newest checkpoint onto a
+        live PS. Updates since that checkpoint are lost for those slots (reported)."""
+        head = self._newest_checkpoint()
+        candidates = [p for p in old.ps_ids if p in live and p != dead]
+        if head is None or not candidates:
+            self._set_phase(JobPhase.FAILED, f"{dead} died ({why}), its replica peer is not "
+                            "alive and there is no checkpoint; its rows are lost")
+            return None
+        counts = {p: int((old.slot_owner == old.ps_ids.index(p)).sum()) for p in candidates}
+        target = min(candidates, key=lambda p: counts[p])
+        try:
+            with insecure_channel(old.ps_addresses[old.ps_ids.index(target)]) as ch:
+                r = ps_pb2_grpc.ParameterServerStub(ch).RestoreCheckpoint(
+                    ps_pb2.RestoreCheckpointRequest(
+                        root=os.path.abspath(self.checkpoint_dir), ckpt_id=head.id,
+                        slots=mask.astype(np.uint8).tobytes(), num_slots=old.num_slots),
+                    timeout=3600)
+        except grpc.RpcError as exc:
+            self._set_phase(JobPhase.FAILED, f"{dead} died, no live replica, and restoring its "
+                            f"slots from checkpoint {head.id} failed: {exc.details()}")
+            return None
+        age_ms = (time.time() - (head.created or time.time())) * 1000
+
+        class _Resp:  # the fields the recovery event reads
+            rows = r.rows
+            replica_age_ms = age_ms
+        return target, head.id, _Resp()
+
     def _stop_node(self, node_id: str, timeout: float = 30.0) -> None:
         """Make sure a departed PS's process is gone (hung, or still exiting) before a
         replacement is started under its id: it must not serve, nor re-register."""
@@ -445,21 +523,32 @@ class JobMaster:
             n = len(ids)
             peer = ids[(i + 1) % n] if n > 1 else None
             live = {m.id for m in self._live_ps()}
-            if peer is None or peer not in live:
-                # TODO(checkpoint restore): restore only these slots from the newest checkpoint
-                self._set_phase(JobPhase.FAILED, f"{dead} died ({why}) and its replica peer "
-                                f"{peer or '(none)'} is not alive; its rows are lost")
-                return
             mask = old.slot_owner == i
-            try:
-                with insecure_channel(old.ps_addresses[ids.index(peer)]) as ch:
-                    resp = ps_pb2_grpc.ParameterServerStub(ch).Promote(ps_pb2.PromoteRequest(
-                        origin=dead, slots=mask.astype(np.uint8).tobytes(),
-                        num_slots=old.num_slots), timeout=120)
-            except grpc.RpcError as exc:
-                self._set_phase(JobPhase.FAILED, f"{dead} died and promoting its replica on "
-                                f"{peer} failed: {exc.code().name}: {exc.details()}")
-                return
+            restored_from = None
+            if peer is None or peer not in live:
+                # no live copy: restore only these slots from the newest checkpoint, onto the
+                # live PS holding the fewest slots
+                target = self._restore_slots_from_checkpoint(old, mask, live, dead, why)
+                if target is None:
+                    return
+                peer, restored_from, resp = target
+            else:
+                try:
+                    with insecure_channel(old.ps_addresses[ids.index(peer)]) as ch:
+                        resp = ps_pb2_grpc.ParameterServerStub(ch).Promote(ps_pb2.PromoteRequest(
+                            origin=dead, slots=mask.astype(np.uint8).tobytes(),
+                            num_slots=old.num_slots), timeout=120)
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                        self._set_phase(JobPhase.FAILED, f"{dead} died and promoting its replica "
+                                        f"on {peer} failed: {exc.code().name}: {exc.details()}")
+                        return
+                    # the peer died too (not yet noticed): fall back to the checkpoint
+                    log.warning("%s: replica peer %s unreachable; restoring from checkpoint", dead, peer)
+                    target = self._restore_slots_from_checkpoint(old, mask, live - {peer}, dead, why)
+                    if target is None:
+                        return
+                    peer, restored_from, resp = target
             new_ids = [x for x in ids if x != dead]
             owner_ids = np.asarray(ids, dtype=object)[old.slot_owner]
             owner_ids[mask] = peer
@@ -474,14 +563,15 @@ class JobMaster:
             resumed = self.clock()
             event = {"kind": "recovery", "dead": dead, "reason": why, "promoted_on": peer,
                      "promoted_rows": resp.rows, "epoch": routing.epoch,
+                     "restored_from_checkpoint": restored_from,
                      "last_heartbeat_age_ms": round(silent_ms, 1),
                      "resumed_ms": round((resumed - detected) * 1000, 1),
                      "replication_interval_ms": 0.0 if self.config.sync_replication
                      else self.config.replication_interval_ms,
                      # the updates at risk are those the dead PS applied after its last
                      # shipment: measured as the replica's age when it was promoted
-                     "updates_at_risk_ms": 0.0 if self.config.sync_replication
-                     else round(resp.replica_age_ms, 1),
+                     "updates_at_risk_ms": round(resp.replica_age_ms, 1)
+                     if restored_from is not None or not self.config.sync_replication else 0.0,
                      "replication": "sync" if self.config.sync_replication else "async",
                      "time": time.time()}
             with self._lock:
@@ -489,10 +579,17 @@ class JobMaster:
             log.info("event recovery %s", event)
             self._save()
         self._stop_node(dead)
-        try:  # replacement: an ordinary scale-out back to the previous PS count
-            self.scale(ps=n)
-        except ScaleRefused as exc:
-            self._event("replacement_failed", dead=dead, reason=str(exc))
+        # replacement: an ordinary scale-out back to the job's PS count (other recoveries
+        # or scale events may hold the lock for a while: wait for them)
+        deadline = self.clock() + 600
+        while self.phase == JobPhase.RUNNING and len(self.routing.ps_ids) < self._ps_target:
+            try:
+                self.scale(ps=self._ps_target)
+            except ScaleRefused as exc:
+                if "in progress" not in str(exc) or self.clock() > deadline:
+                    self._event("replacement_failed", dead=dead, reason=str(exc))
+                    return
+                time.sleep(0.5)
 
     def checkpoint(self, full: bool = False) -> dict:
         """Take a checkpoint now: every PS writes the rows of its slots (incremental: rows
@@ -538,7 +635,9 @@ class JobMaster:
             self._ckpt_chain = {"id": ckpt_id, "n": (chain["n"] + 1) if incr else 1,
                                 "since": {k: json.loads(r.cut_json) for k, r in results.items()}}
             self._last_ckpt = self.clock()
-            deleted = apply_retention(self.checkpoint_dir, self.config.checkpoint_keep_chains)
+            # chunk-header checks, not a sha256 of the whole chain after every commit
+            deleted = apply_retention(self.checkpoint_dir, self.config.checkpoint_keep_chains,
+                                      verify="chunks")
             event = {"kind": "checkpoint", "id": ckpt_id, "type": kind,
                      "rows": sum(r.rows for r in results.values()),
                      "bytes": sum(r.bytes for r in results.values()),

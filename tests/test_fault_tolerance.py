@@ -261,3 +261,85 @@ def test_chaos_kill9_random_ps_and_worker_during_training(start_job, tmp_path):
     assert set(state["shards"]["done"]) == {s["shard_id"] for s in state["shards"]["shards"]}
     open(release, "w").close()
     assert job.wait(120) == 0, job.output()[-3000:]
+
+
+def test_ps_and_its_peer_dying_together_restore_from_checkpoint(start_job, tmp_path):
+    """Both copies of ps-1's rows are gone (ps-1 and its ring peer ps-2 killed together):
+    ps-1's slots come back from the newest checkpoint, ps-2's from its own peer."""
+    import json as _json
+    job = start_job({"name": "double", "ps": {"replicas": 4, "max_replicas": 4},
+                     "replication": {"mode": "sync"}}, ["--workers", "0"])
+    client = PSClient.connect(job.address, timeout=60)
+    client.create_table("c", dim=1, initializer="zeros", optimizer={"name": "sgd", "learning_rate": 1.0})
+    ids = np.arange(20_000, dtype=np.int64)
+    client.push("c", ids, -np.ones((ids.size, 1), np.float32))
+    code, out, err = _cli(job, "aimaster.cli", "checkpoint", "--master", job.address)
+    assert code == 0, err
+    ckpt = _json.loads(out)["id"]
+    client.push("c", ids, -np.ones((ids.size, 1), np.float32))  # after the checkpoint
+    before = pids(job, "ps")
+    os.kill(before["ps-1"], signal.SIGKILL)
+    os.kill(before["ps-2"], signal.SIGKILL)
+    recs = wait_for(lambda: (lambda r: r if len(r) >= 2 else None)(_events(job, "recovery")),
+                    60, "two recoveries")
+    by_dead = {r["dead"]: r for r in recs}
+    assert by_dead["ps-1"]["restored_from_checkpoint"] == ckpt
+    assert by_dead["ps-2"]["restored_from_checkpoint"] is None  # promoted from ps-3
+    wait_for(lambda: job.status()["phase"] == "running" and len(pids(job, "ps")) == 4, 120,
+             "replacements")
+    got = client.lookup("c", ids, insert_missing=False)[:, 0]
+    routing = job.state()["routing"]
+    from deeprec_ext.hashing import slot_of
+    owner_before = np.array(["ps-0", "ps-1", "ps-2", "ps-3"])[
+        (slot_of(ids, 4096) * 4 // 4096)]  # the even initial layout
+    # ps-1's keys are back at their checkpointed value (1); every other key kept both pushes
+    np.testing.assert_array_equal(got[owner_before == "ps-1"], 1)
+    np.testing.assert_array_equal(got[owner_before != "ps-1"], 2)
+    assert routing["epoch"] > 1
+    client.close()
+
+
+def test_restarted_aimaster_resumes_from_checkpoint(tmp_path):
+    """kill -9 the AIMaster (its PS and workers die with it); the same `aimaster run` on the
+    same state dir resumes: model rows from the newest checkpoint, data position recorded
+    with it. Every record is trained (at least once) and every shard ends DONE."""
+    from tests.conftest import Job, ROOT
+    from tests.test_elasticity import _records
+    paths, total = _records(tmp_path, files=4, per_file=10_000)
+    release = str(paths[0]) + ".release"
+    spec = {"name": "resume", "ps": {"replicas": 2},
+            "checkpoint": {"interval_seconds": 1},
+            "worker": {"replicas": 2, "max_restarts": 3,
+                       "command": ["{python}", str(ROOT / "tests" / "counting_worker.py")],
+                       "env": {"COUNTING_DELAY": "0.03", "PYTHONPATH": str(ROOT),
+                               "COUNTING_HOLD_FILE": release}},
+            "data": {"files": paths, "records_per_shard": 1000},
+            "master": {"heartbeat_seconds": 0.5}}
+    first = Job(tmp_path, spec)
+    try:
+        wait_for(lambda: any(e["kind"] == "checkpoint" for e in first.status()["events"])
+                 and first.status()["shards"]["done"] >= 8, 120, "progress and a checkpoint")
+        members = first.member_pids()
+        os.kill(first.proc.pid, signal.SIGKILL)
+        first.proc.wait(10)
+        from tests.conftest import pid_alive
+        wait_for(lambda: not any(pid_alive(p) for p in members), 40, "members to die with it")
+    finally:
+        first.stop()
+    (first.state_dir / "master.addr").unlink(missing_ok=True)
+    second = Job(tmp_path, spec)
+    try:
+        wait_for(lambda: any(e["kind"] == "resumed" for e in second.status()["events"]), 60,
+                 "resume")
+        resumed = next(e for e in second.status()["events"] if e["kind"] == "resumed")
+        assert resumed["rows"] > 0 and resumed["shards"]["done"] >= 1
+        wait_for(lambda: (lambda s: s["todo"] == 0 and s["doing"] == 0)(second.status()["shards"]),
+                 300, "every shard DONE")
+        client = PSClient.connect(second.address, timeout=30)
+        records = client.lookup("records", np.arange(total, dtype=np.int64), insert_missing=False)[:, 0]
+        client.close()
+        assert (records >= 1).all(), f"{int((records < 1).sum())} records lost"
+        open(release, "w").close()
+        assert second.wait(120) == 0, second.output()[-3000:]
+    finally:
+        second.stop()

@@ -94,6 +94,11 @@ class ParameterServerStub:
                 request_serializer=deeprec__ext_dot_proto_dot_ps__pb2.WriteCheckpointRequest.SerializeToString,
                 response_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.WriteCheckpointResponse.FromString,
                 _registered_method=True)
+        self.RestoreCheckpoint = channel.unary_unary(
+                '/deeprec_ext.ps.ParameterServer/RestoreCheckpoint',
+                request_serializer=deeprec__ext_dot_proto_dot_ps__pb2.RestoreCheckpointRequest.SerializeToString,
+                response_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.RestoreCheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -171,6 +176,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RestoreCheckpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -233,6 +244,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.WriteCheckpoint,
                     request_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.WriteCheckpointRequest.FromString,
                     response_serializer=deeprec__ext_dot_proto_dot_ps__pb2.WriteCheckpointResponse.SerializeToString,
+            ),
+            'RestoreCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestoreCheckpoint,
+                    request_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.RestoreCheckpointRequest.FromString,
+                    response_serializer=deeprec__ext_dot_proto_dot_ps__pb2.RestoreCheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -559,6 +575,33 @@ class ParameterServer:
             '/deeprec_ext.ps.ParameterServer/WriteCheckpoint',
             deeprec__ext_dot_proto_dot_ps__pb2.WriteCheckpointRequest.SerializeToString,
             deeprec__ext_dot_proto_dot_ps__pb2.WriteCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deeprec_ext.ps.ParameterServer/RestoreCheckpoint',
+            deeprec__ext_dot_proto_dot_ps__pb2.RestoreCheckpointRequest.SerializeToString,
+            deeprec__ext_dot_proto_dot_ps__pb2.RestoreCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,
