@@ -112,15 +112,17 @@ def pid_alive(pid: int) -> bool:
 class PsJob:
     """``aimaster run JOB.yaml --workers 0`` in its own process group."""
 
-    def __init__(self, state_dir: str, name: str, start_timeout: float):
+    def __init__(self, state_dir: str, name: str, start_timeout: float,
+                 job_overrides: dict | None = None):
         shutil.rmtree(state_dir, ignore_errors=True)  # a stale master.addr would mislead us
         os.makedirs(state_dir)
         self.state_dir = state_dir
         self.job_file = os.path.join(state_dir, "job.yaml")
+        job = {"name": name, "ps": {"replicas": 2, "max_replicas": 3},
+               "master": {"state_dir": state_dir, "heartbeat_seconds": HEARTBEAT_SECONDS}}
+        job.update(job_overrides or {})
         with open(self.job_file, "w") as f:
-            yaml.safe_dump({"name": name, "ps": {"replicas": 2, "max_replicas": 3},
-                            "master": {"state_dir": state_dir,
-                                       "heartbeat_seconds": HEARTBEAT_SECONDS}}, f)
+            yaml.safe_dump(job, f)
         self.log_path = os.path.join(state_dir, "aimaster.log")
         self._log = open(self.log_path, "wb")
         self.pids: set[int] = set()

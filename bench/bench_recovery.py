@@ -79,7 +79,6 @@ for _p in (REPO, BENCH):
         sys.path.insert(0, _p)
 
 import numpy as np  # noqa: E402
-import yaml  # noqa: E402
 
 import bench_migration as bm  # noqa: E402  (PsJob.stop, Load, make_ids, aimaster_exe)
 
@@ -101,42 +100,11 @@ class RecoveryJob(bm.PsJob):
     """``aimaster run JOB.yaml --workers 0``: 3 PS, async replication, checkpoints."""
 
     def __init__(self, state_dir: str, name: str, start_timeout: float, interval_ms: float):
-        shutil.rmtree(state_dir, ignore_errors=True)
-        os.makedirs(state_dir)
-        self.state_dir = state_dir
         self.checkpoint_dir = os.path.join(state_dir, "checkpoints")
-        self.job_file = os.path.join(state_dir, "job.yaml")
-        with open(self.job_file, "w") as f:
-            yaml.safe_dump({"name": name, "ps": {"replicas": 3, "max_replicas": 3},
-                            "replication": {"mode": "async", "interval_ms": interval_ms},
-                            "checkpoint": {"dir": self.checkpoint_dir, "keep_chains": 2},
-                            "master": {"state_dir": state_dir,
-                                       "heartbeat_seconds": HEARTBEAT_SECONDS}}, f)
-        self.log_path = os.path.join(state_dir, "aimaster.log")
-        self._log = open(self.log_path, "wb")
-        self.pids: set[int] = set()
-        env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "aimaster.cli", "run", self.job_file, "--workers", "0"],
-            cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + start_timeout
-        addr_file = os.path.join(state_dir, "master.addr")
-        try:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"aimaster exited with {self.proc.returncode}: {self.tail()}")
-                if os.path.exists(addr_file):
-                    with open(addr_file) as f:
-                        self.address = f.read().strip()
-                    if self.address:
-                        break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no master.addr after {start_timeout}s: {self.tail()}")
-                time.sleep(0.1)
-        except BaseException:
-            self.stop()
-            raise
+        super().__init__(state_dir, name, start_timeout, job_overrides={
+            "ps": {"replicas": 3, "max_replicas": 3},
+            "replication": {"mode": "async", "interval_ms": interval_ms},
+            "checkpoint": {"dir": self.checkpoint_dir, "keep_chains": 2}})
 
     def cli(self, *args: str, timeout: float = 600.0) -> str:
         r = subprocess.run([*bm.aimaster_exe(), *args, "--master", self.address],

@@ -133,3 +133,41 @@ def criteo_data(tmp_path_factory):
     from examples.criteo.generate import generate
     out = tmp_path_factory.mktemp("criteo")
     return generate(str(out), rows=200_000, files=2, test_rows=40_000, seed=3)
+
+
+class CounterPusher:
+    """A client pushing +1 per id occurrence to a counter table (SGD, lr 1, gradient -1)
+    from a background thread, keeping the exact expected counts and when each push was
+    acknowledged: what a recovery test compares the table against."""
+
+    def __init__(self, client, table: str, n: int, batch: int = 1000, seed: int = 0):
+        import threading
+
+        import numpy as np
+        self.client, self.table, self.batch = client, table, batch
+        self.expected = np.zeros(n, dtype=np.int64)
+        self.acked: list = []  # (monotonic time acknowledged, ids)
+        self.errors: list = []
+        self._rng = np.random.default_rng(seed)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        import numpy as np
+        try:
+            while not self._stop.is_set():
+                ids = self._rng.integers(0, self.expected.size, self.batch)
+                self.client.push(self.table, ids, -np.ones((ids.size, 1), np.float32))
+                np.add.at(self.expected, ids, 1)
+                self.acked.append((time.monotonic(), ids))
+        except Exception as exc:  # noqa: BLE001 - surfaced by stop()
+            self.errors.append(exc)
+
+    def start(self) -> "CounterPusher":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
+        assert not self.errors, self.errors

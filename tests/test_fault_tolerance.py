@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import numpy as np
 import pytest
 
 from deeprec_ext import PSClient
-from tests.conftest import wait_for
+from tests.conftest import CounterPusher, wait_for
 from tests.test_elasticity import pids
 
 
@@ -25,24 +24,8 @@ def _run_failover(start_job, mode: str):
     client = PSClient.connect(job.address, timeout=60)
     client.create_table("c", dim=1, initializer="zeros", optimizer={"name": "sgd", "learning_rate": 1.0})
     n = 50_000
-    expected = np.zeros(n, dtype=np.int64)
-    acked = []  # (time acknowledged, ids)
-    stop = threading.Event()
-    errors = []
-    rng = np.random.default_rng(1)
-
-    def pusher():
-        try:
-            while not stop.is_set():
-                ids = rng.integers(0, n, 2000)
-                client.push("c", ids, -np.ones((ids.size, 1), np.float32))
-                np.add.at(expected, ids, 1)
-                acked.append((time.monotonic(), ids))
-        except Exception as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    t = threading.Thread(target=pusher)
-    t.start()
+    pusher = CounterPusher(client, "c", n, batch=2000, seed=1).start()
+    expected, acked = pusher.expected, pusher.acked
     try:
         wait_for(lambda: len(acked) > 50, 60, "pushes")
         time.sleep(0.5)
@@ -55,9 +38,7 @@ def _run_failover(start_job, mode: str):
         progress = len(acked)
         wait_for(lambda: len(acked) > progress + 50, 60, "pushes after recovery")
     finally:
-        stop.set()
-        t.join(60)
-    assert not errors, errors
+        pusher.stop()
     after = pids(job, "ps")
     assert after["ps-0"] == before["ps-0"] and after["ps-2"] == before["ps-2"]
     assert after["ps-1"] != before["ps-1"]  # the replacement
@@ -152,22 +133,8 @@ def test_preempted_ps_hands_off_without_loss_even_async(start_job):
     client = PSClient.connect(job.address, timeout=60)
     client.create_table("c", dim=1, initializer="zeros", optimizer={"name": "sgd", "learning_rate": 1.0})
     n = 20_000
-    expected = np.zeros(n, dtype=np.int64)
-    stop = threading.Event()
-    errors = []
-    rng = np.random.default_rng(4)
-
-    def pusher():
-        try:
-            while not stop.is_set():
-                ids = rng.integers(0, n, 1000)
-                client.push("c", ids, -np.ones((ids.size, 1), np.float32))
-                np.add.at(expected, ids, 1)
-        except Exception as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    t = threading.Thread(target=pusher)
-    t.start()
+    pusher = CounterPusher(client, "c", n, batch=1000, seed=4).start()
+    expected, acked = pusher.expected, pusher.acked
     try:
         wait_for(lambda: expected.sum() > 100_000, 60, "pushes")
         os.kill(pids(job, "ps")["ps-1"], signal.SIGTERM)
@@ -176,9 +143,7 @@ def test_preempted_ps_hands_off_without_loss_even_async(start_job):
         total = expected.sum()
         wait_for(lambda: expected.sum() > total + 50_000, 60, "pushes after the hand-off")
     finally:
-        stop.set()
-        t.join(60)
-    assert not errors, errors
+        pusher.stop()
     assert rec["dead"] == "ps-1" and "preempted" in rec["reason"]
     got = client.lookup("c", np.arange(n, dtype=np.int64), insert_missing=False)[:, 0]
     np.testing.assert_array_equal(got.astype(np.int64), expected)
@@ -210,22 +175,8 @@ def test_chaos_kill9_random_ps_and_worker_during_training(start_job, tmp_path):
     client = PSClient.connect(job.address, timeout=60)
     client.create_table("c", dim=1, initializer="zeros", optimizer={"name": "sgd", "learning_rate": 1.0})
     n = 20_000
-    expected = np.zeros(n, dtype=np.int64)
-    stop = threading.Event()
-    errors = []
-    rng = np.random.default_rng(5)
-
-    def pusher():
-        try:
-            while not stop.is_set():
-                ids = rng.integers(0, n, 1000)
-                client.push("c", ids, -np.ones((ids.size, 1), np.float32))
-                np.add.at(expected, ids, 1)
-        except Exception as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    t = threading.Thread(target=pusher)
-    t.start()
+    pusher = CounterPusher(client, "c", n, batch=1000, seed=5).start()
+    expected, acked = pusher.expected, pusher.acked
     chooser = random.Random(7)
     kills = []
     try:
@@ -248,9 +199,7 @@ def test_chaos_kill9_random_ps_and_worker_during_training(start_job, tmp_path):
         wait_for(lambda: (lambda s: s["todo"] == 0 and s["doing"] == 0)(job.status()["shards"]),
                  300, "every shard DONE")
     finally:
-        stop.set()
-        t.join(60)
-    assert not errors, errors
+        pusher.stop()
     assert len(kills) >= 2, "the data ran out before the chaos"
     got = client.lookup("c", np.arange(n, dtype=np.int64), insert_missing=False)[:, 0]
     np.testing.assert_array_equal(got.astype(np.int64), expected)
