@@ -54,6 +54,9 @@ class JobConfig:
     heartbeat_seconds: float = 1.0
     ps_start_timeout: float = 60.0
     progress_seconds: float = 5.0
+    # how long a member asked to leave (scale-in, job end) may take to hand off and exit
+    # before it is killed; the preemption window Kubernetes gives is typically 30 s
+    grace_seconds: float = 30.0
     replication_interval_ms: float = 200.0
     sync_replication: bool = False
     checkpoint_dir: str = ""            # default: <state_dir>/checkpoints
@@ -134,7 +137,7 @@ def parse_job(doc) -> JobConfig:
         raise ConfigError(f"data.files: expected a list of paths or globs, got {files!r}")
     master = _expect(d.get("master"), "master")
     unknown = set(master) - {"host", "port", "state_dir", "lease_seconds", "heartbeat_seconds",
-                             "ps_start_timeout", "progress_seconds"}
+                             "ps_start_timeout", "progress_seconds", "grace_seconds"}
     if unknown:
         raise ConfigError(f"master: unknown key(s) {sorted(unknown)}")
     repl = _expect(d.get("replication"), "replication")
@@ -173,6 +176,7 @@ def parse_job(doc) -> JobConfig:
         heartbeat_seconds=_float(master, "heartbeat_seconds", "master", 1.0),
         ps_start_timeout=_float(master, "ps_start_timeout", "master", 60.0),
         progress_seconds=_float(master, "progress_seconds", "master", 5.0),
+        grace_seconds=_float(master, "grace_seconds", "master", 30.0),
         replication_interval_ms=_float(repl, "interval_ms", "replication", 200.0),
         sync_replication=mode == "sync",
         checkpoint_dir=str(ck.get("dir", "")),

@@ -217,7 +217,7 @@ class JobMaster:
 
     def shutdown(self) -> None:
         if self.scaler is not None:
-            self.scaler.shutdown()
+            self.scaler.shutdown(timeout=self.config.grace_seconds)
             for m in self.registry.members():
                 self.registry.mark(m.id, MemberState.LEFT)
             self._save()
@@ -496,11 +496,12 @@ class JobMaster:
             replica_age_ms = age_ms
         return target, head.id, _Resp()
 
-    def _stop_node(self, node_id: str, timeout: float = 30.0) -> None:
+    def _stop_node(self, node_id: str, timeout: float | None = None) -> None:
         """Make sure a departed PS's process is gone (hung, or still exiting) before a
         replacement is started under its id: it must not serve, nor re-register."""
         def running():
             return any(n.id == node_id and n.state == NodeState.RUNNING for n in self.scaler.nodes())
+        timeout = max(timeout if timeout is not None else self.config.grace_seconds, 6.0)
         deadline = self.clock() + timeout
         while running() and self.clock() < deadline:
             if self.clock() > deadline - timeout + 5:  # a leaving PS gets 5 s to exit
@@ -744,7 +745,8 @@ class JobMaster:
 
         try:
             # a leaving worker finishes its step, returns its shards and exits by itself
-            self._wait(gone, min(deadline, self.clock() + 120), "leaving workers to exit")
+            self._wait(gone, min(deadline, self.clock() + self.config.grace_seconds),
+                       "leaving workers to exit")
         except ScaleRefused:
             log.warning("workers %s did not leave in time; stopping them", victims)
         self.on_main(lambda: self.scaler.apply(ScalePlan(workers=m)))

@@ -40,6 +40,7 @@ def test_job_file_and_flag_overrides(tmp_path):
     ({"data": {"records_per_shard": 0}}, "data.records_per_shard"),
     ({"data": {"files": 3}}, "data.files"),
     ({"master": {"lease_seconds": -1}}, "master.lease_seconds"),
+    ({"master": {"grace_seconds": 0}}, "master.grace_seconds"),
     ([1, 2], "expected a mapping"),
 ])
 def test_bad_job_config_names_the_field(doc, needle):
