@@ -19,6 +19,17 @@ from deeprec_ext.ps.server import ParameterServerServicer
 log = logging.getLogger("deeprec_ext.ps")
 
 
+def _launcher_alive() -> bool:
+    parent = os.environ.get("DEEPREC_PARENT_PID")
+    if not parent:
+        return True  # not started by the local launcher (e.g. a pod): assume the master lives
+    try:
+        os.kill(int(parent), 0)
+        return True
+    except (ProcessLookupError, ValueError):
+        return False
+
+
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m deeprec_ext.ps", description=__doc__)
     p.add_argument("--master", default=os.environ.get(MASTER_ENV, ""),
@@ -64,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     stop.wait()
     log.info("PS %s stopping", servicer.ps_id)
-    handed_off = servicer.hand_off()
+    # a hand-off needs a live AIMaster to promote the peer; when the local launcher died
+    # (PR_SET_PDEATHSIG) the whole job is gone: just exit
+    handed_off = servicer.hand_off(timeout=10.0) if _launcher_alive() else False
     servicer.replicator.close()
     if session is not None:
         session.close("preempted" if handed_off else "stopped")

@@ -125,7 +125,7 @@ class Replicator:
                                       rows=codec.floats_to_bytes(rows),
                                       deleted_ids=codec.ids_to_bytes(deleted))
 
-    def ship(self) -> int:
+    def ship(self, timeout: float = 60.0) -> int:
         """Send everything changed since the last shipment; returns rows sent."""
         with self._lock:
             if self._stub is None:
@@ -140,7 +140,7 @@ class Replicator:
             for b in batches:
                 b.origin_sequence = watermark
             batches[-1].applied_request_ids.extend(applied)
-            resp = self._stub.Replicate(iter(batches), timeout=60)
+            resp = self._stub.Replicate(iter(batches), timeout=timeout)
             self._since = watermark
             self.last_shipped = time.monotonic()
             self.shipped_rows += resp.rows

@@ -334,7 +334,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 n += table.delete(keys[i:i + self.MIGRATE_CHUNK_ROWS], log_tombstone=False)
         return ps_pb2.DropSlotsResponse(rows=n)
 
-    def hand_off(self) -> bool:
+    def hand_off(self, timeout: float = 10.0) -> bool:
         """Leaving on a preemption notice: stop taking writes (fence every slot; clients
         are told "stale routing" and wait for the next epoch), then ship the last delta
         so the ring peer holds every update. Returns True if rows were handed off."""
@@ -343,7 +343,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             return False
         self.routing.set(self.routing.epoch + 1, self.routing.num_slots, np.zeros_like(owned))
         try:
-            self.replicator.ship()
+            self.replicator.ship(timeout=timeout)
         except grpc.RpcError as exc:
             log.error("%s: final delta to %s failed: %s", self.ps_id, self.replicator.peer,
                       exc.code().name)
