@@ -37,6 +37,7 @@ import numbers
 import numpy as np
 
 from deeprec_ext.hashing import hash64, mix64
+from deeprec_ext.store.spec import split_spec
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _INIT_DOMAIN = 0x1A17_5EED_C0DE_F00D  # keeps initializer hashes apart from routing hashes
@@ -310,17 +311,7 @@ def make_initializer(spec, dim: int) -> Initializer:
         if spec.dim != dim:
             raise ValueError(f"initializer has dim={spec.dim}, expected dim={dim}")
         return spec
-    if isinstance(spec, str):
-        name, params = spec, {}
-    elif isinstance(spec, dict):
-        if "name" not in spec:
-            raise ValueError(f"initializer spec {spec!r} has no 'name' field")
-        params = dict(spec)
-        name = params.pop("name")
-    else:
-        raise ValueError(f"initializer spec must be a str or dict, got {type(spec).__name__}")
-    if not isinstance(name, str):
-        raise ValueError(f"initializer name must be a string, got {name!r}")
+    name, params = split_spec(spec, "initializer")
     cls = _REGISTRY.get(name.lower())
     if cls is None:
         raise ValueError(f"unknown initializer '{name}' "

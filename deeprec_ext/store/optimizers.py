@@ -35,6 +35,8 @@ import numbers
 
 import numpy as np
 
+from deeprec_ext.store.spec import split_spec
+
 _F32 = np.float32
 
 
@@ -249,17 +251,7 @@ def make_optimizer(spec) -> Optimizer:
     """
     if isinstance(spec, Optimizer):
         return spec
-    if isinstance(spec, str):
-        name, hyper = spec, {}
-    elif isinstance(spec, dict):
-        if "name" not in spec:
-            raise ValueError(f"optimizer spec {spec!r} has no 'name' field")
-        hyper = dict(spec)
-        name = hyper.pop("name")
-    else:
-        raise ValueError(f"optimizer spec must be a str or dict, got {type(spec).__name__}")
-    if not isinstance(name, str):
-        raise ValueError(f"optimizer name must be a string, got {name!r}")
+    name, hyper = split_spec(spec, "optimizer")
     cls = _REGISTRY.get(name.lower())
     if cls is None:
         raise ValueError(f"unknown optimizer '{name}' (expected one of {sorted(_REGISTRY)})")

@@ -145,8 +145,9 @@ class ElasticCallback(keras.callbacks.Callback):
         if ctx.stop_requested.is_set():
             self.model.stop_training = True  # leave at this step boundary
 
-    def _settle(self):
-        get_context().settle()
+    def _sync_now(self):
+        """Finish any background sync and send what is left (no local update is lost),
+        adopting the merged values."""
         if self._dense is not None and self._vars:
             merged = self._dense.finish_sync(self._local())
             if merged is not None:
@@ -155,18 +156,13 @@ class ElasticCallback(keras.callbacks.Callback):
         self._since_sync = 0
 
     def on_train_end(self, logs=None):
-        self._settle()
+        get_context().settle()
+        self._sync_now()
         get_context().tracker.finish()
 
     def on_test_begin(self, logs=None):
-        """Evaluate with the shared weights: finish any background sync and send what is
-        left (so no local update is lost), adopting the merged values."""
+        """Evaluate with the shared weights."""
         get_context().flush_pushes()
-        if self._dense is not None and self._vars:
-            merged = self._dense.finish_sync(self._local())
-            if merged is not None:
-                self._assign(merged)
-            self._assign(self._dense.sync(self._local()))
-            self._since_sync = 0
+        self._sync_now()
 
     on_predict_begin = on_test_begin
