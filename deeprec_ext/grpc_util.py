@@ -28,10 +28,16 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list:
 
 
 def create_server(address: str, max_workers: int = 8,
-                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[grpc.Server, int]:
-    """Create a server bound to ``address`` ("host:0" picks a free port); returns (server, port)."""
+                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                  interceptors: list | tuple = ()) -> tuple[grpc.Server, int]:
+    """Create a server bound to ``address`` ("host:0" picks a free port); returns (server, port).
+
+    ``interceptors`` (grpc.ServerInterceptor) run in order around every call: statistics
+    (Gazer) and access control hook in here, never in the servicers.
+    """
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         options=channel_options(max_message_bytes))
+                         options=channel_options(max_message_bytes),
+                         interceptors=list(interceptors))
     try:
         port = server.add_insecure_port(address)
     except RuntimeError as exc:  # grpc raises RuntimeError when the port is taken
