@@ -42,6 +42,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-message-mb", type=int,
                    default=DEFAULT_MAX_MESSAGE_BYTES // (1024 * 1024),
                    help="largest request accepted; bigger ones get RESOURCE_EXHAUSTED")
+    p.add_argument("--memory-limit-mb", type=float,
+                   default=float(os.environ.get("DEEPREC_PS_MEMORY_LIMIT_MB", "0")),
+                   help="memory budget reported to the AIMaster for scaling (0: none)")
     p.add_argument("--port-file", default="", help="write the bound port here (standalone use)")
     return p
 
@@ -53,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_message_mb <= 0:
         print("error: --max-message-mb must be positive", file=sys.stderr)
         return 2
-    servicer = ParameterServerServicer(args.id or "ps")
+    servicer = ParameterServerServicer(
+        args.id or "ps", memory_limit_bytes=int(max(args.memory_limit_mb, 0) * 1024 * 1024))
     server, port = create_server(f"{args.host}:{args.port}", max_workers=args.threads,
                                  max_message_bytes=args.max_message_mb * 1024 * 1024)
     ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, server)

@@ -97,8 +97,10 @@ class Routing:
 
 
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
-    def __init__(self, ps_id: str = "ps", store: EmbeddingStore | None = None):
+    def __init__(self, ps_id: str = "ps", store: EmbeddingStore | None = None,
+                 memory_limit_bytes: int = 0):
         self.ps_id = ps_id
+        self.memory_limit_bytes = int(memory_limit_bytes)
         self.store = store if store is not None else EmbeddingStore()
         self.routing = Routing()
         self.counters = {"lookups": 0, "pushes": 0, "rejected": 0}
@@ -455,6 +457,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 optimizer=opt if isinstance(opt, str) else opt.get("name", "")))
         with self._counter_lock:
             c = dict(self.counters)
+        proc = psutil.Process(os.getpid())
+        cpu = proc.cpu_times()
         return ps_pb2.StatsResponse(
             ps_id=self.ps_id, epoch=self.routing.epoch, sequence=self.store.sequence.value,
-            tables=tables, rss_bytes=psutil.Process(os.getpid()).memory_info().rss, **c)
+            tables=tables, rss_bytes=proc.memory_info().rss,
+            cpu_seconds=cpu.user + cpu.system, memory_limit_bytes=self.memory_limit_bytes, **c)
