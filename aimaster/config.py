@@ -40,6 +40,85 @@ class DataConfig:
         return out
 
 
+# Each feature parses its own section; the blocks below are owned by the feature named.
+
+# --- planning: autoscale policy (aimaster/policy.py) ---
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    enabled: bool = False
+
+
+def _parse_autoscale(d) -> AutoscaleConfig:
+    d = _expect(d, "autoscale")
+    unknown = set(d) - {"enabled"}
+    if unknown:
+        raise ConfigError(f"autoscale: unknown key(s) {sorted(unknown)}")
+    return AutoscaleConfig(enabled=bool(d.get("enabled", False)))
+
+
+# --- Gazer statistics (gazer/) ---
+@dataclass(frozen=True)
+class GazerConfig:
+    enabled: bool = True
+
+
+def _parse_gazer(d) -> GazerConfig:
+    d = _expect(d, "gazer")
+    unknown = set(d) - {"enabled"}
+    if unknown:
+        raise ConfigError(f"gazer: unknown key(s) {sorted(unknown)}")
+    return GazerConfig(enabled=bool(d.get("enabled", True)))
+
+
+# --- consistent (sync) mode with virtual workers ---
+@dataclass(frozen=True)
+class ConsistencyConfig:
+    mode: str = "async"        # "async" | "sync"
+    virtual_workers: int = 0   # sync: logical workers V (0: not set)
+
+
+def _parse_consistency(d) -> ConsistencyConfig:
+    if isinstance(d, str):
+        d = {"mode": d}
+    d = _expect(d, "consistency")
+    unknown = set(d) - {"mode", "virtual_workers"}
+    if unknown:
+        raise ConfigError(f"consistency: unknown key(s) {sorted(unknown)}")
+    mode = d.get("mode", "async")
+    if mode not in ("async", "sync"):
+        raise ConfigError(f"consistency.mode: expected 'async' or 'sync', got {mode!r}")
+    return ConsistencyConfig(mode=mode,
+                             virtual_workers=_int(d, "virtual_workers", "consistency", 0))
+
+
+# --- Kubernetes deployment and access control (tfjob_crd/, aimaster/scaler/kubernetes.py) ---
+@dataclass(frozen=True)
+class KubernetesConfig:
+    image: str = ""
+
+
+def _parse_kubernetes(d) -> KubernetesConfig:
+    d = _expect(d, "kubernetes")
+    unknown = set(d) - {"image"}
+    if unknown:
+        raise ConfigError(f"kubernetes: unknown key(s) {sorted(unknown)}")
+    return KubernetesConfig(image=str(d.get("image", "")))
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    token_file: str = ""
+
+
+def _parse_security(d) -> SecurityConfig:
+    d = _expect(d, "security")
+    unknown = set(d) - {"token_file"}
+    if unknown:
+        raise ConfigError(f"security: unknown key(s) {sorted(unknown)}")
+    return SecurityConfig(token_file=str(d.get("token_file", "")))
+# --- end of feature sections ---
+
+
 @dataclass(frozen=True)
 class JobConfig:
     name: str = "job"
@@ -63,10 +142,15 @@ class JobConfig:
     checkpoint_interval_seconds: float = 0.0  # 0: only on request (aimaster checkpoint)
     checkpoint_keep_chains: int = 2
     checkpoint_full_every: int = 5      # every Nth checkpoint is full, the others incremental
+    autoscale: AutoscaleConfig = AutoscaleConfig()
+    gazer: GazerConfig = GazerConfig()
+    consistency: ConsistencyConfig = ConsistencyConfig()
+    kubernetes: KubernetesConfig = KubernetesConfig()
+    security: SecurityConfig = SecurityConfig()
 
 
 _TOP_KEYS = {"name", "num_slots", "ps", "worker", "workers", "data", "master", "replication",
-             "checkpoint"}
+             "checkpoint", "autoscale", "gazer", "consistency", "kubernetes", "security"}
 
 
 def _expect(d, what: str) -> dict:
@@ -183,6 +267,11 @@ def parse_job(doc) -> JobConfig:
         checkpoint_interval_seconds=float(interval),
         checkpoint_keep_chains=_int(ck, "keep_chains", "checkpoint", 2, minimum=1),
         checkpoint_full_every=_int(ck, "full_every", "checkpoint", 5, minimum=1),
+        autoscale=_parse_autoscale(d.get("autoscale")),
+        gazer=_parse_gazer(d.get("gazer")),
+        consistency=_parse_consistency(d.get("consistency")),
+        kubernetes=_parse_kubernetes(d.get("kubernetes")),
+        security=_parse_security(d.get("security")),
     )
     if cfg.worker.replicas and not cfg.worker.command:
         raise ConfigError("worker.command: required when worker.replicas > 0")
