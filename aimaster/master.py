@@ -26,6 +26,7 @@ from aimaster.scaler import NodeState, ScalePlan, Scaler, create_scaler
 from aimaster.shards import ShardQueue, ShardState, make_shards
 from aimaster.state import StateStore
 from deeprec_ext.client.routing import RoutingTable, rebalance
+from aimaster.plugins import MasterPlugin, load_plugins
 from deeprec_ext.grpc_util import create_server, insecure_channel
 from deeprec_ext.proto import master_pb2, master_pb2_grpc, ps_pb2, ps_pb2_grpc
 
@@ -89,6 +90,7 @@ class JobMaster:
         self._ckpt_chain: dict | None = None  # {"id", "since": {(ps id, pid): {table: seq}}, "n"}
         self._last_ckpt = self.clock()
         self._last_samples = (0, self.clock())
+        self.plugins: list[MasterPlugin] = load_plugins(config)
 
     # -- state ---------------------------------------------------------------------------
     def _load_shards(self) -> ShardQueue | None:
@@ -157,8 +159,12 @@ class JobMaster:
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> str:
         """Bind the service, start the PS; returns the AIMaster address."""
-        self.server, port = create_server(f"{self.config.host}:{self.config.port}")
+        self.server, port = create_server(
+            f"{self.config.host}:{self.config.port}",
+            interceptors=[i for p in self.plugins for i in p.interceptors()])
         master_pb2_grpc.add_MasterServicer_to_server(MasterServicer(self), self.server)
+        for plugin in self.plugins:
+            plugin.on_start(self, self.server)
         self.server.start()
         self.address = f"{self.config.host}:{port}"
         with open(os.path.join(self.config.state_dir, "master.addr.tmp"), "w") as f:
@@ -197,6 +203,8 @@ class JobMaster:
                 self._drain_main_calls()
                 self._tick(deadline)
                 self._maybe_periodic_checkpoint()
+                for plugin in self.plugins:
+                    self._run_hook(plugin, "on_tick")
                 if self.phase in FINAL_PHASES:
                     break
                 if on_progress and self.phase == JobPhase.RUNNING and \
@@ -215,7 +223,16 @@ class JobMaster:
         self._stop.set()
         self._wake.set()
 
+    def _run_hook(self, plugin: MasterPlugin, hook: str, *args) -> None:
+        # a failing plugin must not take the job down: log it and go on
+        try:
+            getattr(plugin, hook)(self, *args)
+        except Exception:  # noqa: BLE001
+            log.exception("plugin %s: %s failed", plugin.name, hook)
+
     def shutdown(self) -> None:
+        for plugin in self.plugins:
+            self._run_hook(plugin, "on_stop")
         if self.scaler is not None:
             self.scaler.shutdown(timeout=self.config.grace_seconds)
             for m in self.registry.members():
@@ -811,11 +828,14 @@ class JobMaster:
         counts = self.shards.counts() if self.shards else {"todo": 0, "doing": 0, "done": 0}
         with self._lock:
             events = [json.dumps(e, sort_keys=True) for e in self.events[-100:]]
-        return master_pb2.StatusResponse(
+        response = master_pb2.StatusResponse(
             events_json=events,
             job_name=self.config.name, epoch=self.epoch, phase=self.phase.value, members=members,
             shards=master_pb2.ShardCounts(**counts), state_dir=os.path.abspath(self.config.state_dir),
             uptime_seconds=now - self.started_at)
+        for plugin in self.plugins:
+            self._run_hook(plugin, "on_status", response)
+        return response
 
 
 class MasterServicer(master_pb2_grpc.MasterServicer):
@@ -845,6 +865,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     def Heartbeat(self, request, context):
         member = self.m.registry.heartbeat(request.id, request.steps, request.samples)
         self.m.report_stall(request.max_stall_ms)
+        for plugin in self.m.plugins:
+            self.m._run_hook(plugin, "on_heartbeat", request)
         known = self.m.registry.get(request.id)
         left = known is not None and known.state == MemberState.LEFT
         # a member that left (scale-in) is told to stop, never to register again

@@ -1,0 +1,53 @@
+"""Features that hook into the AIMaster without editing its core loop.
+
+Gazer statistics, the autoscale policy, access control and the consistent (sync) mode each
+ship a ``MasterPlugin``; ``load_plugins`` builds the ones a job's configuration asks for.
+Hooks run on the thread named in their docstring and must not block for long: the main
+loop ticks every 0.2 s and RPC threads serve training.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:  # pragma: no cover
+    import grpc
+
+    from aimaster.config import JobConfig
+    from aimaster.master import JobMaster
+
+
+class MasterPlugin:
+    name = "plugin"
+
+    def interceptors(self) -> list:
+        """grpc.ServerInterceptor objects for the AIMaster's server (before it binds)."""
+        return []
+
+    def on_start(self, master: "JobMaster", server: "grpc.Server") -> None:
+        """Add services to the server; called once, before it starts."""
+
+    def on_tick(self, master: "JobMaster") -> None:
+        """Main loop thread, about five times a second. May call master.scale()."""
+
+    def on_heartbeat(self, master: "JobMaster", request) -> None:
+        """RPC thread: a member's HeartbeatRequest, after the registry took it."""
+
+    def on_status(self, master: "JobMaster", response) -> None:
+        """RPC thread: fill this plugin's fields of a StatusResponse."""
+
+    def on_stop(self, master: "JobMaster") -> None:
+        """Main loop thread, when the job ends, before the members are stopped."""
+
+
+# name -> factory(config) returning a plugin, or None when the job does not use it.
+# Each feature appends its own line here.
+FACTORIES: dict[str, Callable[["JobConfig"], MasterPlugin | None]] = {}
+
+
+def load_plugins(config: "JobConfig") -> list[MasterPlugin]:
+    out = []
+    for name, factory in FACTORIES.items():
+        plugin = factory(config)
+        if plugin is not None:
+            out.append(plugin)
+    return out
