@@ -19,6 +19,7 @@ from typing import Callable
 import grpc
 import numpy as np
 
+from deeprec_ext.batching import StepBatcher
 from deeprec_ext.client import PSClient
 from deeprec_ext.grpc_util import RetryPolicy, call_with_retry
 from deeprec_ext.member import MEMBER_ID_ENV, MasterSession, master_address_from_env
@@ -116,6 +117,7 @@ class WorkerContext:
         # unless asked for (ElasticCallback(overlap=True) / ElasticSessionHook(overlap=True)).
         self.async_pushes = False
         self._push_lock = threading.Lock()
+        self.batcher = StepBatcher(self.client, self._send_push)
 
     @property
     def worker_id(self) -> str:
@@ -125,27 +127,37 @@ class WorkerContext:
     def rank(self) -> int:
         return self.session.rank
 
+    def lookup(self, table: str, ids, insert_missing: bool = True):
+        """Rows of unique ``ids``; tables sharing ids travel in one RPC per PS (StepBatcher)."""
+        return self.batcher.lookup(table, ids, insert_missing)
+
     def push_async(self, table: str, ids, grads) -> None:
-        """In overlap mode (``async_pushes``), send a push without waiting for it, at most
-        one in flight per table (otherwise push synchronously): the next
-        push of a table first waits for the previous one (and re-raises its error), so a
-        step's lookups see every update older than one step (asynchronous PS training)."""
+        """Queue a table's gradients (unique ids); a step's pushes leave in one call per PS
+        once every table it looked up has pushed (StepBatcher)."""
+        self.batcher.push(table, ids, grads)
+
+    def _send_push(self, batch: dict) -> None:
+        """In overlap mode (``async_pushes``), send without waiting, at most one push in
+        flight per table (otherwise synchronously): a table's next push first waits for
+        the previous one (and re-raises its error), so a step's lookups see every update
+        older than one step (asynchronous PS training)."""
         if not self.async_pushes:
-            self.client.push(table, ids, grads, unique=True)
+            self.client.push_many(batch, unique=True)
             return
-        ids, grads = np.array(ids, copy=True), np.array(grads, copy=True)
         with self._push_lock:
-            prev = self._push_inflight.get(table)
-        if prev is not None:
-            prev.result()
-        fut = self._push_pool.submit(self.client.push, table, ids, grads, unique=True)
+            prev = {id(f): f for f in (self._push_inflight.get(t) for t in batch) if f is not None}
+        for f in prev.values():
+            f.result()
+        fut = self._push_pool.submit(self.client.push_many, batch, unique=True)
         with self._push_lock:
-            self._push_inflight[table] = fut
+            for t in batch:
+                self._push_inflight[t] = fut
 
     def step_done(self, steps: int = 1) -> None:
         """A training step ended. Its pushes may still be in flight, so its records count
         as trained at the next step end or ``settle`` (earlier steps' pushes are
         acknowledged by then: one push in flight per table)."""
+        self.batcher.end_step()
         with self._push_lock:
             acked, self._unacked_steps = self._unacked_steps, steps
         if acked:
@@ -155,6 +167,7 @@ class WorkerContext:
         """Wait for in-flight pushes, then count every ended step as trained. Called at
         the end of training and by the input source before it waits for shards (which
         otherwise could wait on this worker's own last shard)."""
+        self.batcher.end_step()
         with self._push_lock:  # the steps ended so far, and the pushes they sent
             acked, self._unacked_steps = self._unacked_steps, 0
             pending = list(self._push_inflight.values())
@@ -165,6 +178,7 @@ class WorkerContext:
 
     def flush_pushes(self) -> None:
         """Wait until every push sent so far has been applied (re-raises failures)."""
+        self.batcher.end_step()
         with self._push_lock:  # entries stay: the next push of a table still waits on them
             pending = list(self._push_inflight.values())
         for fut in pending:

@@ -21,16 +21,16 @@ def elastic_lookup(table: str, dim: int, ids: tf.Tensor, anchor: tf.Tensor,
     """Values of ``ids`` from PS table ``table``: shape ids.shape + [dim], float32.
 
     Ids are de-duplicated in the graph (``tf.unique``: no Python, no GIL), the PS sees each
-    id once, and TensorFlow's gather gradient sums the gradients of repeated ids. Pushes
-    go out asynchronously with at most one in flight per table (see
-    ``WorkerContext.push_async``).
+    id once, and TensorFlow's gather gradient sums the gradients of repeated ids. Tables
+    looked up with the same ids share one RPC per PS, and a step's pushes leave together
+    (``deeprec_ext.batching.StepBatcher``).
     """
     ids = tf.cast(ids, tf.int64)
     uniq, idx = tf.unique(tf.reshape(ids, [-1]))
     out_shape = tf.concat([tf.shape(ids, out_type=tf.int32), [dim]], axis=0)
 
     def _lookup(i):
-        return get_context().client.lookup(table, i, insert_missing=training, unique=True)
+        return get_context().lookup(table, i, insert_missing=training)
 
     def _push(i, g):
         get_context().push_async(table, i, g)
