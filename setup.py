@@ -24,12 +24,16 @@ setup(
         "psutil>=5.9,<8",
         "zstandard>=0.22,<1",
         "kubernetes>=30,<38",
+        # `aimaster manifest` validation: Kubernetes JSON schemas, and the TFJob CRD schema
+        "kubernetes-validate>=1.31,<2",
+        "jsonschema>=4.18,<5",
         "PyYAML>=6,<7",
         "rich>=13,<16",
         "prometheus-client>=0.20,<1",
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "grpcio-tools>=1.85.1,<2"],
+        "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "grpcio-tools>=1.85.1,<2",
+                 "cryptography>=42,<51"],
     },
     entry_points={
         "console_scripts": [

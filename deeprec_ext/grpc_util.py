@@ -38,15 +38,20 @@ def create_server(address: str, max_workers: int = 8,
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          options=channel_options(max_message_bytes),
                          interceptors=list(interceptors))
+    from deeprec_ext import auth  # access control: TLS when this process has certificates
+    creds = auth.server_credentials()
     try:
-        port = server.add_insecure_port(address)
+        port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
     except RuntimeError as exc:  # grpc raises RuntimeError when the port is taken
         raise OSError(f"could not bind {address}: {exc}") from exc
     return server, port
 
 
 def insecure_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+    """Every client channel of the project. Despite the name, it carries this process's
+    access control (``deeprec_ext.auth``: the job token, TLS) when it has any."""
+    from deeprec_ext import auth
+    return auth.client_channel(address, channel_options(max_message_bytes))
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from aimaster.config import JobConfig
 from aimaster.scaler.api import NodeInfo, NodeState, ScalePlan, ScaleResult, Scaler, ScalerError
+from deeprec_ext import auth
 from deeprec_ext.member import MASTER_ENV, MEMBER_ID_ENV
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class LocalProcessScaler(Scaler):
     def _env(self, role: str, node_id: str) -> dict:
         env = dict(os.environ)
         cfg = self.config.ps if role == "ps" else self.config.worker
+        if role == "ps" and self.config.autoscale.ps_memory_limit_mb:  # ps.env may override it
+            env["DEEPREC_PS_MEMORY_LIMIT_MB"] = str(self.config.autoscale.ps_memory_limit_mb)
         env.update(dict(cfg.env))
         env[MASTER_ENV] = self.master_address
         env[MEMBER_ID_ENV] = node_id
@@ -71,6 +74,7 @@ class LocalProcessScaler(Scaler):
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         env.setdefault("PYTHONUNBUFFERED", "1")
         env["DEEPREC_PARENT_PID"] = str(os.getpid())
+        env.update(auth.child_env())  # the token FILE (never the token) and TLS dir
         return env
 
     def _spawn(self, role: str, node_id: str, restarts: int = 0) -> _Node:
