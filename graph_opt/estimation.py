@@ -1,0 +1,194 @@
+"""``estimate(...)``: inventory + expected rows + plan, and its human-readable form."""
+from __future__ import annotations
+
+import math
+
+from graph_opt.api import Estimate, EstimateError
+from graph_opt.memory import slots_per_row
+from graph_opt.plan import PlanInputs, make_plan
+
+
+def parse_assignments(items, flag: str, value_type=str) -> dict:
+    """``["A=1", "B=2"]`` -> ``{"A": 1, "B": 2}``; EstimateError naming the bad item."""
+    out = {}
+    for item in items or ():
+        name, sep, value = str(item).partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise EstimateError(f"{flag} {item!r}: expected NAME=VALUE")
+        try:
+            out[name.strip()] = value_type(value.strip())
+        except ValueError as exc:
+            raise EstimateError(f"{flag} {item!r}: {exc}") from exc
+    return out
+
+
+def parse_rows(value: str) -> int:
+    v = value.replace("_", "").replace(",", "").lower()
+    scale = 1
+    if v and v[-1] in "kmg":
+        scale, v = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9}[v[-1]], v[:-1]
+    try:
+        n = float(v) * scale
+    except ValueError:
+        raise ValueError(f"{value!r} is not a row count (e.g. 2000000, 2.5m)") from None
+    if not math.isfinite(n) or n < 0:
+        raise ValueError(f"row count must be >= 0, got {value!r}")
+    return int(n)
+
+
+def parse_literal(value: str):
+    """``--arg`` values: YAML scalars/lists (``8``, ``0.1``, ``adam``, ``[64, 32]``)."""
+    import yaml
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
+
+
+def estimate(target: str, fn_kwargs: dict | None = None, rows: dict | None = None,
+             data: list[str] | None = None, parse: str | None = None,
+             features: dict | None = None, sample_records: int = 200_000,
+             optimizers: dict | None = None, job=None,
+             plan_inputs: PlanInputs | None = None) -> Estimate:
+    """Estimate the resources of a model before its first step. Never starts a PS.
+
+    ``target``: ``module:function`` (returns a Keras model or builds a TF1 graph; called
+    with ``fn_kwargs``), a SavedModel directory, or a MetaGraph/GraphDef file.
+    ``rows``: ``{table: expected rows}`` hints (they win over sampling). ``data`` file
+    globs (default: the job file's ``data.files``) are read through ``parse``
+    (``module:function``, lines -> features) for ``sample_records`` records; each table
+    counts the distinct ids of its feature (``features`` overrides table -> feature).
+    ``optimizers``: ``{table: name}`` for graphs that do not record one.
+    """
+    from graph_opt.inventory import inspect_target, load_callable
+    inputs = plan_inputs or PlanInputs()
+    rows = dict(rows or {})
+    for name, n in rows.items():
+        if not isinstance(n, int) or n < 0:
+            raise EstimateError(f"rows for table {name!r} must be an int >= 0, got {n!r}")
+    if sample_records <= 0:
+        raise EstimateError(f"sample_records must be > 0, got {sample_records}")
+    if job is not None:  # a loaded job file (aimaster.config.JobConfig): the AIMaster parses it
+        cfg = job
+        data = data or list(cfg.data.files)
+        inputs.epochs = cfg.data.epochs
+        if inputs.workers is None and cfg.worker.replicas:
+            inputs.workers = cfg.worker.replicas
+
+    inv = inspect_target(target, fn_kwargs)
+    warnings = list(inv.warnings)
+    known = {t.name for t in inv.tables}
+    for name in list(rows) + list(features or {}) + list(optimizers or {}):
+        if name not in known:
+            raise EstimateError(f"no elastic table named {name!r} in the model (tables: "
+                                f"{sorted(known) or 'none'})")
+    for t in inv.tables:
+        if optimizers and t.name in optimizers:
+            try:
+                t.num_slots = slots_per_row(optimizers[t.name])
+            except ValueError as exc:
+                raise EstimateError(f"--optimizer {t.name}: {exc}") from exc
+            t.optimizer, t.optimizer_assumed = optimizers[t.name], False
+            warnings = [w for w in warnings if not w.startswith(f"table {t.name!r}: optimizer")]
+        if features and t.name in features:
+            t.feature = features[t.name]
+        if t.name in rows:
+            t.rows, t.rows_source = rows[t.name], "hint"
+
+    sampling = None
+    need = [t for t in inv.tables if t.rows is None]
+    if need and data:
+        if not parse:
+            raise EstimateError("reading the training data needs --parse module:function "
+                                "(lines -> features)")
+        sampling = _sample(need, data, load_callable(parse), sample_records, inputs)
+    for t in inv.tables:
+        if t.rows is None:
+            t.rows = 0
+            warnings.append(f"table {t.name!r}: no row count (give --rows {t.name}=N or "
+                            f"--data/--job with --parse); counted as 0 rows")
+    if inputs.records is None and sampling:
+        inputs.records = sampling["total_records"]
+
+    plan, mem, lines = make_plan(inv.tables, inv.dense, inv.flops_per_sample, inputs)
+    return Estimate(source=target, kind=inv.kind, tables=inv.tables, candidates=inv.candidates,
+                    dense=inv.dense, flops_per_sample=inv.flops_per_sample, plan=plan,
+                    ps_memory=mem, arithmetic=lines, warnings=warnings, sampling=sampling)
+
+
+def _sample(tables, patterns, parse_fn, sample_records, inputs) -> dict:
+    from graph_opt.sketch import expand_files, file_records, heaps_extrapolate, sample_distinct
+    try:
+        files = expand_files(patterns)
+    except FileNotFoundError as exc:
+        raise EstimateError(str(exc)) from exc
+    feats = {t.name: t.feature for t in tables}
+    try:
+        res = sample_distinct(files, parse_fn, feats, sample_records)
+    except (KeyError, TypeError) as exc:
+        raise EstimateError(f"sampling the data: {exc.args[0] if exc.args else exc}") from exc
+    except Exception as exc:  # the user's parse function failed
+        raise EstimateError(f"the parse function failed on the data: "
+                            f"{type(exc).__name__}: {exc}") from exc
+    total = file_records(files)
+    out = {"files": len(files), "sampled_records": res["records"], "total_records": total,
+           "features": {}}
+    for t in tables:
+        curve = res["per_feature"][t.feature]
+        if not curve:
+            continue
+        d, beta = heaps_extrapolate(curve, total)
+        t.rows = int(round(d))
+        t.rows_source = "sample" if res["records"] >= total else f"sample+heaps(beta={beta:.2f})"
+        out["features"][str(t.feature)] = {"curve": [[n, round(c)] for n, c in curve],
+                                           "beta": round(beta, 3), "distinct": t.rows}
+    return out
+
+
+def format_text(est: Estimate) -> str:
+    """The human-readable report, arithmetic included."""
+    d = est.to_dict()
+    out = [f"estimate for {est.source} ({est.kind})", ""]
+    out.append("elastic tables:")
+    if not est.tables:
+        out.append("  (none)")
+    for t in est.tables:
+        out.append(f"  {t.name:16} dim {t.dim:<4} keys {t.key_dtype} (input "
+                   f"{t.input_dtype or '?'}, feature {t.feature or '?'}, "
+                   f"{t.ids_per_sample or '?'} ids/sample)  optimizer {t.optimizer}"
+                   f"{' (assumed)' if t.optimizer_assumed else ''}: {t.num_slots} slots -> "
+                   f"{t.row_floats} floats/row  rows {t.rows:,} ({t.rows_source})")
+    if est.candidates:
+        out.append("candidates for ElasticEmbedding:")
+        for c in est.candidates:
+            out.append(f"  {c.name:24} {c.kind:24} shape {c.shape}  "
+                       f"{c.bytes / 2**20:,.1f} MiB: {c.reason}")
+    out.append(f"dense: {len(est.dense)} variables, {est.dense_params:,} params "
+               f"({4 * est.dense_params / 2**20:,.2f} MiB)")
+    for v in est.dense[:12]:
+        out.append(f"  {v.name:32} {v.shape}")
+    if len(est.dense) > 12:
+        out.append(f"  ... {len(est.dense) - 12} more")
+    if est.flops_per_sample is not None:
+        out.append(f"FLOPs per sample: {est.flops_per_sample:,} forward, "
+                   f"~{3 * est.flops_per_sample:,} training")
+    if est.sampling:
+        s = est.sampling
+        out.append(f"data: sampled {s['sampled_records']:,} of {s['total_records']:,} records "
+                   f"in {s['files']} files")
+        for f, info in s["features"].items():
+            curve = ", ".join(f"{n:,}->{c:,}" for n, c in info["curve"])
+            out.append(f"  feature {f}: distinct ids {curve}; Heaps beta {info['beta']}"
+                       f" -> {info['distinct']:,}")
+    out.append("")
+    out.append("arithmetic:")
+    out += [f"  {line}" for line in est.arithmetic]
+    p = d["plan"]
+    out.append("")
+    out.append(f"plan: {p['ps']['replicas']} PS x ({p['ps']['memory_bytes'] / 2**20:,.0f} MiB, "
+               f"{p['ps']['cpu']:g} CPU; estimated RSS {p['ps']['estimated_rss_bytes'] / 2**20:,.1f}"
+               f" MiB), {p['worker']['replicas']} workers x ({p['worker']['memory_bytes'] / 2**20:,.0f}"
+               f" MiB, {p['worker']['cpu']:g} CPU)")
+    for w in est.warnings:
+        out.append(f"warning: {w}")
+    return "\n".join(out)

@@ -1,0 +1,158 @@
+"""Distinct-id counting over training data: a vectorized HyperLogLog sketch, and the
+sampling of the first N records through the user's parse function.
+
+A table's rows are the distinct ids its feature carries over the whole data set. Sampling
+reads the first N records; when the data holds more, the distinct count is extrapolated
+with Heaps' law ``D(n) = K * n**beta``, beta taken from the sketch's counts at N/2 and N.
+"""
+from __future__ import annotations
+
+import glob
+import math
+import os
+
+import numpy as np
+
+from deeprec_ext.hashing import hash64
+
+_SKETCH_SEED = 0x4C4C  # independent of the routing (0) and probe (0x5EED) hashes
+
+
+class HyperLogLog:
+    """HyperLogLog (Flajolet et al. 2007) over int64 ids, with the small-range (linear
+    counting) correction. ``precision`` p: 2**p one-byte registers, standard error about
+    ``1.04 / sqrt(2**p)`` (p=14: 0.8%). ``add`` is one vectorized pass per batch."""
+
+    def __init__(self, precision: int = 14):
+        if not 4 <= precision <= 18:
+            raise ValueError(f"precision must be in [4, 18], got {precision}")
+        self.p = precision
+        self.m = 1 << precision
+        self.registers = np.zeros(self.m, dtype=np.uint8)
+
+    def add(self, ids) -> None:
+        ids = np.asarray(ids).reshape(-1)
+        if ids.size == 0:
+            return
+        h = hash64(ids.astype(np.int64, copy=False), _SKETCH_SEED)
+        idx = (h >> np.uint64(64 - self.p)).astype(np.int64)
+        rest = h << np.uint64(self.p)  # the remaining 64 - p bits, left-aligned
+        # rank = leading zeros + 1; frexp's exponent is the bit length (exact except when
+        # float64 rounds up to the next power of two: probability ~2**-53 per id)
+        _, bitlen = np.frexp(rest.astype(np.float64))
+        rank = np.minimum(65 - bitlen, 64 - self.p + 1).astype(np.uint8)
+        np.maximum.at(self.registers, idx, rank)
+
+    def merge(self, other: "HyperLogLog") -> None:
+        if other.p != self.p:
+            raise ValueError("cannot merge sketches of different precision")
+        np.maximum(self.registers, other.registers, out=self.registers)
+
+    def count(self) -> float:
+        m = self.m
+        alpha = 0.7213 / (1 + 1.079 / m)
+        raw = alpha * m * m / float(np.sum(np.ldexp(1.0, -self.registers.astype(np.int64))))
+        zeros = int(np.count_nonzero(self.registers == 0))
+        if raw <= 2.5 * m and zeros:
+            return m * math.log(m / zeros)  # linear counting
+        return raw
+
+
+def heaps_extrapolate(points: list[tuple[int, float]], total: int) -> tuple[float, float]:
+    """``(distinct at total, beta)`` from ``[(records, distinct)]`` by a log-log fit."""
+    pts = [(n, d) for n, d in points if n > 0 and d > 0]
+    if len(pts) < 2 or total <= pts[-1][0]:
+        return pts[-1][1] if pts else 0.0, 1.0
+    # the local exponent falls as the vocabulary saturates: the last segment's is the
+    # closest to what lies beyond the sample (and still an upper bound)
+    (n0, d0), (n_last, d_last) = pts[-2], pts[-1]
+    beta = float(np.clip(math.log(d_last / d0) / math.log(n_last / n0), 0.0, 1.0))
+    return d_last * (total / n_last) ** beta, beta
+
+
+def expand_files(patterns) -> list[str]:
+    files = []
+    for pat in patterns:
+        hits = sorted(glob.glob(pat))
+        if not hits:
+            raise FileNotFoundError(f"no data file matches {pat!r}")
+        files.extend(hits)
+    return files
+
+
+def count_lines(path: str, chunk: int = 16 << 20) -> int:
+    n, last = 0, b"\n"
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            n += b.count(b"\n")
+            last = b[-1:]
+    return n + (last != b"\n")
+
+
+def read_lines(files: list[str], limit: int, batch: int):
+    """Batches (lists of bytes) of the first ``limit`` lines of ``files``, in order."""
+    out, left = [], limit
+    for path in files:
+        with open(path, "rb") as f:
+            for line in f:
+                out.append(line.rstrip(b"\r\n"))
+                left -= 1
+                if len(out) == batch or left == 0:
+                    yield out
+                    out = []
+                if left == 0:
+                    return
+    if out:
+        yield out
+
+
+def sample_distinct(files: list[str], parse_fn, features: dict[str, str | None],
+                    records: int, batch: int = 32768, precision: int = 14) -> dict:
+    """Distinct ids per feature over the first ``records`` lines of ``files``.
+
+    ``parse_fn(lines)`` gets a 1-D string tensor and returns ``(features, label)``, a
+    feature dict, or one id tensor. ``features`` maps table -> feature name (None: the
+    only id tensor). Returns ``{"records", "per_feature": {feature: [(n, distinct)...]}}``.
+    """
+    import tensorflow as tf
+
+    sketches: dict[str | None, HyperLogLog] = {f: HyperLogLog(precision) for f in set(features.values())}
+    marks = sorted({max(1, records // k) for k in (8, 4, 2, 1)})
+    curves: dict = {f: [] for f in sketches}
+    seen = 0
+    for lines in read_lines(files, records, batch):
+        parsed = parse_fn(tf.constant(lines))
+        if isinstance(parsed, tuple):
+            parsed = parsed[0]
+        for feat, sk in sketches.items():
+            if isinstance(parsed, dict):
+                if feat not in parsed:
+                    raise KeyError(f"the parse function returns features {sorted(parsed)}, "
+                                   f"not {feat!r}")
+                t = parsed[feat]
+            else:
+                t = parsed
+            arr = np.asarray(t.numpy() if hasattr(t, "numpy") else t)
+            if arr.dtype.kind not in "iu":
+                raise TypeError(f"feature {feat!r} has dtype {arr.dtype}, expected integer ids")
+            # count per mark: split the batch at the marks it crosses
+            start = 0
+            n = arr.shape[0] if arr.ndim else 1
+            for m in marks:
+                if seen < m <= seen + n:
+                    sk.add(arr[start:m - seen])
+                    start = m - seen
+                    curves[feat].append((m, sk.count()))
+            sk.add(arr[start:])
+        seen += len(lines)
+    for feat, sk in sketches.items():
+        if seen and (not curves[feat] or curves[feat][-1][0] != seen):
+            curves[feat].append((seen, sk.count()))
+    return {"records": seen, "per_feature": curves}
+
+
+def file_records(files: list[str]) -> int:
+    return sum(count_lines(f) for f in files if os.path.exists(f))
