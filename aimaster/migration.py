@@ -36,6 +36,21 @@ class MigrationResult:
     drops: dict = field(default_factory=dict)
 
 
+# Gazer: what the migration in progress (or the last one) is doing, read by the monitor.
+PROGRESS = {"active": False, "phase": "", "pairs": 0, "pairs_done": 0, "rows": 0, "started": 0.0}
+_progress_lock = threading.Lock()
+
+
+def _progress(**fields) -> None:
+    with _progress_lock:
+        PROGRESS.update(fields)
+
+
+def progress() -> dict:
+    with _progress_lock:
+        return dict(PROGRESS)
+
+
 class MigrationError(RuntimeError):
     """A migration step failed; the old layout was restored at a newer epoch."""
 
@@ -67,6 +82,8 @@ def migrate(old: RoutingTable, new_owner: np.ndarray, new_ids: list[str], new_ad
     result = MigrationResult(new_routing, moved_slots=int(moving.sum()))
     watermark = {p: -1 for p in pairs}
     lock = threading.Lock()
+    _progress(active=True, phase="snapshot", pairs=len(pairs), pairs_done=0, rows=0,
+              started=time.monotonic())
 
     def ship(pair, first: bool):
         src, dst = pair
@@ -80,6 +97,9 @@ def migrate(old: RoutingTable, new_owner: np.ndarray, new_ids: list[str], new_ad
                 result.moved_rows += resp.rows
             else:
                 result.catchup_rows += resp.rows
+            with _progress_lock:
+                PROGRESS["pairs_done"] += 1
+                PROGRESS["rows"] += resp.rows
         return resp.rows
 
     old_ids = list(old.ps_ids)
@@ -90,6 +110,7 @@ def migrate(old: RoutingTable, new_owner: np.ndarray, new_ids: list[str], new_ad
             list(pool.map(lambda p: ship(p, True), pairs))
             result.rounds = 1
             for _ in range(max_catchup_rounds):
+                _progress(phase="catchup", pairs_done=0)
                 sent = list(pool.map(lambda p: ship(p, False), pairs))
                 result.rounds += 1
                 if max(sent, default=0) <= small_delta_rows:
@@ -97,6 +118,7 @@ def migrate(old: RoutingTable, new_owner: np.ndarray, new_ids: list[str], new_ad
             # 3. fence: every old PS keeps only what it keeps in the new layout
             fence_start = time.monotonic()
             fenced = True
+            _progress(phase="fence", pairs_done=0)
             for ps in old_ids:
                 _set_routing(address[ps], epoch, old.num_slots,
                              (old_owner_ids == ps) & (new_owner_ids == ps))
@@ -104,11 +126,13 @@ def migrate(old: RoutingTable, new_owner: np.ndarray, new_ids: list[str], new_ad
             list(pool.map(lambda p: ship(p, False), pairs))
             result.rounds += 1
             # 5. destinations own their new slots; publish the epoch
+            _progress(phase="handover")
             for ps in new_ids:
                 _set_routing(address[ps], epoch, old.num_slots, new_owner_ids == ps)
             publish(new_routing)
             result.fence_ms = (time.monotonic() - fence_start) * 1000
         except Exception as exc:
+            _progress(active=False, phase="failed")
             if fenced:
                 rollback = RoutingTable(epoch + 1, old.num_slots, old.ps_ids, old.ps_addresses,
                                         old.slot_owner)
@@ -120,6 +144,7 @@ def migrate(old: RoutingTable, new_owner: np.ndarray, new_ids: list[str], new_ad
                 publish(rollback)
             raise MigrationError(f"slot migration failed: {exc}") from exc
     # 6. free the moved rows on sources that stay (leaving PS exit anyway)
+    _progress(phase="cleanup")
     for src in {s for s, _ in pairs if s in new_ids}:
         gone = (old_owner_ids == src) & (new_owner_ids != src)
         try:
@@ -128,4 +153,5 @@ def migrate(old: RoutingTable, new_owner: np.ndarray, new_ids: list[str], new_ad
             result.drops[src] = resp.rows
         except Exception:  # noqa: BLE001 - the layout is already correct; memory only
             log.exception("could not drop moved rows on %s", src)
+    _progress(active=False, phase="done")
     return result

@@ -36,7 +36,8 @@ class MasterSession:
                  on_epoch: Callable[[int], None] | None = None,
                  on_stop: Callable[[], None] | None = None,
                  stall_source: Callable[[], float] | None = None,
-                 retry: RetryPolicy = RetryPolicy()):
+                 retry: RetryPolicy = RetryPolicy(),
+                 stats_source: Callable[[], bytes] | None = None):
         self.master_address = master_address
         self.role = role
         self.requested_id = member_id
@@ -44,6 +45,7 @@ class MasterSession:
         self.on_epoch = on_epoch
         self.on_stop = on_stop
         self.stall_source = stall_source
+        self.stats_source = stats_source  # Gazer: serialized MemberStats for each beat
         self.retry = retry
         self.channel = insecure_channel(master_address)
         self.stub = master_pb2_grpc.MasterStub(self.channel)
@@ -86,9 +88,10 @@ class MasterSession:
         while not self._closed.wait(self.heartbeat_seconds):
             try:
                 stall = self.stall_source() if self.stall_source is not None else 0.0
+                stats = self._stats()
                 resp = self.stub.Heartbeat(master_pb2.HeartbeatRequest(
-                    id=self.id, steps=self.steps, samples=self.samples, max_stall_ms=stall),
-                    timeout=5)
+                    id=self.id, steps=self.steps, samples=self.samples, max_stall_ms=stall,
+                    gazer_stats=stats), timeout=5)
             except grpc.RpcError as exc:
                 log.debug("heartbeat failed: %s", exc.code().name)
                 continue
@@ -102,6 +105,15 @@ class MasterSession:
             self._set_epoch(resp.epoch)
             if resp.stop and self.on_stop is not None:
                 self.on_stop()
+
+    def _stats(self) -> bytes:
+        if self.stats_source is None:
+            return b""
+        try:
+            return self.stats_source()
+        except Exception:  # noqa: BLE001 - statistics must never stop the lease
+            log.exception("gazer statistics failed")
+            return b""
 
     def close(self, reason: str = "exit") -> None:
         if self._closed.is_set():

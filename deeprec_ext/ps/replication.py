@@ -166,6 +166,16 @@ class Replicator:
                 origin_sequence=self.store.sequence.value,
                 applied_request_ids=[request_id] if request_id else [])]), timeout=60)
 
+    def lag(self) -> dict:
+        """Gazer: how far the peer's copy trails this PS (sequence numbers not yet shipped,
+        time since the last shipment)."""
+        since = self._since
+        behind = self.store.sequence.value - since if since >= 0 else self.store.sequence.value
+        return {"peer": self.peer, "behind_sequence": max(behind, 0) if self.peer else 0,
+                "since_ship_ms": (time.monotonic() - self.last_shipped) * 1000
+                if self.peer and self.last_shipped else 0.0,
+                "shipped_rows": self.shipped_rows, "errors": self.errors}
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._wake.wait(self.interval)
