@@ -51,6 +51,14 @@ def make_shards(files: list[str], records_per_shard: int, epochs: int = 1) -> li
     return shards
 
 
+def virtual_rank_shards(shards: list[Shard], rank: int, virtual_workers: int) -> list[Shard]:
+    """Sync mode: the shards virtual worker ``rank`` reads, in order (shard i belongs to
+    rank i % V). A pure function of the job's shard list, so the data of every virtual
+    worker is the same whatever physical worker hosts it."""
+    return [s for s in sorted(shards, key=lambda s: s.shard_id)
+            if s.shard_id % virtual_workers == rank]
+
+
 class ShardQueue:
     def __init__(self, shards: list[Shard]):
         self._lock = threading.Lock()
@@ -109,6 +117,24 @@ class ShardQueue:
                     self._resume[sid] = start + consumed
                 self._todo.appendleft(sid)
             return mine
+
+    def all_shards(self) -> list[Shard]:
+        return sorted(self._shards.values(), key=lambda s: s.shard_id)
+
+    def mark_done(self, shard_ids) -> list[int]:
+        """Sync mode: shards are read by virtual rank, not handed out on request; the
+        coordinator marks them DONE once every record was trained (TODO or DOING -> DONE)."""
+        taken = []
+        with self._lock:
+            for sid in shard_ids:
+                if sid in self._shards and sid not in self._done:
+                    self._doing.pop(sid, None)
+                    if sid in self._todo:
+                        self._todo.remove(sid)
+                    self._done.add(sid)
+                    self._resume.pop(sid, None)
+                    taken.append(sid)
+        return taken
 
     def counts(self) -> dict[str, int]:
         with self._lock:
