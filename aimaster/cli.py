@@ -1,7 +1,9 @@
 """``aimaster`` command line.
 
   aimaster run [JOB.yaml] [--ps N] [--workers M] [--port P] [--state-dir DIR]
-  aimaster status --master ADDR [--json]
+  aimaster status --master ADDR [--json] [--token-file F]
+  aimaster manifest JOB.yaml [--plan PLAN.json] [-o FILE]  |  aimaster manifest --check FILE
+  aimaster estimate MODULE:FUNCTION|SAVEDMODEL|GRAPH [--rows T=N] [--job JOB.yaml --parse M:F] [--json]
 
 Every flag also reads an environment variable (AIMASTER_PS, AIMASTER_WORKERS, ...).
 """
@@ -43,25 +45,59 @@ def get_args_parser() -> argparse.ArgumentParser:
     run.add_argument("--state-dir", default=os.environ.get("AIMASTER_STATE_DIR"),
                      help="where job state and logs are written")
     run.add_argument("--log-level", default=os.environ.get("AIMASTER_LOG_LEVEL", "INFO"))
+    run.add_argument("--token-file", default=None,
+                     help="job token: every RPC of the AIMaster and the PS must carry it "
+                          "(env DEEPREC_TOKEN_FILE; job file security.token_file)")
+    run.add_argument("--scaler", choices=("local", "kubernetes"),
+                     default=os.environ.get("AIMASTER_SCALER", "local"),
+                     help="local: child processes, loopback only; kubernetes: the TFJob's pods "
+                          "(env AIMASTER_SCALER)")
+
+    man = sub.add_parser("manifest", help="print the Kubernetes TFJob (+ RBAC, job ConfigMap) of a "
+                                          "job file, or --check a manifest file")
+    man.add_argument("job", nargs="?", help="job YAML file")
+    man.add_argument("--plan", help="JSON of `aimaster estimate --json` (or its 'plan' object): "
+                                    "replicas and resources")
+    man.add_argument("--image", help="container image (default: kubernetes.image of the job file)")
+    man.add_argument("--namespace", help="default: kubernetes.namespace, else 'default'")
+    man.add_argument("-o", "--output", help="write here instead of stdout")
+    man.add_argument("--check", metavar="FILE", help="validate FILE (TFJob CRD schema, pod "
+                                                     "templates, operator webhook rules) instead")
+    man.add_argument("--crd", default=None, help="TFJob CRD file (default: bundled or "
+                                                 "$DEEPREC_TFJOB_CRD)")
+    run.add_argument("--prometheus-port", type=int, default=_env_int("AIMASTER_PROMETHEUS_PORT"),
+                     help="serve Gazer metrics for Prometheus on this port (env "
+                          "AIMASTER_PROMETHEUS_PORT; overrides gazer.prometheus_port)")
 
     status = sub.add_parser("status", help="print the state of a running job")
     status.add_argument("--master", default=os.environ.get("DEEPREC_MASTER_ADDR"),
                         help="AIMaster address host:port (env DEEPREC_MASTER_ADDR)")
+    status.add_argument("--token-file", default=None,
+                    help="job token file (env DEEPREC_TOKEN_FILE)")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--timeout", type=float, default=10.0)
     scale = sub.add_parser("scale", help="grow or shrink a running job's PS / worker sets; "
                                           "blocks until done and prints the event as JSON")
     scale.add_argument("--master", default=os.environ.get("DEEPREC_MASTER_ADDR"),
                        help="AIMaster address host:port (env DEEPREC_MASTER_ADDR)")
+    scale.add_argument("--token-file", default=None,
+                    help="job token file (env DEEPREC_TOKEN_FILE)")
     scale.add_argument("--ps", type=int, default=None, help="new PS count")
     scale.add_argument("--workers", type=int, default=None, help="new worker count")
+    scale.add_argument("--rebalance", action="store_true",
+                       help="keep the counts; move slots between the PS to even out their "
+                            "bytes and lookups (placement)")
     scale.add_argument("--timeout", type=float, default=600.0)
     ck = sub.add_parser("checkpoint", help="take a checkpoint of a running job now; prints the event")
     ck.add_argument("--master", default=os.environ.get("DEEPREC_MASTER_ADDR"),
                     help="AIMaster address host:port (env DEEPREC_MASTER_ADDR)")
+    ck.add_argument("--token-file", default=None,
+                    help="job token file (env DEEPREC_TOKEN_FILE)")
     ck.add_argument("--full", action="store_true", help="a full checkpoint (default: incremental "
                     "when the job has one to build on)")
     ck.add_argument("--timeout", type=float, default=3600.0)
+    from graph_opt.cli import add_parser as add_estimate_parser  # argparse only; no TF
+    add_estimate_parser(sub)
     return p
 
 
@@ -76,8 +112,22 @@ def cmd_run(args) -> int:
     try:
         config = with_overrides(load_job(args.job), ps=args.ps, workers=args.workers,
                                 port=args.port, state_dir=args.state_dir)
+        if args.prometheus_port is not None:
+            from aimaster.monitor import with_prometheus_port
+            config = with_prometheus_port(config, args.prometheus_port)
+        if args.token_file:
+            from dataclasses import replace
+            config = replace(config, security=replace(config.security, token_file=args.token_file))
+        from deeprec_ext.auth import is_loopback
+        if args.scaler == "local" and not is_loopback(config.host):
+            return _fail(f"master.host {config.host!r}: local runs listen on loopback only "
+                         "(127.0.0.1, ::1, localhost); in a cluster run with --scaler kubernetes")
         from aimaster.master import JobMaster  # after validation: a bad flag fails fast
-        master = JobMaster(config)
+        factory = None
+        if args.scaler == "kubernetes":
+            from aimaster.scaler.kubernetes import master_scaler_factory
+            factory = master_scaler_factory(lambda: master)
+        master = JobMaster(config, scaler_factory=factory)
     except ConfigError as exc:
         return _fail(str(exc))
     try:
@@ -85,8 +135,8 @@ def cmd_run(args) -> int:
     except (OSError, RuntimeError) as exc:
         master.shutdown()
         return _fail(f"cannot start the AIMaster service on port {config.port}: {exc}")
-    signal.signal(signal.SIGTERM, lambda *_: master.stop())
-    signal.signal(signal.SIGINT, lambda *_: master.stop())
+    signal.signal(signal.SIGTERM, lambda *_: master.stop_from_signal())
+    signal.signal(signal.SIGINT, lambda *_: master.stop_from_signal())
     print(f"AIMaster for job '{config.name}' listening on {address} "
           f"(ps={config.ps.replicas}, workers={config.worker.replicas}, "
           f"state dir {os.path.abspath(config.state_dir)})", flush=True)
@@ -105,12 +155,33 @@ def status_dict(resp) -> dict:
                      "steps": m.steps, "samples": m.samples} for m in resp.members],
         "shards": {"todo": resp.shards.todo, "doing": resp.shards.doing, "done": resp.shards.done},
         "events": [json.loads(e) for e in resp.events_json],
+        # autoscale policy state and cost accounting (resource-seconds allocated vs used)
+        "autoscale": json.loads(resp.autoscale_json) if resp.autoscale_json else None,
     }
+
+
+def _client_auth(args) -> str | None:
+    """Set up this CLI's job token (--token-file); returns an error message or None."""
+    from deeprec_ext import auth
+    try:
+        auth.configure(token_file=getattr(args, "token_file", None))
+    except auth.AuthError as exc:
+        return str(exc)
+    return None
+
+
+def _rpc_fail(what: str, address: str, exc: grpc.RpcError) -> int:
+    from deeprec_ext import auth
+    if auth.is_unauthenticated(exc):
+        return _fail(auth.unauthenticated_hint(address), 1)
+    return _fail(f"{what} {address}: {exc.code().name}: {exc.details()}", 1)
 
 
 def cmd_status(args) -> int:
     if not args.master:
         return _fail("--master is required (or set DEEPREC_MASTER_ADDR)")
+    if (err := _client_auth(args)):
+        return _fail(err)
     from deeprec_ext.grpc_util import insecure_channel
     from deeprec_ext.proto import master_pb2, master_pb2_grpc
     try:
@@ -118,7 +189,7 @@ def cmd_status(args) -> int:
             resp = master_pb2_grpc.MasterStub(ch).Status(master_pb2.StatusRequest(),
                                                          timeout=args.timeout)
     except grpc.RpcError as exc:
-        return _fail(f"cannot reach AIMaster at {args.master}: {exc.code().name}: {exc.details()}", 1)
+        return _rpc_fail("cannot reach AIMaster at", args.master, exc)
     d = status_dict(resp)
     if args.json:
         print(json.dumps(d, indent=2))
@@ -128,20 +199,32 @@ def cmd_status(args) -> int:
     for m in d["members"]:
         print(f"  {m['role']:6} {m['id']:10} pid {m['pid']:<8} {m['state']:9} {m['address']:21} "
               f"steps {m['steps']}")
+    if d["autoscale"]:
+        print("  cost      core-s alloc   core-s used  used%   GB-s alloc   GB-s used")
+        for role, c in d["autoscale"]["cost"].items():
+            eff = "-" if c["cpu_efficiency"] is None else f"{c['cpu_efficiency']:.0%}"
+            print(f"  {role:6} {c['allocated_core_seconds']:14.1f} {c['used_core_seconds']:13.1f} "
+                  f"{eff:>6} {c['allocated_gb_seconds']:12.1f} {c['used_gb_seconds']:11.1f}")
+        for dec in d["autoscale"]["decisions"][-3:]:
+            print(f"  autoscale {dec['rule']}: {dec['reason']}")
     return 0
 
 
 def cmd_scale(args) -> int:
     if not args.master:
         return _fail("--master is required (or set DEEPREC_MASTER_ADDR)")
-    if args.ps is None and args.workers is None:
-        return _fail("give --ps N, --workers M or both")
+    if args.rebalance and (args.ps is not None or args.workers is not None):
+        return _fail("--rebalance keeps the counts: give it without --ps / --workers")
+    if args.ps is None and args.workers is None and not args.rebalance:
+        return _fail("give --ps N, --workers M, both, or --rebalance")
     for flag, value in (("--ps", args.ps), ("--workers", args.workers)):
         if value is not None and value < 0:
             return _fail(f"{flag} must be >= 0, got {value}")
+    if (err := _client_auth(args)):
+        return _fail(err)
     from deeprec_ext.grpc_util import insecure_channel
     from deeprec_ext.proto import master_pb2, master_pb2_grpc
-    req = master_pb2.ScaleRequest(timeout_seconds=args.timeout)
+    req = master_pb2.ScaleRequest(timeout_seconds=args.timeout, rebalance=args.rebalance)
     if args.ps is not None:
         req.ps = args.ps
     if args.workers is not None:
@@ -152,7 +235,7 @@ def cmd_scale(args) -> int:
     except grpc.RpcError as exc:
         if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
             return _fail(f"scale refused: {exc.details()}", 1)
-        return _fail(f"scale failed at {args.master}: {exc.code().name}: {exc.details()}", 1)
+        return _rpc_fail("scale failed at", args.master, exc)
     print(resp.event_json)
     return 0
 
@@ -160,6 +243,8 @@ def cmd_scale(args) -> int:
 def cmd_checkpoint(args) -> int:
     if not args.master:
         return _fail("--master is required (or set DEEPREC_MASTER_ADDR)")
+    if (err := _client_auth(args)):
+        return _fail(err)
     from deeprec_ext.grpc_util import insecure_channel
     from deeprec_ext.proto import master_pb2, master_pb2_grpc
     try:
@@ -167,15 +252,62 @@ def cmd_checkpoint(args) -> int:
             resp = master_pb2_grpc.MasterStub(ch).Checkpoint(
                 master_pb2.CheckpointRequest(full=args.full), timeout=args.timeout)
     except grpc.RpcError as exc:
-        return _fail(f"checkpoint failed at {args.master}: {exc.code().name}: {exc.details()}", 1)
+        return _rpc_fail("checkpoint failed at", args.master, exc)
     print(resp.event_json)
     return 0
+
+
+def cmd_manifest(args) -> int:
+    from tfjob_crd.render import ManifestError, dump, render_file
+    from tfjob_crd.validate import check_file, validate_documents
+    if args.check:
+        if args.job:
+            return _fail("give either a job file (to render) or --check FILE, not both")
+        problems, notes = check_file(args.check, args.crd)
+        for n in notes:
+            print(f"note: {n}", file=sys.stderr)
+        for p in problems:
+            print(f"{args.check}: {p}", file=sys.stderr)
+        if problems:
+            return _fail(f"{args.check}: {len(problems)} problem(s)", 1)
+        print(f"{args.check}: valid")
+        return 0
+    if not args.job:
+        return _fail("give a job file to render, or --check FILE")
+    try:
+        docs = render_file(args.job, args.plan, args.image, args.namespace)
+    except ManifestError as exc:
+        return _fail(str(exc))
+    problems, notes = validate_documents(docs, args.crd)
+    for n in notes:
+        print(f"note: {n}", file=sys.stderr)
+    if problems:  # our own output must be valid: this is a bug, not a user error
+        return _fail("the rendered manifest is invalid:\n  " + "\n  ".join(problems), 1)
+    text = dump(docs)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def cmd_estimate(args) -> int:
+    args.job_config = None
+    if args.job:  # graph_opt sits below the AIMaster: the job file is parsed here
+        try:
+            args.job_config = load_job(args.job)
+        except ConfigError as exc:
+            return _fail(str(exc))
+    from graph_opt.cli import run  # TensorFlow is imported only by this subcommand
+    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = get_args_parser().parse_args(argv)
     return {"run": cmd_run, "status": cmd_status, "scale": cmd_scale,
-            "checkpoint": cmd_checkpoint}[args.command](args)
+            "checkpoint": cmd_checkpoint, "manifest": cmd_manifest,
+            "estimate": cmd_estimate}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -46,76 +46,217 @@ class DataConfig:
 @dataclass(frozen=True)
 class AutoscaleConfig:
     enabled: bool = False
+    dry_run: bool = False              # decide and record, never scale
+    interval_seconds: float = 1.0      # one observation (PS Stats, worker counters) per interval
+    cooldown_seconds: float = 30.0
+    settle_seconds: float = 5.0
+    measure_seconds: float = 10.0
+    window_seconds: float = 30.0
+    max_wait_seconds: float = 120.0
+    recovery: str = "continue"         # "continue" | "wait"
+    resource_fit: bool = True
+    performance_fit: bool = True
+    memory_headroom: float = 0.2
+    lead_seconds: float = 20.0
+    scale_out_reserve: float = 2.0     # x a PS's data (RSS above the bare process) kept free
+    replicated: bool = True            # ring replication doubles what a PS holds at >= 2 PS
+    ps_memory_limit_mb: float = 0.0    # given to every PS (DEEPREC_PS_MEMORY_LIMIT_MB); 0: none
+    ps_cpu_high: float = 0.8
+    ps_cpu_low: float = 0.25
+    worker_util_low: float = 0.5
+    min_gain: float = 0.5
+    explore_ttl_seconds: float = 300.0
+    worker_cores: float = 1.0
+    ps_cores: float = 1.0
+    worker_memory_mb: float = 0.0
+
+    def policy_config(self, job: "JobConfig"):
+        """The policy's knobs, with each role's min/max from the job's role sections."""
+        from aimaster.policy import PolicyConfig
+        return PolicyConfig(
+            ps_min=max(1, job.ps.min_replicas), ps_max=job.ps.max_replicas,
+            worker_min=job.worker.min_replicas, worker_max=job.worker.max_replicas,
+            ps_memory_limit_bytes=int(self.ps_memory_limit_mb * 1024 * 1024),
+            worker_memory_bytes=int(self.worker_memory_mb * 1024 * 1024),
+            **{f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("enabled", "dry_run", "ps_memory_limit_mb", "worker_memory_mb")})
 
 
 def _parse_autoscale(d) -> AutoscaleConfig:
     d = _expect(d, "autoscale")
-    unknown = set(d) - {"enabled"}
+    known = {f.name for f in fields(AutoscaleConfig)}
+    unknown = set(d) - known
     if unknown:
-        raise ConfigError(f"autoscale: unknown key(s) {sorted(unknown)}")
-    return AutoscaleConfig(enabled=bool(d.get("enabled", False)))
+        raise ConfigError(f"autoscale: unknown key(s) {sorted(unknown)}; expected some of {sorted(known)}")
+    out = {}
+    for f in fields(AutoscaleConfig):
+        if f.name not in d:
+            continue
+        v = d[f.name]
+        if isinstance(f.default, bool):
+            if not isinstance(v, bool):
+                raise ConfigError(f"autoscale.{f.name}: expected true or false, got {v!r}")
+        elif f.name == "recovery":
+            if v not in ("continue", "wait"):
+                raise ConfigError(f"autoscale.recovery: expected 'continue' or 'wait', got {v!r}")
+        elif f.name in ("memory_headroom", "ps_memory_limit_mb", "worker_memory_mb",
+                        "scale_out_reserve"):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 \
+                    or (f.name == "memory_headroom" and v >= 1):
+                raise ConfigError(f"autoscale.{f.name}: expected a number >= 0"
+                                  + (" and < 1" if f.name == "memory_headroom" else "")
+                                  + f", got {v!r}")
+            v = float(v)
+        else:
+            v = _float(d, f.name, "autoscale", f.default)
+        out[f.name] = v
+    cfg = AutoscaleConfig(**out)
+    if cfg.ps_cpu_low >= cfg.ps_cpu_high:
+        raise ConfigError(f"autoscale.ps_cpu_low ({cfg.ps_cpu_low}) must be below "
+                          f"autoscale.ps_cpu_high ({cfg.ps_cpu_high})")
+    if cfg.measure_seconds > cfg.window_seconds:
+        raise ConfigError(f"autoscale.measure_seconds ({cfg.measure_seconds}) must not exceed "
+                          f"autoscale.window_seconds ({cfg.window_seconds})")
+    return cfg
 
 
 # --- Gazer statistics (gazer/) ---
 @dataclass(frozen=True)
 class GazerConfig:
     enabled: bool = True
+    op_sample_every_steps: int = 100  # workers trace one step in N (0: no per-op timings)
+    top_ops: int = 20                  # ops per worker report
+    prometheus_port: int = 0           # 0: no Prometheus endpoint (`aimaster run --prometheus-port`)
 
 
 def _parse_gazer(d) -> GazerConfig:
     d = _expect(d, "gazer")
-    unknown = set(d) - {"enabled"}
+    unknown = set(d) - {"enabled", "op_sample_every_steps", "top_ops", "prometheus_port"}
     if unknown:
         raise ConfigError(f"gazer: unknown key(s) {sorted(unknown)}")
-    return GazerConfig(enabled=bool(d.get("enabled", True)))
+    enabled = d.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"gazer.enabled: expected true or false, got {enabled!r}")
+    port = _int(d, "prometheus_port", "gazer", 0)
+    if port > 65535:
+        raise ConfigError(f"gazer.prometheus_port: {port} is not a TCP port")
+    if port and not enabled:
+        raise ConfigError("gazer.prometheus_port needs gazer.enabled: true")
+    return GazerConfig(enabled=enabled,
+                       op_sample_every_steps=_int(d, "op_sample_every_steps", "gazer", 100),
+                       top_ops=_int(d, "top_ops", "gazer", 20, minimum=1),
+                       prometheus_port=port)
 
 
-# --- consistent (sync) mode with virtual workers ---
+# --- consistent (sync) mode with virtual workers (aimaster/consistent.py) ---
 @dataclass(frozen=True)
 class ConsistencyConfig:
     mode: str = "async"        # "async" | "sync"
     virtual_workers: int = 0   # sync: logical workers V (0: not set)
+    seed: int = 0              # sync: seeds each virtual worker's random state
+    steps: int = 0             # sync: stop after this many global steps (0: when data runs out)
 
 
 def _parse_consistency(d) -> ConsistencyConfig:
     if isinstance(d, str):
         d = {"mode": d}
     d = _expect(d, "consistency")
-    unknown = set(d) - {"mode", "virtual_workers"}
+    unknown = set(d) - {"mode", "virtual_workers", "seed", "steps"}
     if unknown:
         raise ConfigError(f"consistency: unknown key(s) {sorted(unknown)}")
     mode = d.get("mode", "async")
     if mode not in ("async", "sync"):
         raise ConfigError(f"consistency.mode: expected 'async' or 'sync', got {mode!r}")
-    return ConsistencyConfig(mode=mode,
-                             virtual_workers=_int(d, "virtual_workers", "consistency", 0))
+    cfg = ConsistencyConfig(mode=mode,
+                            virtual_workers=_int(d, "virtual_workers", "consistency", 0),
+                            seed=_int(d, "seed", "consistency", 0),
+                            steps=_int(d, "steps", "consistency", 0))
+    if mode == "sync" and cfg.virtual_workers < 1:
+        raise ConfigError("consistency.virtual_workers: mode 'sync' needs an integer >= 1 "
+                          "(the number of logical workers every step is split into)")
+    if mode == "async" and (cfg.virtual_workers or cfg.steps):
+        raise ConfigError("consistency: virtual_workers and steps apply to mode 'sync' only")
+    return cfg
 
 
 # --- Kubernetes deployment and access control (tfjob_crd/, aimaster/scaler/kubernetes.py) ---
 @dataclass(frozen=True)
 class KubernetesConfig:
+    """How ``aimaster manifest`` renders the job as a TFJob (see docs/guide-kubernetes.md)."""
     image: str = ""
+    namespace: str = ""                 # empty: the namespace kubectl applies to
+    image_pull_policy: str = "IfNotPresent"
+    port: int = 50051                   # AIMaster port inside the chief pod
+    ps_port: int = 2222                 # PS port (the operator's default TFJob port)
+    token_secret: str | None = None     # Secret with key "token"; None: "<name>-token"; "": off
+    tls_secret: str = ""                # Secret with tls.crt, tls.key, ca.crt; empty: no TLS
+    # long enough for a PS to hand its last changes to its ring peer, short enough to fit
+    # a spot instance's preemption notice (30 s on the big clouds' shortest)
+    termination_grace_seconds: int = 30
+    data_pvc: str = ""                  # PersistentVolumeClaim mounted in every container
+    data_mount_path: str = "/data"
+    service_account: str = ""           # default "<name>-aimaster"
+
+
+_K8S_KEYS = {"image", "namespace", "image_pull_policy", "port", "ps_port", "token_secret",
+             "tls_secret", "termination_grace_seconds", "data_pvc", "data_mount_path",
+             "service_account"}
 
 
 def _parse_kubernetes(d) -> KubernetesConfig:
     d = _expect(d, "kubernetes")
-    unknown = set(d) - {"image"}
+    unknown = set(d) - _K8S_KEYS
     if unknown:
-        raise ConfigError(f"kubernetes: unknown key(s) {sorted(unknown)}")
-    return KubernetesConfig(image=str(d.get("image", "")))
+        raise ConfigError(f"kubernetes: unknown key(s) {sorted(unknown)}; expected some of "
+                          f"{sorted(_K8S_KEYS)}")
+    for key in _K8S_KEYS - {"port", "ps_port", "termination_grace_seconds", "token_secret"}:
+        if key in d and not isinstance(d[key], str):
+            raise ConfigError(f"kubernetes.{key}: expected a string, got {d[key]!r}")
+    token_secret = d.get("token_secret")
+    if token_secret is not None and token_secret is not False and not isinstance(token_secret, str):
+        raise ConfigError(f"kubernetes.token_secret: expected a Secret name, '' or false, "
+                          f"got {token_secret!r}")
+    policy = d.get("image_pull_policy", "IfNotPresent")
+    if policy not in ("Always", "IfNotPresent", "Never"):
+        raise ConfigError(f"kubernetes.image_pull_policy: expected Always, IfNotPresent or "
+                          f"Never, got {policy!r}")
+    ports = {k: _int(d, k, "kubernetes", default, minimum=1)
+             for k, default in (("port", 50051), ("ps_port", 2222))}
+    for k, v in ports.items():
+        if v > 65535:
+            raise ConfigError(f"kubernetes.{k}: {v} is not a TCP port")
+    if ports["port"] == ports["ps_port"]:
+        raise ConfigError(f"kubernetes.port and kubernetes.ps_port must differ (both {ports['port']})")
+    mount = d.get("data_mount_path", "/data")
+    if not mount.startswith("/"):
+        raise ConfigError(f"kubernetes.data_mount_path: expected an absolute path, got {mount!r}")
+    return KubernetesConfig(
+        image=d.get("image", ""), namespace=d.get("namespace", ""), image_pull_policy=policy,
+        port=ports["port"], ps_port=ports["ps_port"],
+        token_secret=None if token_secret is None else (token_secret or ""),
+        tls_secret=d.get("tls_secret", ""),
+        termination_grace_seconds=_int(d, "termination_grace_seconds", "kubernetes", 30, minimum=1),
+        data_pvc=d.get("data_pvc", ""), data_mount_path=mount,
+        service_account=d.get("service_account", ""))
 
 
 @dataclass(frozen=True)
 class SecurityConfig:
-    token_file: str = ""
+    token_file: str = ""       # job token; every RPC of the AIMaster and the PS must carry it
+    tls_dir: str = ""          # ca.crt, tls.crt, tls.key: serve and dial over TLS
+    tls_server_name: str = ""  # the name in the certificate (default "deeprec")
 
 
 def _parse_security(d) -> SecurityConfig:
     d = _expect(d, "security")
-    unknown = set(d) - {"token_file"}
+    unknown = set(d) - {"token_file", "tls_dir", "tls_server_name"}
     if unknown:
         raise ConfigError(f"security: unknown key(s) {sorted(unknown)}")
-    return SecurityConfig(token_file=str(d.get("token_file", "")))
+    for key in ("token_file", "tls_dir", "tls_server_name"):
+        if key in d and not isinstance(d[key], str):
+            raise ConfigError(f"security.{key}: expected a string, got {d[key]!r}")
+    return SecurityConfig(token_file=d.get("token_file", ""), tls_dir=d.get("tls_dir", ""),
+                          tls_server_name=d.get("tls_server_name", ""))
 # --- end of feature sections ---
 
 

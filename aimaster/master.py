@@ -19,6 +19,7 @@ from typing import Callable
 import grpc
 import numpy as np
 
+from aimaster import placement
 from aimaster.config import JobConfig
 from aimaster.migration import MigrationError, migrate
 from aimaster.registry import Member, MemberState, Registry
@@ -91,6 +92,7 @@ class JobMaster:
         self._last_ckpt = self.clock()
         self._last_samples = (0, self.clock())
         self.plugins: list[MasterPlugin] = load_plugins(config)
+        self._signalled = False
 
     # -- state ---------------------------------------------------------------------------
     def _load_shards(self) -> ShardQueue | None:
@@ -199,7 +201,7 @@ class JobMaster:
         """Drive the job until it ends or ``stop()``; returns the process exit code."""
         deadline = self.clock() + self.config.ps_start_timeout
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and not self._signalled:
                 self._drain_main_calls()
                 self._tick(deadline)
                 self._maybe_periodic_checkpoint()
@@ -222,6 +224,11 @@ class JobMaster:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+
+    def stop_from_signal(self) -> None:
+        """For signal handlers: takes no lock (the main thread may hold the very Event
+        lock a handler would need); the main loop sees the flag within 0.2 s."""
+        self._signalled = True
 
     def _run_hook(self, plugin: MasterPlugin, hook: str, *args) -> None:
         # a failing plugin must not take the job down: log it and go on
@@ -458,6 +465,79 @@ class JobMaster:
             with self._lock:
                 self.events.append(event)
             log.info("event scale %s", event)
+            self._save()
+            return event
+        finally:
+            self._scale_lock.release()
+
+    def _slot_stats(self, routing: RoutingTable) -> tuple[np.ndarray, np.ndarray] | None:
+        """(bytes, lookups) per slot summed over the PS of ``routing``; None if a PS
+        cannot answer (placement then falls back to equal slot counts)."""
+        nbytes = np.zeros(routing.num_slots, np.int64)
+        lookups = np.zeros(routing.num_slots, np.int64)
+        for address in routing.ps_addresses:
+            try:
+                with insecure_channel(address) as ch:
+                    r = ps_pb2_grpc.ParameterServerStub(ch).SlotStats(ps_pb2.SlotStatsRequest(),
+                                                                      timeout=30)
+            except grpc.RpcError as exc:
+                log.warning("placement: no slot stats from %s (%s); balancing slot counts",
+                            address, exc.code().name)
+                return None
+            if r.num_slots != routing.num_slots:
+                return None
+            nbytes += np.frombuffer(r.slot_bytes, "<i8")
+            lookups += np.frombuffer(r.slot_lookups, "<i8")
+        return nbytes, lookups
+
+    def _slot_loads(self, routing: RoutingTable) -> np.ndarray | None:
+        stats = self._slot_stats(routing)
+        return None if stats is None else placement.slot_loads(*stats)
+
+    def rebalance(self, tolerance: float = 0.05, timeout: float = 600.0) -> dict:
+        """Move slots between the current PS so bytes and lookups are even (placement).
+        Returns the event; nothing moves when every PS is within ``tolerance``."""
+        if not self._scale_lock.acquire(blocking=False):
+            raise ScaleRefused("another scale event is in progress; try again when it is done")
+        try:
+            if self.phase != JobPhase.RUNNING:
+                raise ScaleRefused(f"the job is {self.phase.value}, not running")
+            old = self.routing
+            live = {m.id for m in self._live_ps()}
+            if any(p not in live for p in old.ps_ids):
+                raise ScaleRefused("a PS died and its recovery is in progress; rebalance after it")
+            start, started_at = self.clock(), time.time()
+            stats = self._slot_stats(old)
+            if stats is None:
+                raise ScaleRefused("not every PS reported its slot statistics")
+            nbytes, lookups = stats
+            ids, n = list(old.ps_ids), len(old.ps_ids)
+            new_owner = placement.balance(old.slot_owner, ids, ids,
+                                          placement.slot_loads(nbytes, lookups), tolerance)
+            event = {"kind": "rebalance", "ps": n, "moved_slots": int((new_owner != old.slot_owner).sum()),
+                     "bytes_imbalance": [round(placement.imbalance(old.slot_owner, nbytes, n), 4),
+                                         round(placement.imbalance(new_owner, nbytes, n), 4)],
+                     "lookup_imbalance": [round(placement.imbalance(old.slot_owner, lookups, n), 4),
+                                          round(placement.imbalance(new_owner, lookups, n), 4)],
+                     "moved_rows": 0, "moved_bytes": 0, "fence_ms": 0.0}
+            if event["moved_slots"]:
+                def publish(routing: RoutingTable):
+                    self._push_routing(routing)
+                    with self._lock:
+                        self.routing, self.epoch = routing, routing.epoch
+                    self._event("routing", epoch=routing.epoch, ps=list(routing.ps_ids))
+                    self._save()
+                try:
+                    result = migrate(old, new_owner, ids, list(old.ps_addresses), publish)
+                except MigrationError as exc:
+                    raise ScaleRefused(str(exc)) from exc
+                event.update(moved_rows=result.moved_rows, moved_bytes=result.moved_bytes,
+                             fence_ms=round(result.fence_ms, 3), epoch=result.routing.epoch)
+            event["duration_ms"] = round((self.clock() - start) * 1000, 3)
+            event["time"] = started_at
+            with self._lock:
+                self.events.append(event)
+            log.info("event rebalance %s", event)
             self._save()
             return event
         finally:
@@ -718,7 +798,9 @@ class JobMaster:
             keep = sorted(old_ids, key=lambda i: int(i.rsplit("-", 1)[1]))[:n]
             new_ids = [i for i in old_ids if i in keep]
         addresses = {m.id: m.address for m in self._live_ps()}
-        new_owner = rebalance(old.slot_owner, old_ids, new_ids)
+        loads = self._slot_loads(old)
+        new_owner = rebalance(old.slot_owner, old_ids, new_ids) if loads is None else \
+            placement.balance(old.slot_owner, old_ids, new_ids, loads)
 
         def publish(routing: RoutingTable):
             self._push_routing(routing)  # same ownership, re-formed replication ring
@@ -942,6 +1024,15 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     def Scale(self, request, context):
         ps = request.ps if request.HasField("ps") else None
         workers = request.workers if request.HasField("workers") else None
+        if request.rebalance:
+            if ps is not None or workers is not None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              "rebalance moves slots between the current PS; give no counts with it")
+            try:
+                event = self.m.rebalance(timeout=request.timeout_seconds or 600.0)
+            except ScaleRefused as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            return master_pb2.ScaleResponse(event_json=json.dumps(event, sort_keys=True))
         if ps is None and workers is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give a PS count, a worker count or both")
         try:

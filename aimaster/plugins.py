@@ -7,7 +7,8 @@ loop ticks every 0.2 s and RPC threads serve training.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+import importlib
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     import grpc
@@ -39,15 +40,21 @@ class MasterPlugin:
         """Main loop thread, when the job ends, before the members are stopped."""
 
 
-# name -> factory(config) returning a plugin, or None when the job does not use it.
-# Each feature appends its own line here.
-FACTORIES: dict[str, Callable[["JobConfig"], MasterPlugin | None]] = {}
+# name -> "module:function" building the feature's plugin from the job config (None when
+# the job does not use it); imported only when a job is loaded.
+FACTORIES: dict[str, str] = {
+    "access-control": "aimaster.access:access_control_plugin",
+    "autoscale": "aimaster.autoscale:create",
+    "consistent": "aimaster.consistent:create",
+    "gazer": "aimaster.monitor:create",
+}
 
 
 def load_plugins(config: "JobConfig") -> list[MasterPlugin]:
     out = []
-    for name, factory in FACTORIES.items():
-        plugin = factory(config)
+    for name, spec in FACTORIES.items():
+        module, func = spec.split(":")
+        plugin = getattr(importlib.import_module(module), func)(config)
         if plugin is not None:
             out.append(plugin)
     return out

@@ -25,10 +25,13 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 class StepBatcher:
-    def __init__(self, client, send_push: Callable[[dict], None]):
-        """``send_push({table: (ids, grads)})`` pushes one step's updates (unique ids)."""
+    def __init__(self, client, send_push: Callable[..., dict | None]):
+        """``send_push({table: (ids, grads)}, return_tables=None)`` pushes one step's
+        updates (unique ids) and returns the values of ``return_tables`` after them."""
         self.client = client
         self._send_push = send_push
+        # hold every push until end_step, which may add the dense sync to the same call
+        self.hold_pushes = False
         self._lock = threading.Lock()
         self._step = 0
         self._seen: dict[tuple[str, bool], tuple[int, np.ndarray]] = {}
@@ -90,24 +93,27 @@ class StepBatcher:
         training this step has pushed (or at ``end_step``)."""
         with self._lock:
             self._pending[table] = (np.array(ids, copy=True), np.array(grads, copy=True))
-            if not self._looked_up <= self._pending.keys():
+            if self.hold_pushes or not self._looked_up <= self._pending.keys():
                 return
             batch, self._pending = self._pending, {}
             self._looked_up.clear()
             self.stats["push_calls"] += 1
         self._send_push(batch)
 
-    def end_step(self) -> None:
-        """The step is over: send what it still holds, forget its prefetches."""
+    def end_step(self, extra: dict | None = None, return_tables=None) -> dict | None:
+        """The step is over: send what it still holds, plus ``extra`` updates, in one call;
+        returns the values of ``return_tables`` after it. Forgets the step's prefetches."""
         with self._lock:
             batch, self._pending = self._pending, {}
             self._looked_up.clear()
             self._prefetched.clear()
             self._step += 1
+            batch.update(extra or {})
             if batch:
                 self.stats["push_calls"] += 1
         if batch:
-            self._send_push(batch)
+            return self._send_push(batch, return_tables)
+        return None
 
     @property
     def groups(self) -> dict[str, list[str]]:

@@ -24,6 +24,7 @@ from deeprec_ext.client import PSClient
 from deeprec_ext.grpc_util import RetryPolicy, call_with_retry
 from deeprec_ext.member import MEMBER_ID_ENV, MasterSession, master_address_from_env
 from deeprec_ext.proto import master_pb2
+from deeprec_ext.stats import MemberCollector
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +99,12 @@ class WorkerContext:
                  retry: RetryPolicy = RetryPolicy()):
         self.master_address = master_address_from_env(master_address)
         self.stop_requested = threading.Event()
+        self.gazer = MemberCollector("worker")  # Gazer statistics, sent with each heartbeat
         self.session = MasterSession(self.master_address, "worker",
                                      member_id if member_id is not None else os.environ.get(MEMBER_ID_ENV, ""),
                                      on_epoch=self._on_epoch, on_stop=self.request_stop,
-                                     stall_source=self._take_stall, retry=retry)
+                                     stall_source=self._take_stall, retry=retry,
+                                     stats_source=lambda: self.gazer.collect_bytes(self.worker_id))
         self.session.register()
         self.client = PSClient.connect(self.master_address, timeout=retry.deadline)
         self.session.start()
@@ -136,14 +139,13 @@ class WorkerContext:
         once every table it looked up has pushed (StepBatcher)."""
         self.batcher.push(table, ids, grads)
 
-    def _send_push(self, batch: dict) -> None:
+    def _send_push(self, batch: dict, return_tables=None) -> dict | None:
         """In overlap mode (``async_pushes``), send without waiting, at most one push in
         flight per table (otherwise synchronously): a table's next push first waits for
         the previous one (and re-raises its error), so a step's lookups see every update
         older than one step (asynchronous PS training)."""
-        if not self.async_pushes:
-            self.client.push_many(batch, unique=True)
-            return
+        if not self.async_pushes or return_tables:
+            return self.client.push_many(batch, unique=True, return_tables=return_tables)
         with self._push_lock:
             prev = {id(f): f for f in (self._push_inflight.get(t) for t in batch) if f is not None}
         for f in prev.values():
@@ -157,6 +159,7 @@ class WorkerContext:
         """A training step ended. Its pushes may still be in flight, so its records count
         as trained at the next step end or ``settle`` (earlier steps' pushes are
         acknowledged by then: one push in flight per table)."""
+        self.gazer.steps_done(steps)
         self.batcher.end_step()
         with self._push_lock:
             acked, self._unacked_steps = self._unacked_steps, steps

@@ -24,7 +24,8 @@ def client(tmp_path_factory):
 
 
 def _batcher(client):
-    return StepBatcher(client, lambda batch: client.push_many(batch, unique=True))
+    return StepBatcher(client, lambda batch, return_tables=None: client.push_many(
+        batch, unique=True, return_tables=return_tables))
 
 
 def _step(b, tables, ids, grad_of):
@@ -97,3 +98,23 @@ def test_held_push_leaves_at_step_end_and_concurrent_lookups_wait(client):
     b.end_step()
     assert client.lookup("h_a", ids, unique=True)[0, 0] == -2.0
     assert client.lookup("h_b", ids, unique=True)[0, 0] == -1.0
+
+
+def test_held_pushes_and_dense_sync_share_one_call(client):
+    """hold_pushes: the step's gradients wait for end_step, which carries the dense deltas
+    too and returns only the dense values."""
+    client.create_table("f_emb", dim=2, initializer="zeros", optimizer=SGD)
+    client.create_table("f_dense", dim=3, initializer="zeros", optimizer={"name": "assign_add"})
+    b = _batcher(client)
+    b.hold_pushes = True
+    ids = np.arange(50, dtype=np.int64)
+    b.lookup("f_emb", ids, True)
+    b.push("f_emb", ids, np.ones((50, 2), np.float32))
+    assert client.lookup("f_emb", ids, unique=True)[0, 0] == 0.0  # held
+    before = client.stats["rpcs"]
+    out = b.end_step({"f_dense": (np.arange(2, dtype=np.int64), np.full((2, 3), 0.25, np.float32))},
+                     ["f_dense"])
+    assert client.stats["rpcs"] - before == len(client.routing.ps_addresses)  # one per PS
+    assert set(out) == {"f_dense"}
+    np.testing.assert_array_equal(out["f_dense"], np.full((2, 3), 0.25, np.float32))
+    assert client.lookup("f_emb", ids, unique=True)[0, 0] == -1.0

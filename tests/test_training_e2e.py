@@ -147,4 +147,4 @@ def test_cli_bad_input_exits_nonzero_with_message(tmp_path):
     assert r.returncode == 1 and "cannot reach AIMaster" in r.stderr
     r = subprocess.run([sys.executable, "-m", "gazer.cli", "dump", "--master", "127.0.0.1:1",
                         "--timeout", "1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1 and "cannot reach AIMaster" in r.stderr
+    assert r.returncode == 1 and "cannot reach the AIMaster" in r.stderr

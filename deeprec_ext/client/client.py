@@ -280,9 +280,14 @@ class PSClient:
         return out[table] if return_values else None
 
     def push_many(self, updates: Mapping[str, tuple], return_values: bool = False,
-                  unique: bool = False):
+                  unique: bool = False, return_tables=None):
         """Push to several tables with one RPC per PS. With ``return_values`` the PS answers
-        each row's value after the update (dense variables use this to sync in one trip)."""
+        each row's value after the update (dense variables use this to sync in one trip);
+        ``return_tables`` (implies ``return_values``) limits that to the tables named, and
+        the result holds only those."""
+        if return_tables is not None:
+            return_tables = set(return_tables)
+            return_values = bool(return_tables)
         prepared = []
         shapes = {}
         for name, (ids, grads) in updates.items():
@@ -303,7 +308,8 @@ class PSClient:
                 g = g[np.argsort(inverse)] if arr.size else g
             prepared.append((name, dim, uniq, g, arr.size, inverse))
         grads_of = {name: g for name, _, _, g, _, _ in prepared}
-        results = {name: np.empty((u.size, dim), np.float32) for name, dim, u, _, _, _ in prepared}
+        results = {name: np.empty((u.size, dim), np.float32) for name, dim, u, _, _, _ in prepared
+                   if return_tables is None or name in return_tables}
 
         call_id = f"{self._client_id}-{next(self._push_counter)}"
 
@@ -315,13 +321,15 @@ class PSClient:
             return ps_pb2.PushRequest(
                 request_id=f"{call_id}-{digest.hexdigest()}",
                 epoch=self.routing.epoch if self.routing else 0, return_values=return_values,
+                return_tables=sorted(return_tables or ()),
                 tables=[ps_pb2.TableUpdate(table=n, ids=codec.ids_to_bytes(i),
                                            values=codec.floats_to_bytes(grads_of[n][pos]))
                         for n, i, pos in ps_tables])
 
         def store(name, positions, payload):
-            results[name][positions] = codec.floats_from_bytes(
-                payload, positions.size, self._dims[name], name)
+            if name in results:
+                results[name][positions] = codec.floats_from_bytes(
+                    payload, positions.size, self._dims[name], name)
 
         self._fan_out([(n, u) for n, _, u, _, _, _ in prepared], build,
                       lambda stub: stub.Push, store if return_values else None, "push",
@@ -329,7 +337,8 @@ class PSClient:
         if not return_values:
             return None
         return {name: (results[name] if inverse is None else results[name][inverse])
-                .reshape(shapes[name] + (dim,)) for name, dim, _, _, _, inverse in prepared}
+                .reshape(shapes[name] + (dim,)) for name, dim, _, _, _, inverse in prepared
+                if name in results}
 
     def _fan_out(self, tables, build, method, store, what: str, with_positions: bool = False,
                  idempotent: bool = True):

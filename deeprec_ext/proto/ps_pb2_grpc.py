@@ -64,6 +64,11 @@ class ParameterServerStub:
                 request_serializer=deeprec__ext_dot_proto_dot_ps__pb2.StatsRequest.SerializeToString,
                 response_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.SlotStats = channel.unary_unary(
+                '/deeprec_ext.ps.ParameterServer/SlotStats',
+                request_serializer=deeprec__ext_dot_proto_dot_ps__pb2.SlotStatsRequest.SerializeToString,
+                response_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.SlotStatsResponse.FromString,
+                _registered_method=True)
         self.MigrateSlots = channel.unary_unary(
                 '/deeprec_ext.ps.ParameterServer/MigrateSlots',
                 request_serializer=deeprec__ext_dot_proto_dot_ps__pb2.MigrateSlotsRequest.SerializeToString,
@@ -135,6 +140,12 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SlotStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -214,6 +225,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.StatsRequest.FromString,
                     response_serializer=deeprec__ext_dot_proto_dot_ps__pb2.StatsResponse.SerializeToString,
+            ),
+            'SlotStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.SlotStats,
+                    request_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.SlotStatsRequest.FromString,
+                    response_serializer=deeprec__ext_dot_proto_dot_ps__pb2.SlotStatsResponse.SerializeToString,
             ),
             'MigrateSlots': grpc.unary_unary_rpc_method_handler(
                     servicer.MigrateSlots,
@@ -413,6 +429,33 @@ class ParameterServer:
             '/deeprec_ext.ps.ParameterServer/Stats',
             deeprec__ext_dot_proto_dot_ps__pb2.StatsRequest.SerializeToString,
             deeprec__ext_dot_proto_dot_ps__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SlotStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deeprec_ext.ps.ParameterServer/SlotStats',
+            deeprec__ext_dot_proto_dot_ps__pb2.SlotStatsRequest.SerializeToString,
+            deeprec__ext_dot_proto_dot_ps__pb2.SlotStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,10 +11,13 @@ import signal
 import sys
 import threading
 
+from deeprec_ext import auth
 from deeprec_ext.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, create_server
 from deeprec_ext.member import MASTER_ENV, MEMBER_ID_ENV, MasterSession
-from deeprec_ext.proto import ps_pb2_grpc
+from deeprec_ext.proto import ps_pb2_grpc, sync_pb2_grpc
 from deeprec_ext.ps.server import ParameterServerServicer
+from deeprec_ext.stats import StatsInterceptor
+from deeprec_ext.ps.sync_service import SyncServicer
 
 log = logging.getLogger("deeprec_ext.ps")
 
@@ -58,9 +61,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     servicer = ParameterServerServicer(
         args.id or "ps", memory_limit_bytes=int(max(args.memory_limit_mb, 0) * 1024 * 1024))
+    try:  # access control: the job token (DEEPREC_TOKEN_FILE) checked on every RPC
+        interceptors = auth.server_interceptors()
+    except auth.AuthError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     server, port = create_server(f"{args.host}:{args.port}", max_workers=args.threads,
-                                 max_message_bytes=args.max_message_mb * 1024 * 1024)
+                                 max_message_bytes=args.max_message_mb * 1024 * 1024,
+                                 # Gazer first: it also times the calls auth refuses
+                                 interceptors=[StatsInterceptor(servicer.rpc_stats), *interceptors])
     ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, server)
+    # sync-mode step aggregation (idle, and off every async path, unless a job uses it)
+    sync_pb2_grpc.add_SyncParameterServerServicer_to_server(SyncServicer(servicer), server)
     server.start()
     address = f"{args.host}:{port}"
     if args.port_file:
@@ -71,13 +83,20 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     session = None
     if args.master:
-        session = MasterSession(args.master, "ps", args.id, address, on_stop=stop.set)
+        session = MasterSession(args.master, "ps", args.id, address, on_stop=stop.set,
+                                stats_source=lambda: servicer.gazer.collect_bytes(servicer.ps_id))
         session.start()
         servicer.ps_id = session.id
     log.info("PS %s serving on %s", servicer.ps_id, address)
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    stop.wait()
+    # A handler must not take locks: one arriving while the main thread is inside
+    # Event.set (its own, or a repeated signal) would deadlock on the Event's lock. It
+    # only flips a flag; the main thread polls it.
+    signalled = []
+    signal.signal(signal.SIGTERM, lambda *_: signalled.append(1))
+    signal.signal(signal.SIGINT, lambda *_: signalled.append(1))
+    while not signalled and not stop.wait(0.1):
+        pass
+    stop.set()
     log.info("PS %s stopping", servicer.ps_id)
     # a hand-off needs a live AIMaster to promote the peer; when the local launcher died
     # (PR_SET_PDEATHSIG) the whole job is gone: just exit

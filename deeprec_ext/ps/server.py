@@ -20,8 +20,9 @@ from deeprec_ext import codec
 from deeprec_ext.errors import InvalidRequestError
 from deeprec_ext.grpc_util import ROUTING_EPOCH_KEY
 from deeprec_ext.hashing import DEFAULT_NUM_SLOTS, slot_of
-from deeprec_ext.proto import ps_pb2, ps_pb2_grpc
+from deeprec_ext.proto import gazer_pb2, ps_pb2, ps_pb2_grpc
 from deeprec_ext.ps.replication import AppliedRequests, ReplicaSet, Replicator
+from deeprec_ext.stats import MemberCollector, RpcStats
 from deeprec_ext.store import EmbeddingStore
 
 log = logging.getLogger(__name__)
@@ -76,19 +77,30 @@ class Routing:
         self.num_slots = DEFAULT_NUM_SLOTS
         self.owned: np.ndarray | None = None
         self.gate = ReadWriteGate()
+        # keys looked up per slot (placement balances by access rate); only the totals
+        # matter, so a rare lost update between threads is harmless and takes no lock
+        self.lookups_per_slot = np.zeros(DEFAULT_NUM_SLOTS, dtype=np.int64)
+        self.counting_since = time.monotonic()
 
     def set(self, epoch: int, num_slots: int, owned: np.ndarray) -> None:
         self.gate.acquire_exclusive()
         try:
+            if num_slots != self.lookups_per_slot.size:
+                self.lookups_per_slot = np.zeros(num_slots, dtype=np.int64)
             self.epoch, self.num_slots, self.owned = epoch, num_slots, owned
         finally:
             self.gate.release_exclusive()
 
-    def check(self, ids: np.ndarray, context) -> None:
+    def check(self, ids: np.ndarray, context, count: bool = False) -> None:
         owned, num_slots, epoch = self.owned, self.num_slots, self.epoch
         if owned is None or ids.size == 0:
             return
-        ok = owned[slot_of(ids, num_slots)]
+        slots = slot_of(ids, num_slots)
+        if count:
+            counts = self.lookups_per_slot
+            if counts.size == num_slots:
+                counts += np.bincount(slots, minlength=num_slots)
+        ok = owned[slots]
         if not ok.all():
             bad = int(ids[np.argmin(ok)])
             context.set_trailing_metadata(((ROUTING_EPOCH_KEY, str(epoch)),))
@@ -110,6 +122,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.replicator = Replicator(self.store, self._configs, self.applied)
         self.replicas = ReplicaSet()
         self._sync_lock = threading.Lock()
+        # Gazer: RPC histograms (filled by deeprec_ext.stats.StatsInterceptor on the
+        # server), tables and replication lag, sent with every heartbeat and in Stats
+        self.rpc_stats = RpcStats()
+        self.gazer = MemberCollector("ps", self.rpc_stats, extra=self._gazer_extra)
 
     # -- helpers ---------------------------------------------------------------------
     def _count(self, key: str) -> None:
@@ -173,7 +189,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 ids = codec.ids_from_bytes(t.ids, f"table '{t.table}' ids")
             except InvalidRequestError as exc:
                 self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            self.routing.check(ids, context)
+            self.routing.check(ids, context, count=True)
             work.append((table, ids))
         out = [codec.floats_to_bytes(table.lookup(ids, insert_missing=request.insert_missing))
                for table, ids in work]
@@ -203,15 +219,18 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             self.routing.check(ids, context)
             work.append((table, ids, vals))
         rid = request.request_id
+        only = set(request.return_tables)
+        returns = [request.return_values and (not only or t.table in only) for t in request.tables]
         if rid and self.applied.seen(rid):  # a resend of a push already applied here
             return ps_pb2.PushResponse(
-                values=[codec.floats_to_bytes(t.lookup(i, insert_missing=False)) for t, i, _ in work]
+                values=[codec.floats_to_bytes(t.lookup(i, insert_missing=False)) if r else b""
+                        for (t, i, _), r in zip(work, returns)]
                 if request.return_values else [], sequence=self.store.sequence.value)
         if self.replicator.sync and self.replicator.peer:
             # synchronous replication: answer only once the peer holds these rows; one
             # push at a time so the peer sees the rows in the order they were written
             with self._sync_lock:
-                out = self._apply(work, request.return_values)
+                out = self._apply(work, returns)
                 self.applied.add(rid)
                 try:
                     for k, (table, ids, _) in enumerate(work):
@@ -221,18 +240,17 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                   f"applied, but replica {self.replicator.peer} unreachable: "
                                   f"{exc.code().name}")
         else:
-            out = self._apply(work, request.return_values)
+            out = self._apply(work, returns)
             self.applied.add(rid)
         return ps_pb2.PushResponse(values=out, sequence=self.store.sequence.value)
 
     @staticmethod
-    def _apply(work, return_values: bool) -> list[bytes]:
+    def _apply(work, returns: list[bool]) -> list[bytes]:
         out = []
-        for table, ids, vals in work:
+        for (table, ids, vals), ret in zip(work, returns):
             table.apply_gradients(ids, vals)
-            if return_values:
-                out.append(codec.floats_to_bytes(table.lookup(ids, insert_missing=False)))
-        return out
+            out.append(codec.floats_to_bytes(table.lookup(ids, insert_missing=False)) if ret else b"")
+        return out if any(returns) else []
 
     def SetRouting(self, request, context):
         owned = np.frombuffer(request.owned_slots, dtype=np.uint8)
@@ -447,6 +465,27 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.RestoreCheckpointResponse(rows=rows, bytes_read=info.bytes_read,
                                                 seconds=info.seconds)
 
+    def _gazer_extra(self, out) -> None:
+        out.tables.extend(gazer_pb2.TableGauge(name=name, rows=t.size, bytes=t.nbytes,
+                                               capacity=t.capacity)
+                          for name, t in sorted(self.store.tables().items()))
+        out.replication.CopyFrom(gazer_pb2.ReplicationStats(**self.replicator.lag()))
+
+    def SlotStats(self, request, context):
+        num_slots = self.routing.num_slots
+        nbytes = np.zeros(num_slots, dtype=np.int64)
+        for table in self.store.tables().values():
+            # bytes a row costs on this PS: value + optimizer slots + per-row bookkeeping
+            row_bytes = table.nbytes / max(table.capacity, 1)
+            nbytes += (table.rows_per_slot(num_slots) * row_bytes).astype(np.int64)
+        lookups = self.routing.lookups_per_slot
+        if lookups.size != num_slots:
+            lookups = np.zeros(num_slots, dtype=np.int64)
+        return ps_pb2.SlotStatsResponse(
+            num_slots=num_slots, slot_bytes=nbytes.astype("<i8").tobytes(),
+            slot_lookups=lookups.astype("<i8").tobytes(),
+            seconds=time.monotonic() - self.routing.counting_since)
+
     def Stats(self, request, context):
         tables = []
         for name, table in sorted(self.store.tables().items()):
@@ -462,4 +501,5 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.StatsResponse(
             ps_id=self.ps_id, epoch=self.routing.epoch, sequence=self.store.sequence.value,
             tables=tables, rss_bytes=proc.memory_info().rss,
-            cpu_seconds=cpu.user + cpu.system, memory_limit_bytes=self.memory_limit_bytes, **c)
+            cpu_seconds=cpu.user + cpu.system, memory_limit_bytes=self.memory_limit_bytes,
+            gazer_stats=self.gazer.collect_bytes(self.ps_id), **c)

@@ -528,6 +528,13 @@ class EmbeddingTable:
             keys = self._row_key.take(live)
         return keys[slot_mask[slot_of(keys, int(slot_mask.size))]]
 
+    def rows_per_slot(self, num_slots: int) -> np.ndarray:
+        """int64 [num_slots]: live rows of each routing slot (placement input)."""
+        with self._lock:
+            live = np.flatnonzero(self._row_seq[:self._hwm] > 0)
+            keys = self._row_key.take(live)
+        return np.bincount(slot_of(keys, num_slots), minlength=num_slots).astype(np.int64)
+
     def clear(self) -> None:
         """Drop every row (no tombstones are logged)."""
         with self._lock:

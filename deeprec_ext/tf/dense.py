@@ -47,6 +47,9 @@ class DenseSync:
         self.base = [got[n].reshape(s) for n, s in zip(self.names, self.shapes)]
         return self.base
 
+    def _push(self, updates: dict, return_tables: list[str]) -> dict:
+        return self.client.push_many(updates, return_tables=return_tables)
+
     def start_sync(self, local_values: list[np.ndarray], pool) -> None:
         """Send the deltas in the background (overlapping the next training step)."""
         snapshot = [np.array(v, np.float32, copy=True) for v in local_values]
@@ -62,13 +65,15 @@ class DenseSync:
         merged = fut.result()
         return [m + (np.asarray(v, np.float32) - s) for m, v, s in zip(merged, local_values, snapshot)]
 
-    def sync(self, local_values: list[np.ndarray]) -> list[np.ndarray]:
-        """Send local - base for every variable; returns (and adopts) the merged values."""
+    def sync(self, local_values: list[np.ndarray], send=None) -> list[np.ndarray]:
+        """Send local - base for every variable; returns (and adopts) the merged values.
+        ``send(updates, return_tables)`` replaces the push: the worker's step batcher
+        uses it to carry the step's embedding gradients in the same call."""
         updates = {}
         for name, (rows, dim), ids, local, base in zip(self.names, self.layouts, self.ids,
                                                        local_values, self.base):
             delta = (np.asarray(local, np.float32) - base).reshape(rows, dim)
             updates[name] = (ids, delta)
-        merged = self.client.push_many(updates, return_values=True)
+        merged = (send or self._push)(updates, self.names)
         self.base = [merged[n].reshape(s) for n, s in zip(self.names, self.shapes)]
         return self.base

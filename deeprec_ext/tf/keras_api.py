@@ -3,6 +3,7 @@ table lives on the PS) and ``ElasticCallback`` (shares dense weights through the
 reports training progress and consumed data shards)."""
 from __future__ import annotations
 
+import json
 import logging
 
 import keras
@@ -10,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from deeprec_ext.tf.dense import DenseSync
+from deeprec_ext.tf.op_sampler import sampler_for
 from deeprec_ext.tf.ops import ANCHOR_SUFFIX, elastic_lookup
 from deeprec_ext.worker import get_context
 
@@ -17,6 +19,17 @@ log = logging.getLogger(__name__)
 
 DEFAULT_INITIALIZER = {"name": "uniform", "minval": -0.05, "maxval": 0.05, "seed": 0}
 DEFAULT_OPTIMIZER = {"name": "adagrad", "learning_rate": 0.05}
+TABLE_SPEC_OP = "deeprec_table_spec"
+
+
+def record_table_spec(table: str, dim: int, initializer, optimizer) -> None:
+    """Leave the table's spec in the graph being traced as an unused string constant, so
+    ``graph_opt`` finds it in a GraphDef, MetaGraph or SavedModel (where layer attributes
+    are not saved). Nothing in eager mode; Grappler prunes it at run time."""
+    if not tf.executing_eagerly():
+        tf.constant(json.dumps({"table": table, "dim": int(dim), "key_dtype": "int64",
+                                "initializer": initializer, "optimizer": optimizer}),
+                    name=TABLE_SPEC_OP)
 
 
 class ElasticEmbedding(keras.layers.Layer):
@@ -52,6 +65,7 @@ class ElasticEmbedding(keras.layers.Layer):
 
     def call(self, ids, training=None):
         self._ensure_table()
+        record_table_spec(self.table, self.dim, self.initializer, self.optimizer_spec)
         return elastic_lookup(self.table, self.dim, ids, tf.convert_to_tensor(self.anchor),
                               training=bool(training))
 
@@ -99,6 +113,7 @@ class ElasticCallback(keras.callbacks.Callback):
         self._since_sync = 0
         self._last_batch = -1
         self._pool = None
+        self._ops = None  # Gazer per-op sampler
 
     def on_epoch_begin(self, epoch, logs=None):
         self._last_batch = -1
@@ -107,9 +122,13 @@ class ElasticCallback(keras.callbacks.Callback):
         from concurrent.futures import ThreadPoolExecutor
         ctx = get_context()
         ctx.async_pushes = self.overlap
+        self._ops = sampler_for(ctx)
         self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="dense-sync")
         anchors = _anchor_ids(self.model)
         self._vars = [v for v in self.model.trainable_variables if id(v) not in anchors]
+        # synchronous every step: the step's embedding gradients and dense deltas share one
+        # push per PS (held by the batcher until on_train_batch_end)
+        ctx.batcher.hold_pushes = not self.overlap and self.sync_every == 1 and bool(self._vars)
         if self._dense is None:
             self._dense = DenseSync(ctx.client, [v.path for v in self._vars],
                                     [tuple(v.shape) for v in self._vars])
@@ -124,13 +143,28 @@ class ElasticCallback(keras.callbacks.Callback):
     def _local(self):
         return [np.asarray(v.numpy()) for v in self._vars]
 
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._ops is not None:
+            self._ops.begin_trace()  # every N steps: profile this one
+
     def on_train_batch_end(self, batch, logs=None):
         ctx = get_context()
         # with steps_per_execution > 1 Keras calls this once per execution, with the
         # index of its last step: count every step it covers
         steps = max(1, batch - self._last_batch)
         self._last_batch = batch
-        ctx.step_done(steps)
+        if self._ops is not None:
+            self._ops.end_trace(steps)
+        if ctx.batcher.hold_pushes and self._dense is not None:
+            self._assign(self._dense.sync(self._local(), send=ctx.batcher.end_step))
+            ctx.step_done(steps)
+        else:
+            ctx.step_done(steps)
+            self._sync_dense(steps)
+        if ctx.stop_requested.is_set():
+            self.model.stop_training = True  # leave at this step boundary
+
+    def _sync_dense(self, steps: int) -> None:
         if self._dense is not None and self._vars:
             merged = self._dense.finish_sync(self._local())
             if merged is not None:
@@ -142,8 +176,6 @@ class ElasticCallback(keras.callbacks.Callback):
                 else:
                     self._assign(self._dense.sync(self._local()))
                 self._since_sync = 0
-        if ctx.stop_requested.is_set():
-            self.model.stop_training = True  # leave at this step boundary
 
     def _sync_now(self):
         """Finish any background sync and send what is left (no local update is lost),
@@ -156,6 +188,8 @@ class ElasticCallback(keras.callbacks.Callback):
         self._since_sync = 0
 
     def on_train_end(self, logs=None):
+        get_context().batcher.hold_pushes = False
+        get_context().gazer.pause_steps()
         get_context().settle()
         self._sync_now()
         get_context().tracker.finish()

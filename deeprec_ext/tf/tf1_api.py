@@ -6,7 +6,8 @@ import numpy as np
 import tensorflow as tf
 
 from deeprec_ext.tf.dense import DenseSync
-from deeprec_ext.tf.keras_api import DEFAULT_INITIALIZER, DEFAULT_OPTIMIZER
+from deeprec_ext.tf.keras_api import DEFAULT_INITIALIZER, DEFAULT_OPTIMIZER, record_table_spec
+from deeprec_ext.tf.op_sampler import sampler_for
 from deeprec_ext.tf.ops import ANCHOR_SUFFIX, elastic_lookup
 from deeprec_ext.worker import get_context
 
@@ -21,9 +22,10 @@ def embedding_lookup(name: str, ids, dim: int, initializer=None, optimizer=None,
     Replaces ``tf.nn.embedding_lookup(tf.compat.v1.get_variable(name, [V, dim]), ids)``;
     the gradient is pushed to the PS when the optimizer computes it.
     """
-    get_context().client.create_table(
-        name, dim, initializer=initializer if initializer is not None else DEFAULT_INITIALIZER,
-        optimizer=optimizer if optimizer is not None else DEFAULT_OPTIMIZER)
+    initializer = initializer if initializer is not None else DEFAULT_INITIALIZER
+    optimizer = optimizer if optimizer is not None else DEFAULT_OPTIMIZER
+    get_context().client.create_table(name, dim, initializer=initializer, optimizer=optimizer)
+    record_table_spec(name, dim, initializer, optimizer)
     with v1.variable_scope(None, default_name=f"{name}_ps"):
         anchor = v1.get_variable(ANCHOR_SUFFIX, shape=[], dtype=tf.float32,
                                  initializer=v1.zeros_initializer(), trainable=True,
@@ -49,6 +51,9 @@ class ElasticSessionHook(v1.train.SessionRunHook):
         self._assign_op = tf.group(*[v.assign(p) for v, p in zip(self._vars, self._placeholders)])
         self._dense = DenseSync(get_context().client, [v.op.name for v in self._vars],
                                 [tuple(v.shape.as_list()) for v in self._vars])
+        # synced every step: the step's embedding gradients and dense deltas share one
+        # push per PS (held by the batcher until after_run)
+        get_context().batcher.hold_pushes = self.sync_every == 1 and bool(self._vars)
 
     def _assign(self, session, values):
         if self._vars:
@@ -58,19 +63,31 @@ class ElasticSessionHook(v1.train.SessionRunHook):
         if self._vars:
             self._assign(session, self._dense.create(session.run(self._vars)))
 
+    def before_run(self, run_context):
+        # Gazer: every N steps trace this run's ops (RunMetadata.step_stats)
+        options = sampler_for(get_context()).run_options()
+        return v1.train.SessionRunArgs(fetches=None, options=options) if options else None
+
     def after_run(self, run_context, run_values):
         ctx = get_context()
-        ctx.step_done(1)
-        self._since_sync += 1
-        if self._since_sync >= self.sync_every and self._vars:
-            session = run_context.session
-            self._assign(session, self._dense.sync(session.run(self._vars)))
-            self._since_sync = 0
+        sampler_for(ctx).add_run_metadata(run_values.run_metadata)
+        session = run_context.session
+        if ctx.batcher.hold_pushes:
+            self._assign(session, self._dense.sync(session.run(self._vars),
+                                                   send=ctx.batcher.end_step))
+            ctx.step_done(1)
+        else:
+            ctx.step_done(1)
+            self._since_sync += 1
+            if self._since_sync >= self.sync_every and self._vars:
+                self._assign(session, self._dense.sync(session.run(self._vars)))
+                self._since_sync = 0
         if ctx.stop_requested.is_set():
             run_context.request_stop()  # leave at this step boundary
 
     def end(self, session):
         ctx = get_context()
+        ctx.batcher.hold_pushes = False
         ctx.settle()
         if self._vars and self._dense.base is not None:
             self._dense.sync(session.run(self._vars))

@@ -1,0 +1,87 @@
+"""Placement: which PS owns which routing slot, balanced by bytes and by access rate.
+
+Every table shares one slot map, so balancing slots balances all tables at once. A slot's
+load has two dimensions: its share of the job's bytes (memory, with a little of the slot
+count blended in for rows still to come) and of its lookups (CPU and network).
+
+``balance`` keeps every slot where it is unless its PS is above the even share of some
+dimension by more than ``tolerance`` or is leaving; the freed slots, heaviest first, go
+to the PS whose most loaded dimension stays lowest. Few slots move, and the heavy ones
+move first (they fix the most).
+Loops run over slots being moved (at most ``num_slots``), never over keys.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def slot_loads(slot_bytes: np.ndarray, slot_lookups: np.ndarray,
+               growth_prior: float = 0.1) -> np.ndarray:
+    """float64 [num_slots, k]: each slot's share of memory and (when any were counted) of
+    lookups. Memory blends in ``growth_prior`` of the slot count: rows not inserted yet
+    arrive evenly over the slots, so a PS should not take all the empty ones."""
+    n = slot_bytes.size
+    count = np.full(n, 1.0 / n)
+    total = float(np.sum(slot_bytes))
+    memory = count if total <= 0 else \
+        (1 - growth_prior) * np.asarray(slot_bytes, np.float64) / total + growth_prior * count
+    cols = [memory]
+    total = float(np.sum(slot_lookups))
+    if total > 0:
+        cols.append(np.asarray(slot_lookups, np.float64) / total)
+    return np.stack(cols, axis=1)
+
+
+def imbalance(owner: np.ndarray, values: np.ndarray, n: int) -> float:
+    """max / mean of ``values`` summed per owner (1.0 = perfectly even)."""
+    per = np.bincount(owner, weights=np.asarray(values, np.float64), minlength=n)
+    mean = per.sum() / n
+    return float(per.max() / mean) if mean > 0 else 1.0
+
+
+def balance(slot_owner: np.ndarray, old_ps: list[str], new_ps: list[str], loads: np.ndarray,
+            tolerance: float = 0.05) -> np.ndarray:
+    """New slot -> index-into-``new_ps`` owners balancing ``loads`` ([num_slots, k] from
+    ``slot_loads``, each column summing to 1; a 1-D array is one dimension)."""
+    n = len(new_ps)
+    if n == 0:
+        raise ValueError("balance: the new PS set is empty")
+    index_of = {ps: i for i, ps in enumerate(new_ps)}
+    remap = np.array([index_of.get(ps, -1) for ps in old_ps], dtype=np.int64)
+    owner = remap[slot_owner]
+    loads = np.asarray(loads, np.float64)
+    if loads.ndim == 1:
+        loads = loads[:, None]
+    blended = loads.sum(axis=1)
+    target = loads.sum(axis=0) / n          # [k] the even share of every dimension
+    per = np.zeros((n, loads.shape[1]))
+    np.add.at(per, owner[owner >= 0], loads[owner >= 0])
+    # 1. a PS above the even share of a dimension gives up slots, heaviest in its worst
+    #    dimension first, never going below the share: few moves, the big ones first
+    rel = loads / np.maximum(target, 1e-300)
+    for p in range(n):
+        mine = list(np.flatnonzero(owner == p))
+        if ((per[p] - target) / np.maximum(target, 1e-300)).max() <= tolerance:
+            continue  # close enough: moving rows costs more than it gains
+        while mine:
+            over = (per[p] - target) / np.maximum(target, 1e-300)
+            d = int(np.argmax(over))
+            if over[d] <= 0:
+                break
+            # the heaviest slot in the worst dimension that does not overshoot it
+            cand = np.asarray(mine)
+            fits = cand[rel[cand, d] <= over[d]]
+            if fits.size == 0:
+                break
+            s = int(fits[np.argmax(rel[fits, d])])
+            owner[s] = -1
+            per[p] -= loads[s]
+            mine.remove(s)
+    # 2. freed slots, heaviest first, each to the PS whose worst dimension stays lowest
+    free = np.flatnonzero(owner < 0)
+    scale = 1.0 / np.maximum(target, 1e-300)
+    for s in free[np.argsort(-blended[free], kind="stable")]:
+        p = int(np.argmin(((per + loads[s]) * scale).max(axis=1)))
+        owner[s] = p
+        per[p] += loads[s]
+    return owner.astype(np.int32)
