@@ -343,24 +343,24 @@ def _install_profiler() -> dict:
     orig_lookup, orig_push, orig_fan = PSClient.lookup_many, PSClient.push_many, PSClient._fan_out
     orig_shard = WorkerContext.try_next_shard
 
-    def lookup_many(self, requests, insert_missing=True):
+    def lookup_many(self, requests, *args, **kwargs):
         t = time.perf_counter()
         try:
-            return orig_lookup(self, requests, insert_missing)
+            return orig_lookup(self, requests, *args, **kwargs)
         finally:
             add(f"lookup {kind(requests)}", time.perf_counter() - t)
 
-    def push_many(self, updates, return_values=False):
+    def push_many(self, updates, *args, **kwargs):
         t = time.perf_counter()
         try:
-            return orig_push(self, updates, return_values)
+            return orig_push(self, updates, *args, **kwargs)
         finally:
             add(f"push {kind(updates)}", time.perf_counter() - t)
 
-    def _fan_out(self, tables, build, method, store, what, with_positions=False):
+    def _fan_out(self, tables, build, method, store, what, *args, **kwargs):
         t = time.perf_counter()
         try:
-            return orig_fan(self, tables, build, method, store, what, with_positions)
+            return orig_fan(self, tables, build, method, store, what, *args, **kwargs)
         finally:
             add(f"  rpc part of {what} {kind(n for n, _ in tables)}", time.perf_counter() - t)
 
