@@ -64,7 +64,7 @@ class AutoscaleConfig:
     ps_cpu_high: float = 0.8
     ps_cpu_low: float = 0.25
     worker_util_low: float = 0.5
-    min_gain: float = 0.5
+    min_gain: float = 0.9
     explore_ttl_seconds: float = 300.0
     worker_cores: float = 1.0
     ps_cores: float = 1.0

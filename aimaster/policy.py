@@ -70,7 +70,7 @@ class PolicyConfig:
     ps_cpu_high: float = 0.8          # PS CPU (fraction of ps_cores) that counts as saturated
     ps_cpu_low: float = 0.25          # below this a PS is idle
     worker_util_low: float = 0.5      # mean worker CPU below this (no pending work): idle
-    min_gain: float = 0.5             # marginal throughput per core / average, to keep a change
+    min_gain: float = 0.9             # marginal throughput per core / average, to keep a change
     explore_ttl_seconds: float = 300.0
     worker_cores: float = 1.0
     ps_cores: float = 1.0
@@ -336,6 +336,11 @@ class Policy:
         if self.history and obs.time < self.history[-1].time:
             raise PolicyError(f"observation at {obs.time} is older than the previous one "
                               f"({self.history[-1].time})")
+        if not self.history or (len(obs.ps), len(obs.workers)) != \
+                (len(self.history[-1].ps), len(self.history[-1].workers)):
+            # the size changed (members starting up, registering late, dying): rates
+            # measured across the change, or during start-up, would mislead a trial
+            self.last_change = max(self.last_change, obs.time)
         self.history.append(obs)
         self._learn_reserve(obs)
         keep = obs.time - max(self.cfg.window_seconds, self.cfg.measure_seconds) * 2

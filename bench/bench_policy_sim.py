@@ -187,7 +187,7 @@ def main(argv=None) -> int:
                        interval_seconds=STEP, cooldown_seconds=60, settle_seconds=10,
                        measure_seconds=30, window_seconds=60, max_wait_seconds=300,
                        lead_seconds=60, ps_memory_limit_bytes=limit, ps_cpu_high=0.9,
-                       ps_cpu_low=0.3, worker_util_low=0.75, min_gain=0.5,
+                       ps_cpu_low=0.3, worker_util_low=0.75,
                        explore_ttl_seconds=900, scale_out_reserve=0.5)
     # two 45-minute windows in which no new node can be had (exercises the max wait)
     h = 3600.0
