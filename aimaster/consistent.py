@@ -13,11 +13,13 @@ next to the Master service:
   contributions are idempotent per (step, virtual rank), so nothing counts twice).
 - ``VirtualShards`` is the data-shard service by virtual rank: shard i belongs to virtual
   rank i % V, and a rank consumes exactly ``micro_batch`` records per step.
-- A PS scale (the ``Scale`` RPC with a PS count) runs only at a step boundary with nothing
-  pending: an interceptor holds the barrier, lets the live migration run, then releases.
+- Table rows move between PS (scale, rebalance, from the CLI or the autoscaler) only at a
+  step boundary with nothing pending: ``around_migration`` holds the barrier for the
+  live migration, then releases it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
+from aimaster.migration import MigrationError
 from aimaster.plugins import MasterPlugin
 from aimaster.registry import MemberState
 from aimaster.shards import virtual_rank_shards
@@ -308,53 +311,30 @@ class StepCoordinator(sync_pb2_grpc.SyncCoordinatorServicer):
                     "membership_changes": self.changes}
 
 
-class _ScaleAtBoundary(grpc.ServerInterceptor):
-    """Runs a ``Scale`` that changes the PS only while the step barrier is held: the live
-    migration then never splits a step (no contribution is buffered on any PS)."""
-
-    METHOD = "/deeprec_ext.master.Master/Scale"
-
-    def __init__(self, coordinator: StepCoordinator, timeout: float = 300.0):
-        self.coordinator = coordinator
-        self.timeout = timeout
-
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
-        if handler is None or handler_call_details.method != self.METHOD or handler.unary_unary is None:
-            return handler
-        inner = handler.unary_unary
-        coordinator = self.coordinator
-
-        def scale(request, context):
-            if not request.HasField("ps"):
-                return inner(request, context)  # workers join/leave at a boundary by themselves
-            try:
-                waited = coordinator.hold(self.timeout)
-            except TimeoutError as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"sync mode: {exc}")
-            step, held_at = coordinator.round, time.monotonic()
-            log.info("step boundary %d held for a PS change (reached in %.0f ms)", step, waited)
-            try:
-                return inner(request, context)
-            finally:
-                coordinator.release()
-                # training pauses for the whole scale: starting the new PS, the migration
-                coordinator.master._event("sync_hold", step=step, reached_ms=round(waited, 1),
-                                          paused_ms=round((time.monotonic() - held_at) * 1000, 1))
-
-        return grpc.unary_unary_rpc_method_handler(
-            scale, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
-
-
 class ConsistentModePlugin(MasterPlugin):
     name = "consistent"
 
     def __init__(self, config: "ConsistencyConfig"):
         self.coordinator = StepCoordinator(config)
 
-    def interceptors(self) -> list:
-        return [_ScaleAtBoundary(self.coordinator)]
+    @contextlib.contextmanager
+    def around_migration(self, master, timeout: float = 300.0):
+        """Rows move only while the step barrier is held: no contribution is buffered on
+        any PS, so a migration never splits a step. Training pauses for the migration
+        alone (a new PS has already started and registered)."""
+        try:
+            waited = self.coordinator.hold(timeout)
+        except TimeoutError as exc:
+            # the scale's own clean-up (new PS stopped, old layout kept) runs on this
+            raise MigrationError(f"sync mode: {exc}") from exc
+        step, held_at = self.coordinator.round, time.monotonic()
+        log.info("step boundary %d held for a PS change (reached in %.0f ms)", step, waited)
+        try:
+            yield
+        finally:
+            self.coordinator.release()
+            master._event("sync_hold", step=step, reached_ms=round(waited, 1),
+                          paused_ms=round((time.monotonic() - held_at) * 1000, 1))
 
     def on_start(self, master, server) -> None:
         self.coordinator.attach(master)

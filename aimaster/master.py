@@ -6,6 +6,7 @@ durably to ``<state_dir>/job_state.json`` before it is acknowledged.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -470,6 +471,18 @@ class JobMaster:
         finally:
             self._scale_lock.release()
 
+    def _around_migration(self) -> contextlib.ExitStack:
+        """Every plugin's ``around_migration`` (the consistent mode holds a step boundary
+        there, so rows never move in the middle of a step)."""
+        stack = contextlib.ExitStack()
+        try:
+            for plugin in self.plugins:
+                stack.enter_context(plugin.around_migration(self))
+        except BaseException:
+            stack.close()
+            raise
+        return stack
+
     def _slot_stats(self, routing: RoutingTable) -> tuple[np.ndarray, np.ndarray] | None:
         """(bytes, lookups) per slot summed over the PS of ``routing``; None if a PS
         cannot answer (placement then falls back to equal slot counts)."""
@@ -528,7 +541,8 @@ class JobMaster:
                     self._event("routing", epoch=routing.epoch, ps=list(routing.ps_ids))
                     self._save()
                 try:
-                    result = migrate(old, new_owner, ids, list(old.ps_addresses), publish)
+                    with self._around_migration():
+                        result = migrate(old, new_owner, ids, list(old.ps_addresses), publish)
                 except MigrationError as exc:
                     raise ScaleRefused(str(exc)) from exc
                 event.update(moved_rows=result.moved_rows, moved_bytes=result.moved_bytes,
@@ -810,7 +824,8 @@ class JobMaster:
             self._save()
 
         try:
-            result = migrate(old, new_owner, new_ids, [addresses[i] for i in new_ids], publish)
+            with self._around_migration():
+                result = migrate(old, new_owner, new_ids, [addresses[i] for i in new_ids], publish)
         except MigrationError as exc:
             joined = [i for i in new_ids if i not in old_ids]
             for ps_id in joined:  # the layout is the old one again: the new PS own nothing

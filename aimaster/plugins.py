@@ -7,6 +7,7 @@ loop ticks every 0.2 s and RPC threads serve training.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,11 @@ class MasterPlugin:
 
     def on_status(self, master: "JobMaster", response) -> None:
         """RPC thread: fill this plugin's fields of a StatusResponse."""
+
+    def around_migration(self, master: "JobMaster"):
+        """A context manager entered just before table rows move between PS (scale,
+        rebalance) and left once the new routing is published. Default: nothing."""
+        return contextlib.nullcontext()
 
     def on_stop(self, master: "JobMaster") -> None:
         """Main loop thread, when the job ends, before the members are stopped."""
