@@ -462,14 +462,26 @@ class JobMaster:
                 # the fence window bounds any request's wait; client reports add their
                 # own re-routing round trips on top of it
                 event["max_stall_ms"] = round(max([event["fence_ms"], *reported]), 3)
-            event["time"] = started_at
-            with self._lock:
-                self.events.append(event)
-            log.info("event scale %s", event)
-            self._save()
-            return event
+            return self._record(event, started_at)
         finally:
             self._scale_lock.release()
+
+    def _publish(self, routing: RoutingTable) -> None:
+        """Publish a migration's new layout: PS learn it (and re-form the replication
+        ring), then clients through GetRouting."""
+        self._push_routing(routing)
+        with self._lock:
+            self.routing, self.epoch = routing, routing.epoch
+        self._event("routing", epoch=routing.epoch, ps=list(routing.ps_ids))
+        self._save()
+
+    def _record(self, event: dict, started_at: float) -> dict:
+        event["time"] = started_at
+        with self._lock:
+            self.events.append(event)
+        log.info("event %s %s", event["kind"], event)
+        self._save()
+        return event
 
     def _around_migration(self) -> contextlib.ExitStack:
         """Every plugin's ``around_migration`` (the consistent mode holds a step boundary
@@ -534,26 +546,15 @@ class JobMaster:
                                           round(placement.imbalance(new_owner, lookups, n), 4)],
                      "moved_rows": 0, "moved_bytes": 0, "fence_ms": 0.0}
             if event["moved_slots"]:
-                def publish(routing: RoutingTable):
-                    self._push_routing(routing)
-                    with self._lock:
-                        self.routing, self.epoch = routing, routing.epoch
-                    self._event("routing", epoch=routing.epoch, ps=list(routing.ps_ids))
-                    self._save()
                 try:
                     with self._around_migration():
-                        result = migrate(old, new_owner, ids, list(old.ps_addresses), publish)
+                        result = migrate(old, new_owner, ids, list(old.ps_addresses), self._publish)
                 except MigrationError as exc:
                     raise ScaleRefused(str(exc)) from exc
                 event.update(moved_rows=result.moved_rows, moved_bytes=result.moved_bytes,
                              fence_ms=round(result.fence_ms, 3), epoch=result.routing.epoch)
             event["duration_ms"] = round((self.clock() - start) * 1000, 3)
-            event["time"] = started_at
-            with self._lock:
-                self.events.append(event)
-            log.info("event rebalance %s", event)
-            self._save()
-            return event
+            return self._record(event, started_at)
         finally:
             self._scale_lock.release()
 
@@ -816,16 +817,10 @@ class JobMaster:
         new_owner = rebalance(old.slot_owner, old_ids, new_ids) if loads is None else \
             placement.balance(old.slot_owner, old_ids, new_ids, loads)
 
-        def publish(routing: RoutingTable):
-            self._push_routing(routing)  # same ownership, re-formed replication ring
-            with self._lock:
-                self.routing, self.epoch = routing, routing.epoch
-            self._event("routing", epoch=routing.epoch, ps=list(routing.ps_ids))
-            self._save()
-
         try:
             with self._around_migration():
-                result = migrate(old, new_owner, new_ids, [addresses[i] for i in new_ids], publish)
+                result = migrate(old, new_owner, new_ids, [addresses[i] for i in new_ids],
+                                 self._publish)
         except MigrationError as exc:
             joined = [i for i in new_ids if i not in old_ids]
             for ps_id in joined:  # the layout is the old one again: the new PS own nothing

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from deeprec_ext.client.routing import remap_owners
+
 
 def slot_loads(slot_bytes: np.ndarray, slot_lookups: np.ndarray,
                growth_prior: float = 0.1) -> np.ndarray:
@@ -44,11 +46,7 @@ def balance(slot_owner: np.ndarray, old_ps: list[str], new_ps: list[str], loads:
     """New slot -> index-into-``new_ps`` owners balancing ``loads`` ([num_slots, k] from
     ``slot_loads``, each column summing to 1; a 1-D array is one dimension)."""
     n = len(new_ps)
-    if n == 0:
-        raise ValueError("balance: the new PS set is empty")
-    index_of = {ps: i for i, ps in enumerate(new_ps)}
-    remap = np.array([index_of.get(ps, -1) for ps in old_ps], dtype=np.int64)
-    owner = remap[slot_owner]
+    owner = remap_owners(slot_owner, old_ps, new_ps)
     loads = np.asarray(loads, np.float64)
     if loads.ndim == 1:
         loads = loads[:, None]

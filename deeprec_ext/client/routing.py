@@ -55,6 +55,14 @@ class RoutingTable:
         return RoutingTable(epoch, num_slots, tuple(ps_ids), tuple(ps_addresses), owner)
 
 
+def remap_owners(slot_owner: np.ndarray, old_ps: list[str], new_ps: list[str]) -> np.ndarray:
+    """Owner indices into ``old_ps`` -> indices into ``new_ps`` (-1: the PS is leaving)."""
+    if not new_ps:
+        raise ValueError("the new PS set is empty")
+    index_of = {ps: i for i, ps in enumerate(new_ps)}
+    return np.array([index_of.get(ps, -1) for ps in old_ps], dtype=np.int64)[slot_owner]
+
+
 def rebalance(slot_owner: np.ndarray, old_ps: list[str], new_ps: list[str]) -> np.ndarray:
     """New slot -> index-into-``new_ps`` owner array that moves as few slots as possible.
 
@@ -64,11 +72,7 @@ def rebalance(slot_owner: np.ndarray, old_ps: list[str], new_ps: list[str]) -> n
     """
     num_slots = slot_owner.size
     n = len(new_ps)
-    if n == 0:
-        raise ValueError("rebalance: the new PS set is empty")
-    index_of = {ps: i for i, ps in enumerate(new_ps)}
-    remap = np.array([index_of.get(ps, -1) for ps in old_ps], dtype=np.int64)
-    owner = remap[slot_owner]
+    owner = remap_owners(slot_owner, old_ps, new_ps)
     counts = np.bincount(owner[owner >= 0], minlength=n)
     # even shares; the PS already holding the most get the +1 remainders (fewer moves)
     target = np.full(n, num_slots // n, dtype=np.int64)
