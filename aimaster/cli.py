@@ -160,8 +160,11 @@ def status_dict(resp) -> dict:
     }
 
 
-def _client_auth(args) -> str | None:
-    """Set up this CLI's job token (--token-file); returns an error message or None."""
+def _client_setup(args) -> str | None:
+    """Check --master and set up this CLI's job token (--token-file); returns an error
+    message or None."""
+    if not args.master:
+        return "--master is required (or set DEEPREC_MASTER_ADDR)"
     from deeprec_ext import auth
     try:
         auth.configure(token_file=getattr(args, "token_file", None))
@@ -178,9 +181,7 @@ def _rpc_fail(what: str, address: str, exc: grpc.RpcError) -> int:
 
 
 def cmd_status(args) -> int:
-    if not args.master:
-        return _fail("--master is required (or set DEEPREC_MASTER_ADDR)")
-    if (err := _client_auth(args)):
+    if (err := _client_setup(args)):
         return _fail(err)
     from deeprec_ext.grpc_util import insecure_channel
     from deeprec_ext.proto import master_pb2, master_pb2_grpc
@@ -211,8 +212,6 @@ def cmd_status(args) -> int:
 
 
 def cmd_scale(args) -> int:
-    if not args.master:
-        return _fail("--master is required (or set DEEPREC_MASTER_ADDR)")
     if args.rebalance and (args.ps is not None or args.workers is not None):
         return _fail("--rebalance keeps the counts: give it without --ps / --workers")
     if args.ps is None and args.workers is None and not args.rebalance:
@@ -220,7 +219,7 @@ def cmd_scale(args) -> int:
     for flag, value in (("--ps", args.ps), ("--workers", args.workers)):
         if value is not None and value < 0:
             return _fail(f"{flag} must be >= 0, got {value}")
-    if (err := _client_auth(args)):
+    if (err := _client_setup(args)):
         return _fail(err)
     from deeprec_ext.grpc_util import insecure_channel
     from deeprec_ext.proto import master_pb2, master_pb2_grpc
@@ -241,9 +240,7 @@ def cmd_scale(args) -> int:
 
 
 def cmd_checkpoint(args) -> int:
-    if not args.master:
-        return _fail("--master is required (or set DEEPREC_MASTER_ADDR)")
-    if (err := _client_auth(args)):
+    if (err := _client_setup(args)):
         return _fail(err)
     from deeprec_ext.grpc_util import insecure_channel
     from deeprec_ext.proto import master_pb2, master_pb2_grpc

@@ -203,9 +203,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         finally:
             self.routing.gate.release_shared()
 
-    def _push(self, request, context):
+    def decode_updates(self, tables, context, what: str = "update",
+                       unique: bool = False) -> list:
+        """[(table, ids, values)] of TableUpdate messages, every one checked (finite values,
+        owned keys; with ``unique``, no repeated id) before any is applied: a bad one is
+        answered INVALID_ARGUMENT naming it, and nothing changes."""
         work = []
-        for t in request.tables:
+        for t in tables:
             table = self._table(t.table, context)
             try:
                 ids = codec.ids_from_bytes(t.ids, f"table '{t.table}' ids")
@@ -213,11 +217,17 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                                f"table '{t.table}' values")
                 if not np.isfinite(vals).all():
                     raise InvalidRequestError(
-                        f"table '{t.table}': gradients contain NaN or Inf; update rejected")
+                        f"table '{t.table}': gradients contain NaN or Inf; {what} rejected")
+                if unique and ids.size > 1 and np.unique(ids).size != ids.size:
+                    raise InvalidRequestError(f"table '{t.table}': ids of one {what} must be unique")
             except InvalidRequestError as exc:
                 self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             self.routing.check(ids, context)
             work.append((table, ids, vals))
+        return work
+
+    def _push(self, request, context):
+        work = self.decode_updates(request.tables, context)
         rid = request.request_id
         only = set(request.return_tables)
         returns = [request.return_values and (not only or t.table in only) for t in request.tables]

@@ -52,23 +52,7 @@ class SyncServicer(sync_pb2_grpc.SyncParameterServerServicer):
         self._before: tuple[int, dict] = (-1, {})  # (step, {table: (sorted ids, values before)})
 
     def _validate(self, tables, context) -> list:
-        work = []
-        for t in tables:
-            table = self.ps._table(t.table, context)
-            try:
-                ids = codec.ids_from_bytes(t.ids, f"table '{t.table}' ids")
-                vals = codec.floats_from_bytes(t.values, ids.size, table.dim,
-                                               f"table '{t.table}' values")
-                if not np.isfinite(vals).all():
-                    raise InvalidRequestError(
-                        f"table '{t.table}': gradients contain NaN or Inf; step contribution rejected")
-                if ids.size > 1 and np.unique(ids).size != ids.size:
-                    raise InvalidRequestError(f"table '{t.table}': ids of one contribution must be unique")
-            except InvalidRequestError as exc:
-                self.ps._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            self.ps.routing.check(ids, context)
-            work.append((table, ids, vals))
-        return work
+        return self.ps.decode_updates(tables, context, what="step contribution", unique=True)
 
     def Contribute(self, request, context):
         v, step = request.virtual_workers, request.step
