@@ -388,14 +388,23 @@ class JobMaster:
             if member is not None and member.state != MemberState.RUNNING:
                 failed.append(routing.ps_ids[p])  # dead too: its own recovery handles it
                 continue
-            with insecure_channel(address) as ch:
-                ps_pb2_grpc.ParameterServerStub(ch).SetRouting(ps_pb2.SetRoutingRequest(
-                    epoch=routing.epoch, num_slots=routing.num_slots, owned_slots=owned.tobytes(),
-                    ps_id=routing.ps_ids[p],
-                    replica_peer=routing.ps_addresses[(p + 1) % n] if n > 1 else "",
-                    replication_interval_ms=self.config.replication_interval_ms,
-                    sync_replication=self.config.sync_replication),
-                    timeout=10, wait_for_ready=True)
+            try:
+                with insecure_channel(address) as ch:
+                    ps_pb2_grpc.ParameterServerStub(ch).SetRouting(ps_pb2.SetRoutingRequest(
+                        epoch=routing.epoch, num_slots=routing.num_slots,
+                        owned_slots=owned.tobytes(), ps_id=routing.ps_ids[p],
+                        replica_peer=routing.ps_addresses[(p + 1) % n] if n > 1 else "",
+                        replication_interval_ms=self.config.replication_interval_ms,
+                        sync_replication=self.config.sync_replication),
+                        timeout=10, wait_for_ready=True)
+            except grpc.RpcError:
+                # a PS that died while this routing was being built (two PS killed
+                # together) is not an error here: its own recovery follows
+                member = self.registry.get(routing.ps_ids[p])
+                if member is not None and member.state != MemberState.RUNNING:
+                    failed.append(routing.ps_ids[p])
+                    continue
+                raise
         return failed
 
     # -- elasticity ----------------------------------------------------------------------------
