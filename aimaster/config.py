@@ -257,6 +257,36 @@ def _parse_security(d) -> SecurityConfig:
             raise ConfigError(f"security.{key}: expected a string, got {d[key]!r}")
     return SecurityConfig(token_file=d.get("token_file", ""), tls_dir=d.get("tls_dir", ""),
                           tls_server_name=d.get("tls_server_name", ""))
+# --- the model as an output: final checkpoint, export, warm start (deeprec_ext/serving/) ---
+@dataclass(frozen=True)
+class ExportConfig:
+    dir: str = ""                       # "": no export; else DIR/<unix time> after the final checkpoint
+    tables: tuple[str, ...] = ()        # () : every table
+    dtype: str = "float32"              # "float16": values stored as float16 in the export
+    min_count: int = 0                  # keep only rows updated at least N times (0: all)
+
+
+def _parse_export(d) -> ExportConfig:
+    d = _expect(d, "export")
+    unknown = set(d) - {"dir", "tables", "dtype", "min_count"}
+    if unknown:
+        raise ConfigError(f"export: unknown key(s) {sorted(unknown)}; expected some of "
+                          "['dir', 'dtype', 'min_count', 'tables']")
+    out = d.get("dir", "")
+    if not isinstance(out, str):
+        raise ConfigError(f"export.dir: expected a directory path, got {out!r}")
+    tables = d.get("tables", [])
+    if isinstance(tables, str):
+        tables = [tables]
+    if not isinstance(tables, list) or not all(isinstance(t, str) and t for t in tables):
+        raise ConfigError(f"export.tables: expected a list of table names, got {tables!r}")
+    dtype = d.get("dtype", "float32")
+    if dtype not in ("float32", "float16"):
+        raise ConfigError(f"export.dtype: expected 'float32' or 'float16', got {dtype!r}")
+    return ExportConfig(dir=out, tables=tuple(tables), dtype=dtype,
+                        min_count=_int(d, "min_count", "export", 0))
+
+
 # --- end of feature sections ---
 
 
@@ -283,6 +313,10 @@ class JobConfig:
     checkpoint_interval_seconds: float = 0.0  # 0: only on request (aimaster checkpoint)
     checkpoint_keep_chains: int = 2
     checkpoint_full_every: int = 5      # every Nth checkpoint is full, the others incremental
+    checkpoint_on_success: bool = True  # a full checkpoint when the job succeeds
+    export: ExportConfig = ExportConfig()
+    init_from: str = ""                 # warm start: tables and dense variables from this checkpoint
+    reset_optimizer: bool = False       # warm start without the optimizer slots
     autoscale: AutoscaleConfig = AutoscaleConfig()
     gazer: GazerConfig = GazerConfig()
     consistency: ConsistencyConfig = ConsistencyConfig()
@@ -291,7 +325,8 @@ class JobConfig:
 
 
 _TOP_KEYS = {"name", "num_slots", "ps", "worker", "workers", "data", "master", "replication",
-             "checkpoint", "autoscale", "gazer", "consistency", "kubernetes", "security"}
+             "checkpoint", "autoscale", "gazer", "consistency", "kubernetes", "security",
+             "export", "init_from", "reset_optimizer"}
 
 
 def _expect(d, what: str) -> dict:
@@ -373,12 +408,21 @@ def parse_job(doc) -> JobConfig:
     if mode not in ("async", "sync"):
         raise ConfigError(f"replication.mode: expected 'async' or 'sync', got {mode!r}")
     ck = _expect(d.get("checkpoint"), "checkpoint")
-    unknown = set(ck) - {"dir", "interval_seconds", "keep_chains", "full_every"}
+    unknown = set(ck) - {"dir", "interval_seconds", "keep_chains", "full_every", "on_success"}
     if unknown:
         raise ConfigError(f"checkpoint: unknown key(s) {sorted(unknown)}")
     interval = ck.get("interval_seconds", 0)
     if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval < 0:
         raise ConfigError(f"checkpoint.interval_seconds: expected a number >= 0, got {interval!r}")
+    on_success = ck.get("on_success", True)
+    if not isinstance(on_success, bool):
+        raise ConfigError(f"checkpoint.on_success: expected true or false, got {on_success!r}")
+    init_from = d.get("init_from", "")
+    if not isinstance(init_from, str):
+        raise ConfigError(f"init_from: expected a checkpoint directory, got {init_from!r}")
+    reset_optimizer = d.get("reset_optimizer", False)
+    if not isinstance(reset_optimizer, bool):
+        raise ConfigError(f"reset_optimizer: expected true or false, got {reset_optimizer!r}")
     if "worker" in d and "workers" in d:
         raise ConfigError("job file: give either 'worker' or 'workers', not both")
     num_slots = _int(d, "num_slots", "job", DEFAULT_NUM_SLOTS, minimum=1)
@@ -408,6 +452,10 @@ def parse_job(doc) -> JobConfig:
         checkpoint_interval_seconds=float(interval),
         checkpoint_keep_chains=_int(ck, "keep_chains", "checkpoint", 2, minimum=1),
         checkpoint_full_every=_int(ck, "full_every", "checkpoint", 5, minimum=1),
+        checkpoint_on_success=on_success,
+        export=_parse_export(d.get("export")),
+        init_from=init_from,
+        reset_optimizer=reset_optimizer,
         autoscale=_parse_autoscale(d.get("autoscale")),
         gazer=_parse_gazer(d.get("gazer")),
         consistency=_parse_consistency(d.get("consistency")),
@@ -436,7 +484,8 @@ def load_job(path: str | None) -> JobConfig:
 
 
 def with_overrides(cfg: JobConfig, ps: int | None = None, workers: int | None = None,
-                   port: int | None = None, state_dir: str | None = None) -> JobConfig:
+                   port: int | None = None, state_dir: str | None = None,
+                   init_from: str | None = None) -> JobConfig:
     if ps is not None:
         if ps < 1:
             raise ConfigError(f"--ps: a job needs at least 1 PS, got {ps}")
@@ -459,6 +508,8 @@ def with_overrides(cfg: JobConfig, ps: int | None = None, workers: int | None = 
         cfg = replace(cfg, port=port)
     if state_dir is not None:
         cfg = replace(cfg, state_dir=state_dir)
+    if init_from is not None:
+        cfg = replace(cfg, init_from=init_from)
     if not cfg.state_dir:
         cfg = replace(cfg, state_dir=os.path.join("runs", cfg.name))
     return cfg

@@ -105,6 +105,7 @@ Choices that differ from the issue's sketch
   ``write_table`` covers them.
 """
 from checkpoint.format import CheckpointError, NoValidCheckpoint
+from checkpoint.load import Loaded, Table, load
 from checkpoint.reader import (Chain, Checkpoint, RestoreInfo, apply_retention, list_chains,
                                load_manifest, restore, scan, verify)
 from checkpoint.writer import CheckpointWriter
@@ -114,10 +115,13 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointWriter",
+    "Loaded",
     "NoValidCheckpoint",
     "RestoreInfo",
     "apply_retention",
+    "Table",
     "list_chains",
+    "load",
     "load_manifest",
     "next_id",
     "restore",

@@ -444,8 +444,9 @@ def verify(root) -> dict:
 
 # ----------------------------------------------------------------------------- restore
 class _StoreSink:
-    def __init__(self, store):
+    def __init__(self, store, reset_optimizer: bool = False):
         self.store = store
+        self.reset_optimizer = reset_optimizer
 
     def table(self, name, info, expected_rows):
         try:
@@ -467,7 +468,11 @@ class _StoreSink:
         self.store.get(name).delete(keys, log_tombstone=False)
 
     def rows(self, name, keys, rows):
-        self.store.get(name).import_rows(keys, rows)
+        table = self.store.get(name)
+        if self.reset_optimizer:  # values only: the optimizer slots start from their initial state
+            table.insert(keys, np.ascontiguousarray(rows[:, :table.dim]))
+        else:
+            table.import_rows(keys, rows)
 
 
 class _CallbackSink:
@@ -507,10 +512,20 @@ def _read_chunk(fd: int, entry: dict, ci: int, name: str, manifest: dict, w: int
 class _Plan:
     """Which chunks of which files a restore of ``chain`` for ``slot_mask`` reads."""
 
-    def __init__(self, chain: list[Checkpoint], slot_mask: np.ndarray | None):
+    def __init__(self, chain: list[Checkpoint], slot_mask: np.ndarray | None,
+                 tables=None, retarget: bool = False):
         head = chain[-1].manifest
         self.num_slots = head["num_slots"]
         self.final_tables = set(head["tables"])
+        if tables is not None:
+            self.final_tables &= set(tables)
+        if retarget:
+            # the mask is over another num_slots: every chunk is read and filtered by key
+            self.items = [(c, e, [(ci, ch[_CI["kind"]], ch[_CI["kind"]] != KIND_ARRAY)
+                                  for ci, ch in enumerate(e["chunks"])])
+                          for c in chain for e in c.manifest["files"]
+                          if not (e["type"] == "rows" and e["table"] not in self.final_tables)]
+            return
         if slot_mask is not None:
             pre = np.concatenate([[0], np.cumsum(slot_mask, dtype=np.int64)])
         self.items = []   # (ckpt, entry, [(chunk index, kind, partial)])
@@ -584,7 +599,8 @@ def _prevalidate(plan: _Plan) -> None:
 
 
 def restore(root, store_or_callback, slot_mask: np.ndarray | None = None,
-            upto: int | None = None, verify: str = "chunks", exact: bool = False) -> RestoreInfo:
+            upto: int | None = None, verify: str = "chunks", exact: bool = False,
+            tables=None, reset_optimizer: bool = False) -> RestoreInfo:
     """Apply the newest valid chain under ``root`` to an EmbeddingStore (tables are
     created from the manifest configs) or to a callback
     ``fn(op, table, keys, rows, info)`` with ``op`` in "table", "drop", "delete", "rows".
@@ -597,6 +613,12 @@ def restore(root, store_or_callback, slot_mask: np.ndarray | None = None,
     raise) -- several PS restoring the same job must restore the same checkpoint, so a
     coordinator picks it (e.g. ``list_chains``/``verify``) and passes ``upto=id,
     exact=True``.
+
+    ``slot_mask`` may also be over another ``num_slots`` than the checkpoint's (a warm
+    start onto a job with a different ``num_slots``): then every chunk is read and each
+    key is kept when ``slot_mask[slot_of(key, len(slot_mask))]``. ``tables``: restore only
+    these tables (None: all). ``reset_optimizer`` (store targets): import the values only,
+    the optimizer slots start from their initial state.
 
     Nothing is applied before every chunk to be read has passed its checks: the manifest
     checksum and file sizes of every checkpoint, then the header and crc32 of every
@@ -613,7 +635,7 @@ def restore(root, store_or_callback, slot_mask: np.ndarray | None = None,
     if exact and upto is None:
         raise ValueError("exact=True needs upto=<checkpoint id>")
     if hasattr(store_or_callback, "create_table"):
-        sink = _StoreSink(store_or_callback)
+        sink = _StoreSink(store_or_callback, reset_optimizer)
     elif callable(store_or_callback):
         sink = _CallbackSink(store_or_callback)
     else:
@@ -644,12 +666,14 @@ def restore(root, store_or_callback, slot_mask: np.ndarray | None = None,
         head = cand[-1]
         by_id = {c.id: c for c in ok}
         chain = _path_to(head, by_id)
+        retarget = False
         if slot_mask is not None:
             slot_mask = np.asarray(slot_mask)
             n = head.manifest["num_slots"]
-            if slot_mask.dtype != np.bool_ or slot_mask.shape != (n,):
-                raise ValueError(f"slot_mask must be bool [{n}] (the checkpoint's num_slots), "
-                                 f"got {slot_mask.dtype} {slot_mask.shape}")
+            if slot_mask.dtype != np.bool_ or slot_mask.ndim != 1 or slot_mask.size == 0:
+                raise ValueError(f"slot_mask must be a non-empty bool vector, got "
+                                 f"{slot_mask.dtype} {slot_mask.shape}")
+            retarget = slot_mask.size != n
         try:
             if verify == "full":
                 for c in chain:
@@ -658,7 +682,7 @@ def restore(root, store_or_callback, slot_mask: np.ndarray | None = None,
                         err = CheckpointError(c.problems[0])
                         err.ckpt = c
                         raise err
-            plan = _Plan(chain, slot_mask)
+            plan = _Plan(chain, slot_mask, tables, retarget)
             if verify != "manifest":
                 _prevalidate(plan)
         except CheckpointError as err:
@@ -705,7 +729,7 @@ def _load_chunk(path: Path, e: dict, ci: int, name: str, manifest: dict, w: int,
         return h, raw, None, len(comp)
     keys, rows = _split_rows(raw, h["n"], w if h["kind"] == KIND_ROWS else 0, where)
     if partial:
-        sel = slot_mask[slot_of(keys, manifest["num_slots"])]
+        sel = slot_mask[slot_of(keys, slot_mask.size)]
         keys = keys[sel]
         rows = rows[sel] if rows is not None else None
     return h, keys, rows, len(comp)

@@ -546,3 +546,76 @@ def test_checkpoint_layering():
                 assert top in allowed, f"{f.name} imports {mod}"
                 if top == "deeprec_ext":
                     assert mod.split(".")[1] in ("hashing", "store"), f"{f.name} imports {mod}"
+
+
+# --------------------------------------------------------------------------- warm start, load
+def test_restore_onto_another_num_slots_table_subset_and_optimizer_reset(tmp_path):
+    """A warm start onto a job with a different num_slots: masks over the new slot space
+    partition the rows exactly; a table subset and an optimizer reset are honoured."""
+    rng = np.random.default_rng(11)
+    src = make_store(rng, 5000)
+    cuts = write(tmp_path, 1, src)
+    mutate(src, rng)
+    write(tmp_path, 2, src, "incr", parent=1, cuts=cuts)
+    want = snap(src)
+    new_slots = 1000
+    owner = np.arange(new_slots) * 3 // new_slots
+    seen = {name: [] for name in want}
+    for i in range(3):
+        mask = owner == i
+        s3, _ = restored(tmp_path, slot_mask=mask)
+        for name, (k, r) in snap(s3).items():
+            assert mask[slot_of(k, new_slots)].all()
+            sel = np.isin(want[name][0], k)
+            np.testing.assert_array_equal(want[name][0][sel], k)
+            np.testing.assert_array_equal(want[name][1][sel], r)
+            seen[name].append(k)
+    for name, parts in seen.items():
+        np.testing.assert_array_equal(np.sort(np.concatenate(parts)), want[name][0])
+    s, info = restored(tmp_path, tables=["emb"], reset_optimizer=True)
+    assert sorted(s.tables()) == ["emb"]
+    k, r, _ = s["emb"].export_rows()
+    o = np.argsort(k)
+    np.testing.assert_array_equal(r[o][:, :8].view(np.uint32), want["emb"][1][:, :8])
+    assert (r[:, 8:] == s["emb"]._slot_init[None, :]).all()  # adagrad accumulators reset
+
+
+def test_load_returns_named_arrays(tmp_path):
+    import checkpoint
+    rng = np.random.default_rng(12)
+    src = make_store(rng, 3000)
+    cuts = write(tmp_path, 1, src, extra={"global_step": 42,
+                                          "model": {"dense_shapes": {"w": [5, 3]}}})
+    mutate(src, rng)
+    d = src["dense/w"]  # a dense variable keeps its rows 0..4
+    d.delete(d.export_rows()[0][d.export_rows()[0] >= 5])
+    d.delete(d.export_rows()[0][d.export_rows()[0] < 0])
+    d.insert(np.arange(5), rng.normal(size=(5, 3)).astype(np.float32))
+    write(tmp_path, 2, src, "incr", parent=1, cuts=cuts, extra={"global_step": 77})
+    got = checkpoint.load(tmp_path)
+    assert got.checkpoint_id == 2 and got.chain == [1, 2] and got.global_step == 77
+    want = snap(src)
+    t = got.tables["emb"]
+    np.testing.assert_array_equal(t.ids, want["emb"][0])
+    np.testing.assert_array_equal(np.hstack([t.values, t.slots]).view(np.uint32), want["emb"][1])
+    assert t.config["optimizer"]["name"] == "adagrad" and t.dim == 8
+    assert sorted(got.tables) == ["emb", "user/emb:0"]
+    assert got.dense["w"].shape == (5, 3)  # no recorded shape at checkpoint 2: [rows, dim]
+    # one checkpoint directory: exactly that checkpoint (and its shape record)
+    first = checkpoint.load(tmp_path / "ckpt-00000001-full", tables=["emb"])
+    assert first.checkpoint_id == 1 and sorted(first.tables) == ["emb"]
+    assert first.global_step == 42 and first.dense["w"].shape == (5, 3)
+    with pytest.raises(CheckpointError, match=r"no table\(s\) \['nope'\]"):
+        checkpoint.load(tmp_path, tables=["nope"])
+    with pytest.raises(CheckpointError, match="no such checkpoint directory"):
+        checkpoint.load(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="holds no checkpoint"):
+        checkpoint.load(tmp_path / "empty")
+    # a corrupt file of the named checkpoint is an error naming it, never wrong values
+    path, e = data_file(tmp_path, "ckpt-00000002-incr")
+    blob = bytearray(path.read_bytes())
+    blob[e["chunks"][0][0] + 200] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    with pytest.raises((CheckpointError, NoValidCheckpoint), match="ckpt-00000002-incr"):
+        checkpoint.load(tmp_path / "ckpt-00000002-incr")

@@ -1,0 +1,133 @@
+"""Read a checkpoint back as named NumPy arrays: ``checkpoint.load(DIR)``.
+
+``DIR`` is either a checkpoint root (the newest restorable chain is used) or one
+checkpoint directory ``ckpt-<id>-full|incr`` (exactly that checkpoint, with its chain).
+The chain is applied to an in-memory store with the same code a PS restores with, so
+deletions and re-inserts across incrementals come out exactly as a live job would have
+them, then each table is handed back sorted by id.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from checkpoint.format import DIR_RE, MANIFEST_NAME, CheckpointError
+from checkpoint.reader import restore
+
+DENSE_PREFIX = "dense/"  # dense variables live on the PS as tables "dense/<variable path>"
+
+
+@dataclass
+class Table:
+    """One embedding table: ``ids`` int64 [n] ascending, ``values`` float32 [n, dim],
+    ``slots`` float32 [n, num_slots * dim] (optimizer state, e.g. Adam's m and v),
+    ``config``: dim, initializer and optimizer as the job created the table."""
+    name: str
+    ids: np.ndarray
+    values: np.ndarray
+    slots: np.ndarray
+    config: dict
+
+    @property
+    def dim(self) -> int:
+        return int(self.config["dim"])
+
+    def __len__(self) -> int:
+        return int(self.ids.size)
+
+
+@dataclass
+class Loaded:
+    """What :func:`load` returns. ``dense`` maps a dense variable's path (e.g.
+    ``deep_0/kernel``) to its value, in the variable's shape when the job recorded it;
+    ``extra`` is the manifest's job metadata (routing, global step, model spec)."""
+    checkpoint_id: int
+    chain: list
+    dir: str
+    num_slots: int
+    tables: dict = field(default_factory=dict)
+    dense: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def global_step(self) -> int:
+        return int(self.extra.get("global_step", 0))
+
+    @property
+    def model(self) -> dict | None:
+        """The model structure recorded by worker 0 (``None`` for a job that sent none)."""
+        return self.extra.get("model")
+
+
+def resolve(path) -> tuple[Path, int | None]:
+    """``(root, checkpoint id or None)`` for a checkpoint root or one checkpoint directory."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory")
+    m = DIR_RE.match(path.name)
+    if m:
+        if not (path / MANIFEST_NAME).exists():
+            raise CheckpointError(f"{path}/{MANIFEST_NAME}: missing (checkpoint never "
+                                  "committed, or deleted)")
+        return path.parent, int(m.group(1))
+    if not any(DIR_RE.match(p.name) for p in path.iterdir()):
+        raise CheckpointError(f"{path}: holds no checkpoint (expected ckpt-<id>-full|incr "
+                              "directories, or one of them)")
+    return path, None
+
+
+def load(path, tables=None, verify: str = "chunks") -> Loaded:
+    """Load the tables (ids, values, optimizer slots) and dense variables of a checkpoint.
+
+    ``tables``: names to load (default all; dense variables are always loaded). An unknown
+    name raises CheckpointError naming it and the tables there are. A corrupt or missing
+    file of the chain raises CheckpointError when ``path`` names one checkpoint; for a
+    root the newest restorable chain is used (skipped ones are logged).
+    """
+    from deeprec_ext.store.table import EmbeddingStore
+
+    root, ckpt_id = resolve(path)
+    store = EmbeddingStore()
+    wanted = None
+    if tables is not None:
+        from checkpoint.reader import list_chains
+        chains = [c for c in list_chains(root, verify="manifest")
+                  if ckpt_id is None or ckpt_id in c.ids]
+        head = chains[0].head if chains else None
+        have = set(head.manifest["tables"]) if head is not None else set()
+        unknown = sorted(set(tables) - have)
+        if unknown and head is not None:
+            raise CheckpointError(f"{head.path}: no table(s) {unknown}; the checkpoint has "
+                                  f"{sorted(t for t in have if not t.startswith(DENSE_PREFIX))}")
+        wanted = set(tables) | {t for t in have if t.startswith(DENSE_PREFIX)}
+    try:
+        info = restore(root, store, upto=ckpt_id, exact=ckpt_id is not None, verify=verify,
+                       tables=wanted)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    shapes = (info.extra.get("model") or {}).get("dense_shapes", {})
+    out = Loaded(checkpoint_id=info.checkpoint_id, chain=info.chain, dir=info.dir,
+                 num_slots=info.num_slots, extra=info.extra)
+    for name, t in store.tables().items():
+        keys, rows, _ = t.export_rows()
+        order = np.argsort(keys, kind="stable")
+        keys, rows = keys[order], rows[order]
+        if name.startswith(DENSE_PREFIX):
+            var = name[len(DENSE_PREFIX):]
+            if keys.size and not np.array_equal(keys, np.arange(keys.size)):
+                raise CheckpointError(f"{info.dir}: dense variable '{var}' has rows "
+                                      f"{keys[:3].tolist()}..., expected 0..{keys.size - 1}")
+            value = rows[:, :t.dim]
+            shape = shapes.get(var)
+            out.dense[var] = value.reshape(shape) if shape is not None else value
+            continue
+        cfg = t.config
+        out.tables[name] = Table(name, keys, np.ascontiguousarray(rows[:, :t.dim]),
+                                 np.ascontiguousarray(rows[:, t.dim:]),
+                                 {"dim": t.dim, "initializer": cfg["initializer"],
+                                  "optimizer": cfg["optimizer"]})
+    return out
