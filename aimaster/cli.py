@@ -4,6 +4,7 @@
   aimaster status --master ADDR [--json] [--token-file F]
   aimaster manifest JOB.yaml [--plan PLAN.json] [-o FILE]  |  aimaster manifest --check FILE
   aimaster estimate MODULE:FUNCTION|SAVEDMODEL|GRAPH [--rows T=N] [--job JOB.yaml --parse M:F] [--json]
+  aimaster export CHECKPOINT_DIR --out DIR [--tables A,B] [--dtype float16] [--json]
 
 Every flag also reads an environment variable (AIMASTER_PS, AIMASTER_WORKERS, ...).
 """
@@ -48,6 +49,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     run.add_argument("--token-file", default=None,
                      help="job token: every RPC of the AIMaster and the PS must carry it "
                           "(env DEEPREC_TOKEN_FILE; job file security.token_file)")
+    run.add_argument("--init-from", default=os.environ.get("AIMASTER_INIT_FROM"),
+                     help="warm start: tables, optimizer slots and dense variables from this "
+                          "checkpoint (a root or one ckpt-* directory; job file init_from)")
     run.add_argument("--scaler", choices=("local", "kubernetes"),
                      default=os.environ.get("AIMASTER_SCALER", "local"),
                      help="local: child processes, loopback only; kubernetes: the TFJob's pods "
@@ -96,6 +100,16 @@ def get_args_parser() -> argparse.ArgumentParser:
     ck.add_argument("--full", action="store_true", help="a full checkpoint (default: incremental "
                     "when the job has one to build on)")
     ck.add_argument("--timeout", type=float, default=3600.0)
+    ex = sub.add_parser("export", help="write a TensorFlow SavedModel (serving_default + one "
+                                       "lookup signature per table) from a checkpoint")
+    ex.add_argument("checkpoint", help="checkpoint root (newest chain) or one ckpt-* directory")
+    ex.add_argument("--out", required=True, help="SavedModel directory to create (must not "
+                                                 "exist; for TF Serving: BASE/<version>)")
+    ex.add_argument("--tables", default=None,
+                    help="comma-separated tables to export (lookup signatures only)")
+    ex.add_argument("--dtype", choices=("float32", "float16"), default="float32",
+                    help="storage type of the exported values (lookups return float32)")
+    ex.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     from graph_opt.cli import add_parser as add_estimate_parser  # argparse only; no TF
     add_estimate_parser(sub)
     return p
@@ -111,7 +125,8 @@ def cmd_run(args) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = with_overrides(load_job(args.job), ps=args.ps, workers=args.workers,
-                                port=args.port, state_dir=args.state_dir)
+                                port=args.port, state_dir=args.state_dir,
+                                init_from=args.init_from)
         if args.prometheus_port is not None:
             from aimaster.monitor import with_prometheus_port
             config = with_prometheus_port(config, args.prometheus_port)
@@ -157,6 +172,11 @@ def status_dict(resp) -> dict:
         "events": [json.loads(e) for e in resp.events_json],
         # autoscale policy state and cost accounting (resource-seconds allocated vs used)
         "autoscale": json.loads(resp.autoscale_json) if resp.autoscale_json else None,
+        "global_step": resp.global_step,
+        "placement": json.loads(resp.placement_json) if resp.placement_json else None,
+        "model_recorded": resp.model_recorded,
+        "final_checkpoint": resp.final_checkpoint or None,
+        "export_dir": resp.export_dir or None,
     }
 
 
@@ -195,8 +215,15 @@ def cmd_status(args) -> int:
     if args.json:
         print(json.dumps(d, indent=2))
         return 0
-    print(f"job {d['job']}  phase {d['phase']}  epoch {d['epoch']}  "
+    print(f"job {d['job']}  phase {d['phase']}  epoch {d['epoch']}  step {d['global_step']}  "
           f"shards todo/doing/done {d['shards']['todo']}/{d['shards']['doing']}/{d['shards']['done']}")
+    if d["placement"]:
+        print("  placement " + "  ".join(f"{p} {v['slots']} slots" for p, v in
+                                         d["placement"]["ps"].items()))
+    if d["final_checkpoint"]:
+        print(f"  final checkpoint {d['final_checkpoint']}")
+    if d["export_dir"]:
+        print(f"  exported model   {d['export_dir']}")
     for m in d["members"]:
         print(f"  {m['role']:6} {m['id']:10} pid {m['pid']:<8} {m['state']:9} {m['address']:21} "
               f"steps {m['steps']}")
@@ -289,6 +316,30 @@ def cmd_manifest(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    tables = None
+    if args.tables is not None:
+        tables = [t.strip() for t in args.tables.split(",") if t.strip()]
+        if not tables:
+            return _fail("--tables: give at least one table name")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
+    from checkpoint import CheckpointError
+    from checkpoint.export import ExportError, export
+    try:
+        summary = export(args.checkpoint, args.out, tables=tables, dtype=args.dtype)
+    except (ExportError, CheckpointError) as exc:
+        return _fail(f"export: {exc}", 1)
+    if args.json:
+        print(json.dumps(summary, sort_keys=True))
+    else:
+        rows = ", ".join(f"{n} {r:,} rows" for n, r in summary["tables"].items())
+        print(f"exported {summary['checkpoint']} (step {summary['global_step']}) to "
+              f"{summary['dir']}: {rows}; {summary['bytes'] / 1e6:.1f} MB in "
+              f"{summary['seconds']:.1f} s; signatures {', '.join(summary['signatures'])}")
+    return 0
+
+
 def cmd_estimate(args) -> int:
     args.job_config = None
     if args.job:  # graph_opt sits below the AIMaster: the job file is parsed here
@@ -304,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     args = get_args_parser().parse_args(argv)
     return {"run": cmd_run, "status": cmd_status, "scale": cmd_scale,
             "checkpoint": cmd_checkpoint, "manifest": cmd_manifest,
-            "estimate": cmd_estimate}[args.command](args)
+            "estimate": cmd_estimate, "export": cmd_export}[args.command](args)
 
 
 if __name__ == "__main__":

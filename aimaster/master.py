@@ -94,12 +94,18 @@ class JobMaster:
         self._last_samples = (0, self.clock())
         self.plugins: list[MasterPlugin] = load_plugins(config)
         self._signalled = False
+        self._warm_tables: set | None = None  # tables of the init_from checkpoint
+        self.final_checkpoint = ""   # directory of the final checkpoint, once taken
+        self.export_dir = ""         # the SavedModel exported after it
 
     # -- state ---------------------------------------------------------------------------
     def _load_shards(self) -> ShardQueue | None:
         files = self.config.data.resolved_files()
         previous = self.store.load()
         self._resume_from = None
+        self._step_base = 0  # global step carried by the checkpoint this job started from
+        self.model_spec = (previous or {}).get("model") if previous and \
+            previous.get("phase") not in [p.value for p in FINAL_PHASES] else None
         if previous and previous.get("phase") not in [p.value for p in FINAL_PHASES]:
             head = self._newest_checkpoint_in(self.config.checkpoint_dir
                                               or os.path.join(self.config.state_dir, "checkpoints"))
@@ -108,6 +114,8 @@ class JobMaster:
                 # resume: the model from the newest checkpoint, and the data position that
                 # was recorded with it (shards DOING then are handed out again)
                 self._resume_from = head.id
+                self._step_base = int(extra.get("global_step", 0))
+                self.model_spec = self.model_spec or extra.get("model")
                 self.epoch = int(previous.get("epoch", 0))
                 log.warning("resuming job %s from checkpoint %d", self.config.name, head.id)
                 if extra.get("shards"):
@@ -138,6 +146,10 @@ class JobMaster:
                 "members": [self._member_dict(m) for m in self.registry.members()],
                 "shards": self.shards.to_state() if self.shards else None,
                 "events": self.events[-200:],
+                "global_step": self.global_step(),
+                "model": self.model_spec,
+                "final_checkpoint": self.final_checkpoint,
+                "export_dir": self.export_dir,
             }
         self.store.save(state)
 
@@ -209,6 +221,8 @@ class JobMaster:
                 for plugin in self.plugins:
                     self._run_hook(plugin, "on_tick")
                 if self.phase in FINAL_PHASES:
+                    if on_progress and self.phase == JobPhase.SUCCEEDED:
+                        on_progress(self.progress_line())  # where the model is
                     break
                 if on_progress and self.phase == JobPhase.RUNNING and \
                         self.clock() - self._last_progress >= self.config.progress_seconds:
@@ -346,7 +360,57 @@ class JobMaster:
         elif failed:
             self._set_phase(JobPhase.FAILED, f"workers failed: {failed}")
         else:
+            if not self._keep_model():
+                return
             self._set_phase(JobPhase.SUCCEEDED, "all shards done" if self.shards else "workers finished")
+
+    def _keep_model(self) -> bool:
+        """The job trained to the end: take the final checkpoint, then the export, before
+        the PS stop. A failure here fails the job: its model would be lost."""
+        if self.config.checkpoint_on_success:
+            try:
+                event = self.checkpoint(full=True, final=True)
+            except Exception as exc:  # noqa: BLE001 - reported as the job's failure
+                log.exception("final checkpoint failed")
+                self._set_phase(JobPhase.FAILED, f"training finished but the final checkpoint "
+                                f"failed: {exc}")
+                return False
+            self.final_checkpoint = event["path"]
+        if self.config.export.dir:
+            if not self.final_checkpoint:
+                self._event("export_skipped", reason="checkpoint.on_success is false: "
+                            "nothing to export from")
+                return True
+            try:
+                self.export_dir = self._export(self.final_checkpoint)
+            except Exception as exc:  # noqa: BLE001
+                self._set_phase(JobPhase.FAILED, f"final checkpoint {self.final_checkpoint} "
+                                f"written, but its export failed: {exc}")
+                return False
+        return True
+
+    def _export(self, ckpt_path: str) -> str:
+        """Export the final checkpoint in a child process (TensorFlow is not loaded in the
+        AIMaster); into ``export.dir/<unix seconds>``, the versioned layout TF Serving
+        watches."""
+        import subprocess
+        import sys
+        ex = self.config.export
+        out = os.path.join(os.path.abspath(ex.dir), str(int(time.time())))
+        cmd = [sys.executable, "-m", "aimaster.cli", "export", ckpt_path, "--out", out,
+               "--dtype", ex.dtype, "--json"]
+        if ex.tables:
+            cmd += ["--tables", ",".join(ex.tables)]
+        start = self.clock()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
+                              env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+        if proc.returncode != 0:
+            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise RuntimeError(tail)
+        summary = json.loads(proc.stdout.strip().splitlines()[-1])
+        self._event("export", dir=out, duration_ms=round((self.clock() - start) * 1000, 1),
+                    bytes=summary.get("bytes"), tables=summary.get("tables"))
+        return out
 
     def on_ps_registered(self) -> None:
         """Publish routing once every PS is up, then start the workers."""
@@ -361,22 +425,65 @@ class JobMaster:
                                         self.config.num_slots, self.epoch + 1)
         self._push_routing(routing)
         if self._resume_from is not None:
-            restored = 0
-            for p, address in enumerate(routing.ps_addresses):
-                mask = routing.slot_owner == p
-                with insecure_channel(address) as ch:
-                    r = ps_pb2_grpc.ParameterServerStub(ch).RestoreCheckpoint(
-                        ps_pb2.RestoreCheckpointRequest(
-                            root=os.path.abspath(self.checkpoint_dir), ckpt_id=self._resume_from,
-                            slots=mask.astype(np.uint8).tobytes(), num_slots=routing.num_slots),
-                        timeout=3600)
-                restored += r.rows
+            restored = self._restore_all(routing, os.path.abspath(self.checkpoint_dir),
+                                         self._resume_from)
             self._event("resumed", checkpoint=self._resume_from, rows=restored,
                         shards=self.shards.counts() if self.shards else None)
+        elif self.config.init_from:
+            if not self._warm_start(routing):
+                return
         with self._lock:
             self.routing, self.epoch = routing, routing.epoch
         self._event("routing", epoch=routing.epoch, ps=list(routing.ps_ids))
         self._set_phase(JobPhase.RUNNING)
+
+    def _restore_all(self, routing: RoutingTable, root: str, ckpt_id: int,
+                     warm: bool = False) -> int:
+        """Every PS loads the rows of its slots (in this job's slot space) from a checkpoint."""
+        restored = 0
+        for p, address in enumerate(routing.ps_addresses):
+            mask = routing.slot_owner == p
+            with insecure_channel(address) as ch:
+                r = ps_pb2_grpc.ParameterServerStub(ch).RestoreCheckpoint(
+                    ps_pb2.RestoreCheckpointRequest(
+                        root=root, ckpt_id=ckpt_id, slots=mask.astype(np.uint8).tobytes(),
+                        num_slots=routing.num_slots, warm_start=warm,
+                        reset_optimizer=warm and self.config.reset_optimizer),
+                    timeout=3600)
+            restored += r.rows
+        return restored
+
+    def _warm_start(self, routing: RoutingTable) -> bool:
+        """``init_from``: tables, optimizer slots and dense variables of another job's
+        checkpoint, on this job's PS count and num_slots; data and shards are not carried."""
+        from checkpoint import CheckpointError, list_chains
+        from checkpoint.load import resolve
+        start = self.clock()
+        try:
+            root, ckpt_id = resolve(self.config.init_from)
+            chains = [c for c in list_chains(root, verify="manifest")
+                      if ckpt_id is None or ckpt_id in c.ids]
+            if not chains:
+                raise CheckpointError(f"{self.config.init_from}: no restorable checkpoint")
+            head = chains[0].head if ckpt_id is None else \
+                next(c for c in chains[0].checkpoints if c.id == ckpt_id)
+            rows = self._restore_all(routing, str(root.resolve()), head.id, warm=True)
+        except (CheckpointError, OSError) as exc:
+            self._set_phase(JobPhase.FAILED, f"init_from: {exc}")
+            return False
+        except grpc.RpcError as exc:
+            self._set_phase(JobPhase.FAILED, f"init_from {self.config.init_from}: "
+                            f"{exc.details()}")
+            return False
+        extra = head.manifest.get("extra", {})
+        self._step_base = int(extra.get("global_step", 0))
+        tables = sorted(t for t in head.manifest["tables"] if not t.startswith("dense/"))
+        self._warm_tables = set(head.manifest["tables"])
+        self._event("warm_start", checkpoint=str(head.path), rows=rows, tables=tables,
+                    global_step=self._step_base, reset_optimizer=self.config.reset_optimizer,
+                    from_num_slots=head.manifest["num_slots"], num_slots=routing.num_slots,
+                    duration_ms=round((self.clock() - start) * 1000, 1))
+        return True
 
     def _push_routing(self, routing: RoutingTable) -> None:
         """Ownership plus the replication ring (each PS's peer is the next PS in order)."""
@@ -713,11 +820,53 @@ class JobMaster:
                     return
                 time.sleep(0.5)
 
-    def checkpoint(self, full: bool = False) -> dict:
+    def global_step(self) -> int:
+        """Training steps of all workers of this job plus those of the checkpoint it
+        started from (a resume or a warm start)."""
+        return self._step_base + sum(m.steps for m in self.registry.members("worker"))
+
+    def placement(self) -> dict:
+        """Per PS: the slots it owns (count and contiguous ranges) and its address."""
+        routing = self.routing
+        if routing is None:
+            return {}
+        out = {}
+        owner = routing.slot_owner
+        edges = np.flatnonzero(np.diff(owner)) + 1
+        starts = np.concatenate([[0], edges])
+        ends = np.concatenate([edges, [owner.size]])
+        for p, (ps_id, address) in enumerate(zip(routing.ps_ids, routing.ps_addresses)):
+            sel = owner[starts] == p
+            out[ps_id] = {"address": address, "slots": int((owner == p).sum()),
+                          "ranges": [[int(a), int(b) - 1] for a, b in zip(starts[sel], ends[sel])]}
+        return {"epoch": routing.epoch, "num_slots": routing.num_slots, "ps": out}
+
+    def put_model(self, worker_id: str, model_json: str) -> None:
+        """Worker 0's record of the model's structure, kept with the job state and in every
+        checkpoint so an export needs nothing but the checkpoint."""
+        try:
+            spec = json.loads(model_json)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"model_json is not valid JSON: {exc}") from None
+        if not isinstance(spec, dict) or spec.get("kind") not in ("keras", "tables"):
+            raise ValueError("model_json: expected an object with kind 'keras' or 'tables'")
+        with self._lock:
+            self.model_spec = spec
+        self._event("model_recorded", worker=worker_id, kind=spec["kind"],
+                    tables=sorted(spec.get("tables", {})))
+        if self._warm_tables is not None:
+            fresh = sorted(set(spec.get("tables", {})) - self._warm_tables)
+            if fresh:
+                log.warning("tables %s are not in the init_from checkpoint: they start fresh", fresh)
+                self._event("warm_start_fresh_tables", tables=fresh)
+        self._save()
+
+    def checkpoint(self, full: bool = False, final: bool = False) -> dict:
         """Take a checkpoint now: every PS writes the rows of its slots (incremental: rows
         changed since its part of the previous checkpoint), then the manifest is committed
         with the data-shard queues and the routing, so model and consumed data match."""
         from checkpoint import CheckpointWriter, apply_retention, next_id
+        from checkpoint.format import dir_name
         if not self._ckpt_lock.acquire(blocking=False):
             raise ScaleRefused("a checkpoint is already being taken")
         try:
@@ -752,7 +901,10 @@ class JobMaster:
             for resp in results.values():
                 writer.add_file_entries(json.loads(resp.files_json))
             writer.add_extra({"job": self.config.name, "epoch": routing.epoch,
-                              "ps_ids": list(routing.ps_ids), "shards": shard_state})
+                              "ps_ids": list(routing.ps_ids), "shards": shard_state,
+                              "slot_owner": routing.slot_owner.tolist(),
+                              "global_step": self.global_step(), "model": self.model_spec,
+                              "final": final})
             writer.commit()
             self._ckpt_chain = {"id": ckpt_id, "n": (chain["n"] + 1) if incr else 1,
                                 "since": {k: json.loads(r.cut_json) for k, r in results.items()}}
@@ -766,6 +918,9 @@ class JobMaster:
                      "bytes": sum(r.bytes for r in results.values()),
                      "duration_ms": round((self.clock() - start) * 1000, 1),
                      "dir": os.path.abspath(self.checkpoint_dir), "retention_deleted": deleted,
+                     "path": os.path.join(os.path.abspath(self.checkpoint_dir),
+                                          dir_name(ckpt_id, kind)),
+                     "global_step": self.global_step(), "final": final,
                      "time": time.time()}
             with self._lock:
                 self.events.append(event)
@@ -918,6 +1073,11 @@ class JobMaster:
             c = self.shards.counts()
             total = c["todo"] + c["doing"] + c["done"]
             parts.insert(1, f"shards {c['done']}/{total} done ({c['doing']} in progress)")
+        parts.insert(1, f"step {self.global_step()}")
+        if self.final_checkpoint:
+            parts.append(f"final checkpoint {self.final_checkpoint}")
+        if self.export_dir:
+            parts.append(f"model exported to {self.export_dir}")
         return " | ".join(parts)
 
     def status(self) -> master_pb2.StatusResponse:
@@ -933,7 +1093,9 @@ class JobMaster:
             events_json=events,
             job_name=self.config.name, epoch=self.epoch, phase=self.phase.value, members=members,
             shards=master_pb2.ShardCounts(**counts), state_dir=os.path.abspath(self.config.state_dir),
-            uptime_seconds=now - self.started_at)
+            uptime_seconds=now - self.started_at, global_step=self.global_step(),
+            placement_json=json.dumps(self.placement()), final_checkpoint=self.final_checkpoint,
+            export_dir=self.export_dir, model_recorded=self.model_spec is not None)
         for plugin in self.plugins:
             self._run_hook(plugin, "on_status", response)
         return response
@@ -1068,6 +1230,16 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         except (OSError, ValueError, grpc.RpcError) as exc:
             context.abort(grpc.StatusCode.INTERNAL, f"checkpoint failed: {exc}")
         return master_pb2.CheckpointResponse(event_json=json.dumps(event, sort_keys=True))
+
+    def PutModel(self, request, context):
+        if len(request.model_json) > 16 << 20:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"model_json is {len(request.model_json)} bytes; at most 16 MiB")
+        try:
+            self.m.put_model(request.worker_id, request.model_json)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return master_pb2.PutModelResponse()
 
     def Barrier(self, request, context):
         member = self.m.registry.get(request.worker_id)

@@ -7,6 +7,7 @@ read into the input pipeline, but when the last batch holding them has been trai
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import signal
@@ -233,6 +234,16 @@ class WorkerContext:
             self.session.stub.ReportShard(req, timeout=10)
         except grpc.RpcError as exc:
             log.warning("could not return shards %s: %s", shard_ids, exc.details())
+
+    def put_model(self, spec: dict) -> None:
+        """Send the model's structure to the AIMaster (rank 0 does, once): it goes into every
+        checkpoint, so ``aimaster export`` rebuilds the model from a checkpoint alone."""
+        req = master_pb2.PutModelRequest(worker_id=self.worker_id, model_json=json.dumps(spec))
+        try:
+            call_with_retry(lambda: self.session.stub.PutModel(req, timeout=30), "put model",
+                            self.retry)
+        except grpc.RpcError as exc:  # training goes on; the export will say what is missing
+            log.warning("could not record the model's structure for export: %s", exc.details())
 
     def wait_all_done(self, timeout: float = 3600.0, poll_seconds: float = 0.5) -> bool:
         """Block until every shard of the job is DONE and every other worker has finished

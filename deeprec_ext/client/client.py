@@ -78,6 +78,7 @@ class PSClient:
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, ps_pb2_grpc.ParameterServerStub] = {}
         self._dims: dict[str, int] = {}
+        self.table_specs: dict[str, dict] = {}  # what this client created (for the model record)
         self.routing: RoutingTable | None = None
         self._client_id = uuid.uuid4().hex[:12]
         self._push_counter = itertools.count()
@@ -158,6 +159,8 @@ class PSClient:
         for what, spec in (("initializer", initializer), ("optimizer", optimizer)):
             if not isinstance(spec, (str, dict)):
                 raise InvalidRequestError(f"table '{name}': {what} must be a name or a dict, got {spec!r}")
+        self.table_specs[name] = {"dim": int(dim), "initializer": initializer,
+                                  "optimizer": optimizer}
         config = ps_pb2.TableConfig(name=name, dim=int(dim),
                                     initializer_json=json.dumps(initializer, sort_keys=True),
                                     optimizer_json=json.dumps(optimizer, sort_keys=True))

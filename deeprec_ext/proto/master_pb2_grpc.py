@@ -84,6 +84,11 @@ class MasterStub:
                 request_serializer=deeprec__ext_dot_proto_dot_master__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=deeprec__ext_dot_proto_dot_master__pb2.CheckpointResponse.FromString,
                 _registered_method=True)
+        self.PutModel = channel.unary_unary(
+                '/deeprec_ext.master.Master/PutModel',
+                request_serializer=deeprec__ext_dot_proto_dot_master__pb2.PutModelRequest.SerializeToString,
+                response_deserializer=deeprec__ext_dot_proto_dot_master__pb2.PutModelResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -149,6 +154,12 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutModel(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +212,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Checkpoint,
                     request_deserializer=deeprec__ext_dot_proto_dot_master__pb2.CheckpointRequest.FromString,
                     response_serializer=deeprec__ext_dot_proto_dot_master__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'PutModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutModel,
+                    request_deserializer=deeprec__ext_dot_proto_dot_master__pb2.PutModelRequest.FromString,
+                    response_serializer=deeprec__ext_dot_proto_dot_master__pb2.PutModelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -473,6 +489,33 @@ class Master:
             '/deeprec_ext.master.Master/Checkpoint',
             deeprec__ext_dot_proto_dot_master__pb2.CheckpointRequest.SerializeToString,
             deeprec__ext_dot_proto_dot_master__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deeprec_ext.master.Master/PutModel',
+            deeprec__ext_dot_proto_dot_master__pb2.PutModelRequest.SerializeToString,
+            deeprec__ext_dot_proto_dot_master__pb2.PutModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

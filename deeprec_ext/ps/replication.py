@@ -235,7 +235,7 @@ class ReplicaSet:
             if b.config.name:
                 init = json.loads(b.config.initializer_json) if b.config.initializer_json else "zeros"
                 opt = json.loads(b.config.optimizer_json) if b.config.optimizer_json else "sgd"
-                table = store.create_table(b.config.name, b.config.dim, init, opt)
+                table = store.ensure_table(b.config.name, b.config.dim, init, opt)
                 deleted = codec.ids_from_bytes(b.deleted_ids, "deleted_ids")
                 if deleted.size:
                     table.delete(deleted)

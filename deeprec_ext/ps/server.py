@@ -118,6 +118,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.counters = {"lookups": 0, "pushes": 0, "rejected": 0}
         self._counter_lock = threading.Lock()
         self._configs: dict[str, ps_pb2.TableConfig] = {}
+        # warm start: tables restored from another job's checkpoint, which take the config
+        # of this job's first CreateTable (name -> checkpoint it came from)
+        self._warm: dict[str, str] = {}
+        self._create_lock = threading.Lock()
         self.applied = AppliedRequests()
         self.replicator = Replicator(self.store, self._configs, self.applied)
         self.replicas = ReplicaSet()
@@ -160,14 +164,35 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                                   "init_values")
             if init_ids.size and not np.isfinite(init_values).all():
                 raise InvalidRequestError(f"table '{cfg.name}': init_values contain NaN or Inf")
-            existed = cfg.name in self.store.tables()
-            table = self.store.create_table(cfg.name, cfg.dim, init, opt)
+            with self._create_lock:
+                existed = cfg.name in self.store.tables()
+                source = self._warm.pop(cfg.name, None)
+                if source is not None:
+                    self._adopt_warm_table(cfg, init, opt, source)
+                table = self.store.create_table(cfg.name, cfg.dim, init, opt)
             if init_ids.size:
                 table.insert(init_ids, init_values, only_if_absent=True)
         except (ValueError, TypeError) as exc:
             self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if source is not None:
+            self._configs[cfg.name] = cfg
         self._configs.setdefault(cfg.name, cfg)
         return ps_pb2.CreateTableResponse(created=not existed)
+
+    def _adopt_warm_table(self, cfg, init, opt, source: str) -> None:
+        """The job's first CreateTable of a table restored from ``source``: same dim or a
+        clear error; the job's initializer and optimizer replace the checkpoint's (the
+        slots are kept when the optimizer kind is the same)."""
+        table = self.store.get(cfg.name)
+        if table.dim != cfg.dim:
+            self._warm[cfg.name] = source  # still warm: the error repeats for every worker
+            raise InvalidRequestError(
+                f"table '{cfg.name}': the job asks for dim {cfg.dim}, but the warm-start "
+                f"checkpoint {source} has dim {table.dim}; use the same dim, or another "
+                f"table name to start that table fresh")
+        if self.store.reconfigure(cfg.name, cfg.dim, init, opt):
+            log.warning("%s: table '%s': optimizer changed from the warm-start checkpoint's; "
+                        "its slots start fresh", self.ps_id, cfg.name)
 
     def ListTables(self, request, context):
         names = set(self.store.tables())
@@ -461,9 +486,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         mask = self._slot_mask(request.slots, request.num_slots, context)
         try:
             info = restore(request.root, self.store, slot_mask=mask, upto=request.ckpt_id,
-                           exact=True)
+                           exact=True, reset_optimizer=request.reset_optimizer)
         except Exception as exc:  # noqa: BLE001 - missing/corrupt checkpoint: answer, keep serving
             self._reject(context, grpc.StatusCode.FAILED_PRECONDITION, f"restore: {exc}")
+        if request.warm_start:
+            with self._create_lock:
+                self._warm.update({name: info.dir for name in info.tables
+                                   if name not in self._configs})
         for name, table in self.store.tables().items():
             cfg = table.config
             self._configs.setdefault(name, ps_pb2.TableConfig(

@@ -411,6 +411,27 @@ class EmbeddingTable:
         values = _check_floats(values, (keys.size, self.dim), f"table '{self.name}': values")
         return self._upsert(keys, values, full_rows=False, only_if_absent=only_if_absent)
 
+    def reconfigure(self, initializer, optimizer) -> bool:
+        """Adopt another initializer and optimizer, keeping every row's value (a warm start
+        whose job changed hyperparameters). The optimizer slots are kept when the optimizer
+        is the same kind (same slot layout), else reset to their initial values; returns
+        True when they were reset. Sequence numbers are unchanged: no row is rewritten."""
+        init = make_initializer(initializer, self.dim)
+        opt = make_optimizer(optimizer)
+        with self._lock:
+            reset = opt.name != self.optimizer.name or opt.num_slots != self._num_slots
+            if reset:
+                width = self.dim * (1 + opt.num_slots)
+                arena = np.zeros((self._arena.shape[0], width), dtype=np.float32)
+                arena[:, :self.dim] = self._arena[:, :self.dim]
+                slot_init = opt.init_slots(1, self.dim).reshape(-1)
+                arena[:, self.dim:] = slot_init
+                self._arena, self._width, self._num_slots = arena, width, opt.num_slots
+                self._slot_init = slot_init
+                self._set_views()
+            self.initializer, self.optimizer = init, opt
+        return reset
+
     def import_rows(self, keys, rows) -> int:
         """Upsert full rows float32 [n, row_width] (value + slots, as from ``export_rows``);
         stamps one new sequence number, which is returned (0 for an empty batch)."""
@@ -580,6 +601,26 @@ class EmbeddingStore:
             raise ValueError(f"table '{name}' already exists with optimizer="
                              f"{existing.optimizer.config}, requested optimizer={opt}")
         return existing
+
+    def ensure_table(self, name: str, dim: int, initializer, optimizer) -> EmbeddingTable:
+        """Create the table, or make the existing one take this config (same ``dim``). For
+        copies that follow an authoritative source (replicas), whose config may change once,
+        at a warm start."""
+        try:
+            return self.create_table(name, dim, initializer, optimizer)
+        except ValueError:
+            if name not in self._tables:
+                raise
+            self.reconfigure(name, dim, initializer, optimizer)
+            return self.get(name)
+
+    def reconfigure(self, name: str, dim: int, initializer, optimizer) -> bool:
+        """Give an existing table another initializer/optimizer (same ``dim``, else
+        ValueError); see :meth:`EmbeddingTable.reconfigure`."""
+        table = self.get(name)
+        if table.dim != dim:
+            raise ValueError(f"table '{name}' has dim={table.dim}, requested dim={dim}")
+        return table.reconfigure(initializer, optimizer)
 
     def get(self, name: str) -> EmbeddingTable:
         try:

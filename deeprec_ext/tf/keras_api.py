@@ -79,6 +79,37 @@ class ElasticEmbedding(keras.layers.Layer):
         return cfg
 
 
+def _embedding_tables(specs: dict) -> dict:
+    from deeprec_ext.tf.dense import DENSE_PREFIX
+    return {n: spec for n, spec in specs.items() if not n.startswith(DENSE_PREFIX)}
+
+
+def model_record(model, dense_vars) -> dict:
+    """What an offline export needs to rebuild ``model`` with stock TF ops: the Keras
+    config (functional or Sequential models), the inputs, the dense variables' shapes and
+    the tables' specs. A model Keras cannot serialize (a subclassed model without
+    ``get_config``) is recorded as its tables only: the export then serves lookups only."""
+    tables = _embedding_tables(get_context().client.table_specs)
+    for layer in model._flatten_layers():
+        if isinstance(layer, ElasticEmbedding):
+            tables[layer.table] = {"dim": layer.dim, "initializer": layer.initializer,
+                                   "optimizer": layer.optimizer_spec}
+    record = {"kind": "tables", "tables": tables,
+              "dense_shapes": {v.path: [int(d) for d in v.shape] for v in dense_vars},
+              "tensorflow": tf.__version__, "keras": keras.__version__}
+    try:
+        keras_json = model.to_json()
+        inputs = model.inputs
+    except Exception as exc:  # noqa: BLE001 - any serialization failure: tables only
+        log.warning("model %s cannot be serialized by Keras (%s): its export will hold the "
+                    "table lookups only", model.name, exc)
+        return record
+    record.update(kind="keras", keras_json=keras_json, input_is_dict=isinstance(model.input, dict),
+                  inputs=[{"name": t.name, "dtype": str(t.dtype), "shape": list(t.shape)}
+                          for t in inputs])
+    return record
+
+
 def _anchor_ids(model) -> set[int]:
     return {id(layer.anchor) for layer in model._flatten_layers()
             if isinstance(layer, ElasticEmbedding) and hasattr(layer, "anchor")}
@@ -133,6 +164,8 @@ class ElasticCallback(keras.callbacks.Callback):
             self._dense = DenseSync(ctx.client, [v.path for v in self._vars],
                                     [tuple(v.shape) for v in self._vars])
             self._assign(self._dense.create([np.asarray(v.numpy()) for v in self._vars]))
+            if ctx.rank == 0:
+                ctx.put_model(model_record(self.model, self._vars))
         else:
             self._assign(self._dense.pull())
 

@@ -6,7 +6,8 @@ import numpy as np
 import tensorflow as tf
 
 from deeprec_ext.tf.dense import DenseSync
-from deeprec_ext.tf.keras_api import DEFAULT_INITIALIZER, DEFAULT_OPTIMIZER, record_table_spec
+from deeprec_ext.tf.keras_api import (DEFAULT_INITIALIZER, DEFAULT_OPTIMIZER, _embedding_tables,
+                                      record_table_spec)
 from deeprec_ext.tf.op_sampler import sampler_for
 from deeprec_ext.tf.ops import ANCHOR_SUFFIX, elastic_lookup
 from deeprec_ext.worker import get_context
@@ -62,6 +63,11 @@ class ElasticSessionHook(v1.train.SessionRunHook):
     def after_create_session(self, session, coord):
         if self._vars:
             self._assign(session, self._dense.create(session.run(self._vars)))
+        ctx = get_context()
+        if ctx.rank == 0:  # the tables, for `aimaster export` (a lookup signature per table)
+            ctx.put_model({"kind": "tables", "tables": _embedding_tables(ctx.client.table_specs),
+                           "dense_shapes": {v.op.name: v.shape.as_list() for v in self._vars},
+                           "tensorflow": tf.__version__})
 
     def before_run(self, run_context):
         # Gazer: every N steps trace this run's ops (RunMetadata.step_stats)

@@ -77,6 +77,12 @@ def run_keras(args, ctx) -> dict:
     model = build_keras(args.lr, args.dim)
     ds = dtf.shard_dataset(args.batch_size, parse_fn=parse_lines)
     callback = dtf.ElasticCallback(overlap=args.overlap)
+    if args.predictions_before_out and args.test and ctx.rank == 0:
+        # the model as the job starts (e.g. warm-started): shared weights, nothing trained
+        callback.set_model(model)
+        callback.on_train_begin()
+        _, scores = predict_keras(model, args.test, 4096)
+        np.save(args.predictions_before_out, scores)
     start = time.monotonic()
     history = model.fit(ds, epochs=1, callbacks=[callback], verbose=2,
                         shuffle=False)
@@ -88,6 +94,8 @@ def run_keras(args, ctx) -> dict:
         callback.on_test_begin()  # pull the final dense weights every worker contributed to
         labels, scores = predict_keras(model, args.test, 4096)
         out["auc"] = auc(labels, scores)
+        if args.predictions_out:
+            np.save(args.predictions_out, scores)
     return out
 
 
@@ -130,6 +138,10 @@ def main(argv=None) -> int:
     p.add_argument("--overlap", action="store_true",
                    help="pushes one step in flight and dense sync in the background: faster, "
                         "slightly staler (see docs/guide-tensorflow.md)")
+    p.add_argument("--predictions-out", default="",
+                   help="worker 0 saves its predictions on --test at the end (.npy)")
+    p.add_argument("--predictions-before-out", default="",
+                   help="worker 0 saves its predictions on --test before training (.npy)")
     p.add_argument("--metrics-out", default="",
                    help="default: $DEEPREC_STATE_DIR/metrics-<worker>.json")
     args = p.parse_args(argv)
