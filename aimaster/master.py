@@ -404,9 +404,15 @@ class JobMaster:
         start = self.clock()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
                               env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+        log_path = os.path.join(self.config.state_dir, "logs", "export.log")
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        with open(log_path, "w") as f:
+            f.write(proc.stderr)
         if proc.returncode != 0:
-            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise RuntimeError(tail)
+            lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
+            said = [ln for ln in lines if ln.startswith("aimaster: error:")] or \
+                [ln for ln in lines if "Error" in ln.split(":")[0]] or lines or ["(no output)"]
+            raise RuntimeError(f"{said[-1]} (see {log_path})")
         summary = json.loads(proc.stdout.strip().splitlines()[-1])
         self._event("export", dir=out, duration_ms=round((self.clock() - start) * 1000, 1),
                     bytes=summary.get("bytes"), tables=summary.get("tables"))
@@ -852,7 +858,7 @@ class JobMaster:
             raise ValueError("model_json: expected an object with kind 'keras' or 'tables'")
         with self._lock:
             self.model_spec = spec
-        self._event("model_recorded", worker=worker_id, kind=spec["kind"],
+        self._event("model_recorded", worker=worker_id, model_kind=spec["kind"],
                     tables=sorted(spec.get("tables", {})))
         if self._warm_tables is not None:
             fresh = sorted(set(spec.get("tables", {})) - self._warm_tables)

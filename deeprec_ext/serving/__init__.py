@@ -1,0 +1,1 @@
+"""Serving: export a trained job's model as a stock TensorFlow SavedModel."""
