@@ -13,7 +13,7 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from enum import Enum
 from typing import Callable
 
@@ -446,18 +446,19 @@ class JobMaster:
     def _restore_all(self, routing: RoutingTable, root: str, ckpt_id: int,
                      warm: bool = False) -> int:
         """Every PS loads the rows of its slots (in this job's slot space) from a checkpoint."""
-        restored = 0
-        for p, address in enumerate(routing.ps_addresses):
+        def one(p: int, address: str) -> int:
             mask = routing.slot_owner == p
             with insecure_channel(address) as ch:
-                r = ps_pb2_grpc.ParameterServerStub(ch).RestoreCheckpoint(
+                return ps_pb2_grpc.ParameterServerStub(ch).RestoreCheckpoint(
                     ps_pb2.RestoreCheckpointRequest(
                         root=root, ckpt_id=ckpt_id, slots=mask.astype(np.uint8).tobytes(),
                         num_slots=routing.num_slots, warm_start=warm,
                         reset_optimizer=warm and self.config.reset_optimizer),
-                    timeout=3600)
-            restored += r.rows
-        return restored
+                    timeout=3600).rows
+
+        # all PS at once: each reads only the chunks of its slots
+        with ThreadPoolExecutor(len(routing.ps_addresses)) as pool:
+            return sum(pool.map(one, range(len(routing.ps_addresses)), routing.ps_addresses))
 
     def _warm_start(self, routing: RoutingTable) -> bool:
         """``init_from``: tables, optimizer slots and dense variables of another job's

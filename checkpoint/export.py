@@ -171,7 +171,7 @@ def export(checkpoint_dir, out, tables=None, dtype: str = "float32") -> dict:
         as_dict = record.get("input_is_dict", True)
         names = [i["name"] for i in record["inputs"]]
 
-        @tf.function(input_signature=[spec])
+        @tf.function(input_signature=[spec], autograph=False)  # no Python control flow to convert
         def serve(features):
             x = features if as_dict else ([features[n] for n in names] if len(names) > 1
                                           else features[names[0]])
@@ -185,7 +185,7 @@ def export(checkpoint_dir, out, tables=None, dtype: str = "float32") -> dict:
         signatures["serving_default"] = serve
     for name, module in lookups.items():
         def make(m):
-            @tf.function(input_signature=[tf.TensorSpec([None], tf.int64, name="ids")])
+            @tf.function(input_signature=[tf.TensorSpec([None], tf.int64, name="ids")], autograph=False)
             def lookup(ids):
                 return {"values": m.lookup(ids)}
             return lookup

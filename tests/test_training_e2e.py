@@ -68,6 +68,18 @@ def test_tf1_monitored_session_job(start_job, criteo_data):
     assert m["mode"] == "tf1" and m["samples"] == _total_records(data["train"])
     assert m["final_loss"] < 0.6  # trained (an untrained model sits at ~0.69 or above)
     assert job.state()["shards"]["todo"] == [] and job.state()["shards"]["doing"] == {}
+    # the final checkpoint records the TF1 job's tables; their export serves each by id
+    import checkpoint
+    ck = checkpoint.load(job.state()["final_checkpoint"])
+    assert ck.model["kind"] == "tables" and sorted(ck.model["tables"]) == ["embedding", "linear"]
+    assert "deepfm/deep_0/kernel" in ck.dense
+    out = job.state_dir / "export"
+    r = subprocess.run([sys.executable, "-m", "aimaster.cli", "export", str(out.parent / "checkpoints"),
+                        "--out", str(out), "--json"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.splitlines()[-1])["signatures"] == ["lookup_embedding",
+                                                                   "lookup_linear"]
 
 
 def test_kill9_worker_its_shards_are_retrained_nothing_lost(start_job, criteo_data):
