@@ -28,6 +28,8 @@ setup(
         "kubernetes-validate>=1.31,<2",
         "jsonschema>=4.18,<5",
         "PyYAML>=6,<7",
+        # the job file schema (aimaster/config.py): validation, defaults, the generated reference
+        "pydantic>=2.6,<3",
         "rich>=13,<16",
         "prometheus-client>=0.20,<1",
     ],

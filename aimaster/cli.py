@@ -132,7 +132,7 @@ def cmd_run(args) -> int:
             config = with_prometheus_port(config, args.prometheus_port)
         if args.token_file:
             from dataclasses import replace
-            config = replace(config, security=replace(config.security, token_file=args.token_file))
+            config = replace(config, security=config.security.model_copy(update={"token_file": args.token_file}))
         from deeprec_ext.auth import is_loopback
         if args.scaler == "local" and not is_loopback(config.host):
             return _fail(f"master.host {config.host!r}: local runs listen on loopback only "

@@ -1,11 +1,21 @@
-"""Job configuration: built once from YAML, then flags, then passed down as dataclasses."""
+"""Job configuration: the job file (YAML) is validated by one pydantic schema
+(:class:`JobFile`, nested like the file), then flags apply, and the job runs on a frozen
+:class:`JobConfig`.
+
+The schema is the single definition of every key: its type, default, bounds and
+description. ``scripts/gen-config-reference`` renders it as the reference table in
+docs/guide-aimaster.md, and a test fails when the two differ.
+"""
 from __future__ import annotations
 
 import glob
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, replace
+from typing import Any, Literal, Optional, Union
 
 import yaml
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
+                      ValidationError, field_validator, model_validator)
 
 from deeprec_ext.hashing import DEFAULT_NUM_SLOTS
 
@@ -14,6 +24,328 @@ class ConfigError(ValueError):
     """The job file or a flag is wrong; the message names the field."""
 
 
+def _num(default: float, description: str, **bounds) -> Any:
+    """A number field: int or float (never a bool), with bounds."""
+    return Field(default, description=description, **bounds)
+
+
+Number = Union[StrictInt, float]  # strict: ints and floats, never bools or strings
+
+
+class _Section(BaseModel):
+    """A mapping of the job file: unknown keys are errors, values are not coerced."""
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+# --- roles, data, master, replication, checkpoint ---------------------------------------
+class _RoleBase(_Section):
+    env: dict[str, Any] = Field(default_factory=dict, description=(
+        "Added to the role's environment, on top of the AIMaster's own; keys and values "
+        "are converted to strings."))
+    min_replicas: StrictInt = Field(0, ge=0, description=(
+        "Lower bound for `--ps` / `--workers` and `aimaster scale` (for `ps`, at least 1 "
+        "regardless)."))
+    max_replicas: StrictInt = Field(64, ge=1, description=(
+        "Upper bound for `--ps` / `--workers` and `aimaster scale`. For `ps` at most "
+        "`num_slots` (else a PS could own no slot)."))
+
+    @model_validator(mode="after")
+    def _within_bounds(self):
+        if not self.min_replicas <= self.replicas <= self.max_replicas:
+            raise ValueError(f"replicas ({self.replicas}) must lie within min_replicas "
+                             f"({self.min_replicas}) and max_replicas ({self.max_replicas})")
+        return self
+
+
+class PsSection(_RoleBase):
+    """PS always run `python -m deeprec_ext.ps`; a dead PS is not restarted empty (its
+    ring peer takes over and a new PS joins), so `command` and `max_restarts` are not
+    keys here."""
+    replicas: StrictInt = Field(1, ge=1, description="PS count at start (at least 1).")
+
+
+class WorkerSection(_RoleBase):
+    replicas: StrictInt = Field(0, ge=0, description=(
+        "Worker count at start; 0 runs a PS-only job that clients use directly."))
+    command: Union[list[Union[StrictStr, StrictInt, float]], StrictStr] = Field(
+        default_factory=list, description=(
+            "Worker command: a list, or one string split on whitespace. Required when "
+            "`replicas` > 0. `{python}` is replaced by the AIMaster's Python; it runs in "
+            "the AIMaster's working directory."))
+    max_restarts: StrictInt = Field(3, ge=0, description=(
+        "How many times one worker id is restarted after a crash or hang."))
+
+
+class DataSection(_Section):
+    files: Union[list[StrictStr], StrictStr] = Field(default_factory=list, description=(
+        "Paths or glob patterns (a list, or one string). Each pattern must match a file; "
+        "matches are sorted within a pattern. Without files the job has no shards."))
+    records_per_shard: StrictInt = Field(10_000, ge=1, description=(
+        "Lines per shard; a shard never spans two files."))
+    epochs: StrictInt = Field(1, ge=1, description="Passes over the whole file list.")
+
+
+class MasterSection(_Section):
+    host: StrictStr = Field("127.0.0.1", description=(
+        "Interface the AIMaster and every PS bind and advertise."))
+    port: StrictInt = Field(0, ge=0, le=65535, description="AIMaster gRPC port; 0 picks a free one.")
+    state_dir: StrictStr = Field("", description=(
+        "Directory for state and logs (default `runs/<name>`); created if missing."))
+    lease_seconds: Number = _num(10.0, "A member silent this long is dead.", gt=0)
+    heartbeat_seconds: Number = _num(1.0, "Member heartbeat interval; at most half of "
+                                          "`lease_seconds`.", gt=0)
+    ps_start_timeout: Number = _num(60.0, "Seconds for all initial PS to register, or the "
+                                          "job fails.", gt=0)
+    progress_seconds: Number = _num(5.0, "Interval of the progress line `aimaster run` "
+                                         "prints.", gt=0)
+    grace_seconds: Number = _num(30.0, "How long a member asked to leave (scale-in, job "
+                                       "end) may take to hand off and exit before it is "
+                                       "killed.", gt=0)
+
+
+class ReplicationSection(_Section):
+    mode: Literal["async", "sync"] = Field("async", description=(
+        "`async`: pushes are answered at once and each PS ships its changes to its ring "
+        "peer every `interval_ms`; `sync`: a push is answered once the peer holds its rows."))
+    interval_ms: Number = _num(200.0, "Background shipping interval (both modes).", gt=0)
+
+
+class CheckpointSection(_Section):
+    dir: StrictStr = Field("", description="Checkpoint root (default `<state_dir>/checkpoints`).")
+    interval_seconds: Number = _num(0.0, "Seconds between periodic checkpoints; 0: only on "
+                                         "`aimaster checkpoint`.", ge=0)
+    keep_chains: StrictInt = Field(2, ge=1, description="Restorable chains kept by retention.")
+    full_every: StrictInt = Field(5, ge=1, description=(
+        "Every Nth checkpoint of a chain is full, the others incremental."))
+    on_success: StrictBool = Field(True, description=(
+        "A full checkpoint when the job succeeds, before the PS stop (the final model)."))
+
+
+# --- feature sections: these are the runtime config objects too -----------------------------
+class AutoscaleConfig(_Section):
+    """Auto-scaling policy (aimaster/policy.py); see docs/guide-autoscale.md."""
+    enabled: StrictBool = Field(False, description="Load the auto-scaling plugin.")
+    dry_run: StrictBool = Field(False, description="Decide and record events, never scale.")
+    interval_seconds: Number = _num(1.0, "One observation (PS stats, worker counters) per "
+                                         "interval.", gt=0)
+    cooldown_seconds: Number = _num(30.0, "Between performance-fit (and recovery) changes.", gt=0)
+    settle_seconds: Number = _num(5.0, "After a change, before measurements count.", gt=0)
+    measure_seconds: Number = _num(10.0, "Steady span a throughput measurement needs "
+                                         "(at most `window_seconds`).", gt=0)
+    window_seconds: Number = _num(30.0, "Newest span used for rates.", gt=0)
+    max_wait_seconds: Number = _num(120.0, "A scale not satisfied by then is downgraded or "
+                                           "given up.", gt=0)
+    recovery: Literal["continue", "wait"] = Field("continue", description=(
+        "After a loss: `continue` at reduced size, or `wait` for the full size."))
+    resource_fit: StrictBool = Field(True, description="Scale on PS memory growth.")
+    performance_fit: StrictBool = Field(True, description="Scale on throughput.")
+    memory_headroom: Number = _num(0.2, "Fraction of each PS's memory limit kept free.",
+                                   ge=0, lt=1)
+    lead_seconds: Number = _num(20.0, "At least how long a PS scale-out takes.", gt=0)
+    scale_out_reserve: Number = _num(2.0, "Times a PS's data (RSS above the bare process) "
+                                          "kept free for its scale-out.", ge=0)
+    replicated: StrictBool = Field(True, description=(
+        "Ring replication: with 2 or more PS each holds a peer's copy."))
+    ps_memory_limit_mb: Number = _num(0.0, "Each PS's memory budget "
+                                           "(`DEEPREC_PS_MEMORY_LIMIT_MB`); 0: none.", ge=0)
+    ps_cpu_high: Number = _num(0.8, "PS CPU saturated above this fraction of `ps_cores`.", gt=0)
+    ps_cpu_low: Number = _num(0.25, "PS CPU idle below this fraction of `ps_cores`.", gt=0)
+    worker_util_low: Number = _num(0.5, "Mean worker CPU below this with nothing pending: "
+                                        "idle.", gt=0)
+    min_gain: Number = _num(0.9, "Marginal throughput per core over the average needed to "
+                                 "keep a change.", gt=0)
+    explore_ttl_seconds: Number = _num(300.0, "How long a size that did not pay is not "
+                                              "retried.", gt=0)
+    worker_cores: Number = _num(1.0, "Cores allocated per worker (cost accounting).", gt=0)
+    ps_cores: Number = _num(1.0, "Cores allocated per PS (cost accounting).", gt=0)
+    worker_memory_mb: Number = _num(0.0, "Memory allocated per worker (cost accounting).", ge=0)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.ps_cpu_low >= self.ps_cpu_high:
+            raise ValueError(f"ps_cpu_low ({self.ps_cpu_low}) must be below ps_cpu_high "
+                             f"({self.ps_cpu_high})")
+        if self.measure_seconds > self.window_seconds:
+            raise ValueError(f"measure_seconds ({self.measure_seconds}) must not exceed "
+                             f"window_seconds ({self.window_seconds})")
+        return self
+
+    def policy_config(self, job: "JobConfig"):
+        """The policy's knobs, with each role's min/max from the job's role sections."""
+        from aimaster.policy import PolicyConfig
+        skip = ("enabled", "dry_run", "ps_memory_limit_mb", "worker_memory_mb")
+        return PolicyConfig(
+            ps_min=max(1, job.ps.min_replicas), ps_max=job.ps.max_replicas,
+            worker_min=job.worker.min_replicas, worker_max=job.worker.max_replicas,
+            ps_memory_limit_bytes=int(self.ps_memory_limit_mb * 1024 * 1024),
+            worker_memory_bytes=int(self.worker_memory_mb * 1024 * 1024),
+            **{k: (float(v) if isinstance(v, int) and not isinstance(v, bool) else v)
+               for k, v in self.model_dump().items() if k not in skip})
+
+
+class GazerConfig(_Section):
+    """Gazer statistics (gazer/); see docs/guide-gazer.md."""
+    enabled: StrictBool = Field(True, description="Collect and stream statistics.")
+    op_sample_every_steps: StrictInt = Field(100, ge=0, description=(
+        "Workers trace one step in N for per-op timings (0: none)."))
+    top_ops: StrictInt = Field(20, ge=1, description="Ops per worker report.")
+    prometheus_port: StrictInt = Field(0, ge=0, le=65535, description=(
+        "Serve Prometheus metrics on this port (0: off; `aimaster run --prometheus-port`)."))
+
+    @model_validator(mode="after")
+    def _port_needs_enabled(self):
+        if self.prometheus_port and not self.enabled:
+            raise ValueError("prometheus_port needs gazer.enabled: true")
+        return self
+
+
+class ConsistencyConfig(_Section):
+    """Consistent (sync) mode with virtual workers; see docs/guide-consistent.md. The
+    file may give the mode alone: `consistency: sync`."""
+    mode: Literal["async", "sync"] = Field("async", description=(
+        "`sync`: the same model bit for bit on any number of workers."))
+    virtual_workers: StrictInt = Field(0, ge=0, description=(
+        "Sync: logical workers every step is split into (required, at least 1)."))
+    seed: StrictInt = Field(0, ge=0, description="Sync: seeds each virtual worker's random state.")
+    steps: StrictInt = Field(0, ge=0, description=(
+        "Sync: stop after this many global steps (0: when the data runs out)."))
+
+    @model_validator(mode="after")
+    def _mode_fields(self):
+        if self.mode == "sync" and self.virtual_workers < 1:
+            raise ValueError("virtual_workers: mode 'sync' needs an integer >= 1 (the number "
+                             "of logical workers every step is split into)")
+        if self.mode == "async" and (self.virtual_workers or self.steps):
+            raise ValueError("virtual_workers and steps apply to mode 'sync' only")
+        return self
+
+
+class KubernetesConfig(_Section):
+    """How `aimaster manifest` renders the job as a TFJob; see docs/guide-kubernetes.md."""
+    image: StrictStr = Field("", description="Container image.")
+    namespace: StrictStr = Field("", description="Namespace (empty: kubectl's).")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="Image pull policy of every container.")
+    port: StrictInt = Field(50051, ge=1, le=65535, description="AIMaster port in the chief pod.")
+    ps_port: StrictInt = Field(2222, ge=1, le=65535, description="PS port (the TFJob default).")
+    token_secret: Optional[StrictStr] = Field(None, description=(
+        "Secret with key `token` (default `<name>-token`; `''` or false: no token)."))
+    tls_secret: StrictStr = Field("", description=(
+        "Secret with tls.crt, tls.key, ca.crt (empty: no TLS)."))
+    # long enough for a PS to hand its last changes to its ring peer, short enough to fit
+    # a spot instance's preemption notice (30 s on the big clouds' shortest)
+    termination_grace_seconds: StrictInt = Field(30, ge=1, description=(
+        "Pod termination grace period: time for a PS to hand off."))
+    data_pvc: StrictStr = Field("", description="PersistentVolumeClaim mounted in every container.")
+    data_mount_path: StrictStr = Field("/data", description="Where `data_pvc` is mounted.")
+    service_account: StrictStr = Field("", description="Default `<name>-aimaster`.")
+
+    @field_validator("token_secret", mode="before")
+    @classmethod
+    def _false_is_off(cls, v):
+        return "" if v is False else v
+
+    @model_validator(mode="after")
+    def _ports_and_paths(self):
+        if self.port == self.ps_port:
+            raise ValueError(f"port and ps_port must differ (both {self.port})")
+        if not self.data_mount_path.startswith("/"):
+            raise ValueError(f"data_mount_path: expected an absolute path, got "
+                             f"{self.data_mount_path!r}")
+        return self
+
+
+class SecurityConfig(_Section):
+    """Job token and TLS; see docs/guide-kubernetes.md."""
+    token_file: StrictStr = Field("", description=(
+        "Job token: every RPC of the AIMaster and the PS must carry it."))
+    tls_dir: StrictStr = Field("", description="ca.crt, tls.crt, tls.key: serve and dial over TLS.")
+    tls_server_name: StrictStr = Field("", description=(
+        "The name in the certificate (default `deeprec`)."))
+
+
+class ExportConfig(_Section):
+    """The SavedModel written after the final checkpoint; see docs/guide-serving.md."""
+    dir: StrictStr = Field("", description=(
+        "Export base directory: the SavedModel goes to `dir/<unix seconds>` (TF Serving's "
+        "layout); empty: no export."))
+    tables: Union[list[StrictStr], StrictStr] = Field(default_factory=tuple, description=(
+        "Export only these tables (then: lookup signatures only); default all."))
+    dtype: Literal["float32", "float16"] = Field("float32", description=(
+        "Storage type of the exported values; lookups return float32."))
+
+    @field_validator("tables", mode="after")
+    @classmethod
+    def _as_tuple(cls, v):
+        return tuple([v] if isinstance(v, str) else v)
+
+
+# --- the whole file ----------------------------------------------------------------------------
+class JobFile(_Section):
+    """The job file, as written. Every key is optional."""
+    name: StrictStr = Field("job", min_length=1, description=(
+        "Job name; used in output and in the default `state_dir`."))
+    num_slots: StrictInt = Field(DEFAULT_NUM_SLOTS, ge=1, description=(
+        "Routing slots: `hash64(key) % num_slots` picks a key's slot. Fixed for the job."))
+    ps: PsSection = Field(default_factory=PsSection, description="PS processes.")
+    worker: WorkerSection = Field(default_factory=WorkerSection, description=(
+        "Worker processes (`workers:` is accepted as an alias; give only one)."))
+    data: DataSection = Field(default_factory=DataSection, description="Training data shards.")
+    master: MasterSection = Field(default_factory=MasterSection, description="The AIMaster.")
+    replication: ReplicationSection = Field(default_factory=ReplicationSection, description=(
+        "Peer replication of each PS's rows (docs/guide-fault-tolerance.md)."))
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description=(
+        "Checkpoints (docs/guide-fault-tolerance.md)."))
+    export: ExportConfig = Field(default_factory=ExportConfig, description=(
+        "Export for serving after the final checkpoint (docs/guide-serving.md)."))
+    init_from: StrictStr = Field("", description=(
+        "Warm start: tables, optimizer slots and dense variables from this checkpoint (a "
+        "root or one `ckpt-*` directory), on any PS count and `num_slots`."))
+    reset_optimizer: StrictBool = Field(False, description=(
+        "With `init_from`: load the values only; optimizer slots start fresh."))
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig, description=(
+        "Auto-scaling (docs/guide-autoscale.md)."))
+    gazer: GazerConfig = Field(default_factory=GazerConfig, description=(
+        "Monitoring (docs/guide-gazer.md)."))
+    consistency: ConsistencyConfig = Field(default_factory=ConsistencyConfig, description=(
+        "Consistent mode (docs/guide-consistent.md)."))
+    kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig, description=(
+        "TFJob rendering (docs/guide-kubernetes.md)."))
+    security: SecurityConfig = Field(default_factory=SecurityConfig, description=(
+        "Job token and TLS (docs/guide-kubernetes.md)."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shapes(cls, data):
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if "worker" in data and "workers" in data:
+            raise ValueError("give either 'worker' or 'workers', not both")
+        if "workers" in data:
+            data["worker"] = data.pop("workers")
+        for key, f in cls.model_fields.items():  # an empty YAML section is an empty mapping
+            if data.get(key, 0) is None and isinstance(f.default_factory, type):
+                data[key] = {}
+        if isinstance(data.get("consistency"), str):
+            data["consistency"] = {"mode": data["consistency"]}
+        return data
+
+    @model_validator(mode="after")
+    def _across_sections(self):
+        if self.ps.max_replicas > self.num_slots:
+            raise ValueError(f"ps.max_replicas ({self.ps.max_replicas}) exceeds num_slots "
+                             f"({self.num_slots}): a PS would own no slot")
+        if self.worker.replicas and not self.worker.command:
+            raise ValueError("worker.command: required when worker.replicas > 0")
+        if self.master.heartbeat_seconds * 2 > self.master.lease_seconds:
+            raise ValueError(f"master.heartbeat_seconds ({self.master.heartbeat_seconds}) must "
+                             f"be at most half of master.lease_seconds "
+                             f"({self.master.lease_seconds})")
+        return self
+
+
+# --- what the job runs on ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class RoleConfig:
     replicas: int = 0
@@ -40,258 +372,9 @@ class DataConfig:
         return out
 
 
-# Each feature parses its own section; the blocks below are owned by the feature named.
-
-# --- planning: autoscale policy (aimaster/policy.py) ---
-@dataclass(frozen=True)
-class AutoscaleConfig:
-    enabled: bool = False
-    dry_run: bool = False              # decide and record, never scale
-    interval_seconds: float = 1.0      # one observation (PS Stats, worker counters) per interval
-    cooldown_seconds: float = 30.0
-    settle_seconds: float = 5.0
-    measure_seconds: float = 10.0
-    window_seconds: float = 30.0
-    max_wait_seconds: float = 120.0
-    recovery: str = "continue"         # "continue" | "wait"
-    resource_fit: bool = True
-    performance_fit: bool = True
-    memory_headroom: float = 0.2
-    lead_seconds: float = 20.0
-    scale_out_reserve: float = 2.0     # x a PS's data (RSS above the bare process) kept free
-    replicated: bool = True            # ring replication doubles what a PS holds at >= 2 PS
-    ps_memory_limit_mb: float = 0.0    # given to every PS (DEEPREC_PS_MEMORY_LIMIT_MB); 0: none
-    ps_cpu_high: float = 0.8
-    ps_cpu_low: float = 0.25
-    worker_util_low: float = 0.5
-    min_gain: float = 0.9
-    explore_ttl_seconds: float = 300.0
-    worker_cores: float = 1.0
-    ps_cores: float = 1.0
-    worker_memory_mb: float = 0.0
-
-    def policy_config(self, job: "JobConfig"):
-        """The policy's knobs, with each role's min/max from the job's role sections."""
-        from aimaster.policy import PolicyConfig
-        return PolicyConfig(
-            ps_min=max(1, job.ps.min_replicas), ps_max=job.ps.max_replicas,
-            worker_min=job.worker.min_replicas, worker_max=job.worker.max_replicas,
-            ps_memory_limit_bytes=int(self.ps_memory_limit_mb * 1024 * 1024),
-            worker_memory_bytes=int(self.worker_memory_mb * 1024 * 1024),
-            **{f.name: getattr(self, f.name) for f in fields(self)
-               if f.name not in ("enabled", "dry_run", "ps_memory_limit_mb", "worker_memory_mb")})
-
-
-def _parse_autoscale(d) -> AutoscaleConfig:
-    d = _expect(d, "autoscale")
-    known = {f.name for f in fields(AutoscaleConfig)}
-    unknown = set(d) - known
-    if unknown:
-        raise ConfigError(f"autoscale: unknown key(s) {sorted(unknown)}; expected some of {sorted(known)}")
-    out = {}
-    for f in fields(AutoscaleConfig):
-        if f.name not in d:
-            continue
-        v = d[f.name]
-        if isinstance(f.default, bool):
-            if not isinstance(v, bool):
-                raise ConfigError(f"autoscale.{f.name}: expected true or false, got {v!r}")
-        elif f.name == "recovery":
-            if v not in ("continue", "wait"):
-                raise ConfigError(f"autoscale.recovery: expected 'continue' or 'wait', got {v!r}")
-        elif f.name in ("memory_headroom", "ps_memory_limit_mb", "worker_memory_mb",
-                        "scale_out_reserve"):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 \
-                    or (f.name == "memory_headroom" and v >= 1):
-                raise ConfigError(f"autoscale.{f.name}: expected a number >= 0"
-                                  + (" and < 1" if f.name == "memory_headroom" else "")
-                                  + f", got {v!r}")
-            v = float(v)
-        else:
-            v = _float(d, f.name, "autoscale", f.default)
-        out[f.name] = v
-    cfg = AutoscaleConfig(**out)
-    if cfg.ps_cpu_low >= cfg.ps_cpu_high:
-        raise ConfigError(f"autoscale.ps_cpu_low ({cfg.ps_cpu_low}) must be below "
-                          f"autoscale.ps_cpu_high ({cfg.ps_cpu_high})")
-    if cfg.measure_seconds > cfg.window_seconds:
-        raise ConfigError(f"autoscale.measure_seconds ({cfg.measure_seconds}) must not exceed "
-                          f"autoscale.window_seconds ({cfg.window_seconds})")
-    return cfg
-
-
-# --- Gazer statistics (gazer/) ---
-@dataclass(frozen=True)
-class GazerConfig:
-    enabled: bool = True
-    op_sample_every_steps: int = 100  # workers trace one step in N (0: no per-op timings)
-    top_ops: int = 20                  # ops per worker report
-    prometheus_port: int = 0           # 0: no Prometheus endpoint (`aimaster run --prometheus-port`)
-
-
-def _parse_gazer(d) -> GazerConfig:
-    d = _expect(d, "gazer")
-    unknown = set(d) - {"enabled", "op_sample_every_steps", "top_ops", "prometheus_port"}
-    if unknown:
-        raise ConfigError(f"gazer: unknown key(s) {sorted(unknown)}")
-    enabled = d.get("enabled", True)
-    if not isinstance(enabled, bool):
-        raise ConfigError(f"gazer.enabled: expected true or false, got {enabled!r}")
-    port = _int(d, "prometheus_port", "gazer", 0)
-    if port > 65535:
-        raise ConfigError(f"gazer.prometheus_port: {port} is not a TCP port")
-    if port and not enabled:
-        raise ConfigError("gazer.prometheus_port needs gazer.enabled: true")
-    return GazerConfig(enabled=enabled,
-                       op_sample_every_steps=_int(d, "op_sample_every_steps", "gazer", 100),
-                       top_ops=_int(d, "top_ops", "gazer", 20, minimum=1),
-                       prometheus_port=port)
-
-
-# --- consistent (sync) mode with virtual workers (aimaster/consistent.py) ---
-@dataclass(frozen=True)
-class ConsistencyConfig:
-    mode: str = "async"        # "async" | "sync"
-    virtual_workers: int = 0   # sync: logical workers V (0: not set)
-    seed: int = 0              # sync: seeds each virtual worker's random state
-    steps: int = 0             # sync: stop after this many global steps (0: when data runs out)
-
-
-def _parse_consistency(d) -> ConsistencyConfig:
-    if isinstance(d, str):
-        d = {"mode": d}
-    d = _expect(d, "consistency")
-    unknown = set(d) - {"mode", "virtual_workers", "seed", "steps"}
-    if unknown:
-        raise ConfigError(f"consistency: unknown key(s) {sorted(unknown)}")
-    mode = d.get("mode", "async")
-    if mode not in ("async", "sync"):
-        raise ConfigError(f"consistency.mode: expected 'async' or 'sync', got {mode!r}")
-    cfg = ConsistencyConfig(mode=mode,
-                            virtual_workers=_int(d, "virtual_workers", "consistency", 0),
-                            seed=_int(d, "seed", "consistency", 0),
-                            steps=_int(d, "steps", "consistency", 0))
-    if mode == "sync" and cfg.virtual_workers < 1:
-        raise ConfigError("consistency.virtual_workers: mode 'sync' needs an integer >= 1 "
-                          "(the number of logical workers every step is split into)")
-    if mode == "async" and (cfg.virtual_workers or cfg.steps):
-        raise ConfigError("consistency: virtual_workers and steps apply to mode 'sync' only")
-    return cfg
-
-
-# --- Kubernetes deployment and access control (tfjob_crd/, aimaster/scaler/kubernetes.py) ---
-@dataclass(frozen=True)
-class KubernetesConfig:
-    """How ``aimaster manifest`` renders the job as a TFJob (see docs/guide-kubernetes.md)."""
-    image: str = ""
-    namespace: str = ""                 # empty: the namespace kubectl applies to
-    image_pull_policy: str = "IfNotPresent"
-    port: int = 50051                   # AIMaster port inside the chief pod
-    ps_port: int = 2222                 # PS port (the operator's default TFJob port)
-    token_secret: str | None = None     # Secret with key "token"; None: "<name>-token"; "": off
-    tls_secret: str = ""                # Secret with tls.crt, tls.key, ca.crt; empty: no TLS
-    # long enough for a PS to hand its last changes to its ring peer, short enough to fit
-    # a spot instance's preemption notice (30 s on the big clouds' shortest)
-    termination_grace_seconds: int = 30
-    data_pvc: str = ""                  # PersistentVolumeClaim mounted in every container
-    data_mount_path: str = "/data"
-    service_account: str = ""           # default "<name>-aimaster"
-
-
-_K8S_KEYS = {"image", "namespace", "image_pull_policy", "port", "ps_port", "token_secret",
-             "tls_secret", "termination_grace_seconds", "data_pvc", "data_mount_path",
-             "service_account"}
-
-
-def _parse_kubernetes(d) -> KubernetesConfig:
-    d = _expect(d, "kubernetes")
-    unknown = set(d) - _K8S_KEYS
-    if unknown:
-        raise ConfigError(f"kubernetes: unknown key(s) {sorted(unknown)}; expected some of "
-                          f"{sorted(_K8S_KEYS)}")
-    for key in _K8S_KEYS - {"port", "ps_port", "termination_grace_seconds", "token_secret"}:
-        if key in d and not isinstance(d[key], str):
-            raise ConfigError(f"kubernetes.{key}: expected a string, got {d[key]!r}")
-    token_secret = d.get("token_secret")
-    if token_secret is not None and token_secret is not False and not isinstance(token_secret, str):
-        raise ConfigError(f"kubernetes.token_secret: expected a Secret name, '' or false, "
-                          f"got {token_secret!r}")
-    policy = d.get("image_pull_policy", "IfNotPresent")
-    if policy not in ("Always", "IfNotPresent", "Never"):
-        raise ConfigError(f"kubernetes.image_pull_policy: expected Always, IfNotPresent or "
-                          f"Never, got {policy!r}")
-    ports = {k: _int(d, k, "kubernetes", default, minimum=1)
-             for k, default in (("port", 50051), ("ps_port", 2222))}
-    for k, v in ports.items():
-        if v > 65535:
-            raise ConfigError(f"kubernetes.{k}: {v} is not a TCP port")
-    if ports["port"] == ports["ps_port"]:
-        raise ConfigError(f"kubernetes.port and kubernetes.ps_port must differ (both {ports['port']})")
-    mount = d.get("data_mount_path", "/data")
-    if not mount.startswith("/"):
-        raise ConfigError(f"kubernetes.data_mount_path: expected an absolute path, got {mount!r}")
-    return KubernetesConfig(
-        image=d.get("image", ""), namespace=d.get("namespace", ""), image_pull_policy=policy,
-        port=ports["port"], ps_port=ports["ps_port"],
-        token_secret=None if token_secret is None else (token_secret or ""),
-        tls_secret=d.get("tls_secret", ""),
-        termination_grace_seconds=_int(d, "termination_grace_seconds", "kubernetes", 30, minimum=1),
-        data_pvc=d.get("data_pvc", ""), data_mount_path=mount,
-        service_account=d.get("service_account", ""))
-
-
-@dataclass(frozen=True)
-class SecurityConfig:
-    token_file: str = ""       # job token; every RPC of the AIMaster and the PS must carry it
-    tls_dir: str = ""          # ca.crt, tls.crt, tls.key: serve and dial over TLS
-    tls_server_name: str = ""  # the name in the certificate (default "deeprec")
-
-
-def _parse_security(d) -> SecurityConfig:
-    d = _expect(d, "security")
-    unknown = set(d) - {"token_file", "tls_dir", "tls_server_name"}
-    if unknown:
-        raise ConfigError(f"security: unknown key(s) {sorted(unknown)}")
-    for key in ("token_file", "tls_dir", "tls_server_name"):
-        if key in d and not isinstance(d[key], str):
-            raise ConfigError(f"security.{key}: expected a string, got {d[key]!r}")
-    return SecurityConfig(token_file=d.get("token_file", ""), tls_dir=d.get("tls_dir", ""),
-                          tls_server_name=d.get("tls_server_name", ""))
-# --- the model as an output: final checkpoint, export, warm start (deeprec_ext/serving/) ---
-@dataclass(frozen=True)
-class ExportConfig:
-    dir: str = ""                       # "": no export; else DIR/<unix time> after the final checkpoint
-    tables: tuple[str, ...] = ()        # () : every table
-    dtype: str = "float32"              # "float16": values stored as float16 in the export
-    min_count: int = 0                  # keep only rows updated at least N times (0: all)
-
-
-def _parse_export(d) -> ExportConfig:
-    d = _expect(d, "export")
-    unknown = set(d) - {"dir", "tables", "dtype", "min_count"}
-    if unknown:
-        raise ConfigError(f"export: unknown key(s) {sorted(unknown)}; expected some of "
-                          "['dir', 'dtype', 'min_count', 'tables']")
-    out = d.get("dir", "")
-    if not isinstance(out, str):
-        raise ConfigError(f"export.dir: expected a directory path, got {out!r}")
-    tables = d.get("tables", [])
-    if isinstance(tables, str):
-        tables = [tables]
-    if not isinstance(tables, list) or not all(isinstance(t, str) and t for t in tables):
-        raise ConfigError(f"export.tables: expected a list of table names, got {tables!r}")
-    dtype = d.get("dtype", "float32")
-    if dtype not in ("float32", "float16"):
-        raise ConfigError(f"export.dtype: expected 'float32' or 'float16', got {dtype!r}")
-    return ExportConfig(dir=out, tables=tuple(tables), dtype=dtype,
-                        min_count=_int(d, "min_count", "export", 0))
-
-
-# --- end of feature sections ---
-
-
 @dataclass(frozen=True)
 class JobConfig:
+    """The validated job, flat (``parse_job(doc)``; ``JobConfig()`` equals an empty file)."""
     name: str = "job"
     num_slots: int = DEFAULT_NUM_SLOTS
     ps: RoleConfig = RoleConfig(replicas=1)
@@ -304,19 +387,17 @@ class JobConfig:
     heartbeat_seconds: float = 1.0
     ps_start_timeout: float = 60.0
     progress_seconds: float = 5.0
-    # how long a member asked to leave (scale-in, job end) may take to hand off and exit
-    # before it is killed; the preemption window Kubernetes gives is typically 30 s
     grace_seconds: float = 30.0
     replication_interval_ms: float = 200.0
     sync_replication: bool = False
-    checkpoint_dir: str = ""            # default: <state_dir>/checkpoints
-    checkpoint_interval_seconds: float = 0.0  # 0: only on request (aimaster checkpoint)
+    checkpoint_dir: str = ""
+    checkpoint_interval_seconds: float = 0.0
     checkpoint_keep_chains: int = 2
-    checkpoint_full_every: int = 5      # every Nth checkpoint is full, the others incremental
-    checkpoint_on_success: bool = True  # a full checkpoint when the job succeeds
+    checkpoint_full_every: int = 5
+    checkpoint_on_success: bool = True
     export: ExportConfig = ExportConfig()
-    init_from: str = ""                 # warm start: tables and dense variables from this checkpoint
-    reset_optimizer: bool = False       # warm start without the optimizer slots
+    init_from: str = ""
+    reset_optimizer: bool = False
     autoscale: AutoscaleConfig = AutoscaleConfig()
     gazer: GazerConfig = GazerConfig()
     consistency: ConsistencyConfig = ConsistencyConfig()
@@ -324,150 +405,77 @@ class JobConfig:
     security: SecurityConfig = SecurityConfig()
 
 
-_TOP_KEYS = {"name", "num_slots", "ps", "worker", "workers", "data", "master", "replication",
-             "checkpoint", "autoscale", "gazer", "consistency", "kubernetes", "security",
-             "export", "init_from", "reset_optimizer"}
-
-
-def _expect(d, what: str) -> dict:
-    if d is None:
-        return {}
-    if not isinstance(d, dict):
-        raise ConfigError(f"{what}: expected a mapping, got {type(d).__name__}")
-    return d
-
-
-def _int(d: dict, key: str, what: str, default: int, minimum: int = 0) -> int:
-    v = d.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ConfigError(f"{what}.{key}: expected an integer >= {minimum}, got {v!r}")
-    return v
-
-
-def _float(d: dict, key: str, what: str, default: float) -> float:
-    v = d.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-        raise ConfigError(f"{what}.{key}: expected a positive number, got {v!r}")
-    return float(v)
-
-
-def _role(d, what: str, default_replicas: int) -> RoleConfig:
-    d = _expect(d, what)
-    allowed = {"replicas", "command", "env", "max_restarts", "min_replicas", "max_replicas"}
-    if what == "ps":  # PS always run `python -m deeprec_ext.ps`; a dead PS is not restarted empty
-        allowed -= {"command", "max_restarts"}
-    unknown = set(d) - allowed
-    if unknown:
-        raise ConfigError(f"{what}: unknown key(s) {sorted(unknown)}")
-    command = d.get("command", [])
+def _role(r: _RoleBase) -> RoleConfig:
+    command = getattr(r, "command", ())
     if isinstance(command, str):
         command = command.split()
-    if not isinstance(command, list) or not all(isinstance(c, (str, int, float)) for c in command):
-        raise ConfigError(f"{what}.command: expected a list of strings, got {command!r}")
-    env = _expect(d.get("env"), f"{what}.env")
-    role = RoleConfig(replicas=_int(d, "replicas", what, default_replicas),
-                      command=tuple(str(c) for c in command),
-                      env=tuple((str(k), str(v)) for k, v in env.items()),
-                      max_restarts=_int(d, "max_restarts", what, 3),
-                      min_replicas=_int(d, "min_replicas", what, 0),
-                      max_replicas=_int(d, "max_replicas", what, 64, minimum=1))
-    if not role.min_replicas <= role.replicas <= role.max_replicas:
-        raise ConfigError(f"{what}: replicas ({role.replicas}) must lie within min_replicas "
-                          f"({role.min_replicas}) and max_replicas ({role.max_replicas})")
-    return role
+    return RoleConfig(replicas=r.replicas, command=tuple(str(c) for c in command),
+                      env=tuple((str(k), str(v)) for k, v in r.env.items()),
+                      max_restarts=getattr(r, "max_restarts", 3),
+                      min_replicas=r.min_replicas, max_replicas=r.max_replicas)
+
+
+def _describe(err: dict) -> str:
+    """One ``path: problem`` line for a pydantic error, in the job file's terms."""
+    kind, msg = err["type"], err["msg"]
+    raw = err["loc"][:-1] if kind == "extra_forbidden" else err["loc"]
+    # pydantic adds union branch names ("str", "list[str]", ...) to a location: keep keys only
+    loc = [str(p) for p in raw if isinstance(p, str) and p in _KEYS]
+    path = ".".join(loc)
+    if kind == "extra_forbidden":
+        return f"{path or 'job file'}: unknown key(s) [{str(err['loc'][-1])!r}]"
+    if kind == "value_error":  # our own checks: the message names the key(s)
+        msg = msg.removeprefix("Value error, ")
+        return f"{path}.{msg}" if path else msg
+    if kind in ("model_type", "dict_type", "model_attributes_type"):
+        return f"{path or 'job file'}: expected a mapping, got {type(err['input']).__name__}"
+    return f"{path}: {msg[0].lower() + msg[1:]}, got {err['input']!r}"
+
+
+def _all_keys(model) -> set[str]:
+    out = set()
+    for name, f in model.model_fields.items():
+        out.add(name)
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+            out |= _all_keys(f.annotation)
+    return out
+
+
+_KEYS = _all_keys(JobFile) | {"workers"}
 
 
 def parse_job(doc) -> JobConfig:
-    """Validate a parsed YAML document into a JobConfig."""
-    d = _expect(doc, "job file")
-    unknown = set(d) - _TOP_KEYS
-    if unknown:
-        raise ConfigError(f"job file: unknown key(s) {sorted(unknown)}; expected some of {sorted(_TOP_KEYS)}")
-    name = d.get("name", "job")
-    if not isinstance(name, str) or not name:
-        raise ConfigError(f"name: expected a non-empty string, got {name!r}")
-    data = _expect(d.get("data"), "data")
-    unknown = set(data) - {"files", "records_per_shard", "epochs"}
-    if unknown:
-        raise ConfigError(f"data: unknown key(s) {sorted(unknown)}")
-    files = data.get("files", [])
-    if isinstance(files, str):
-        files = [files]
-    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
-        raise ConfigError(f"data.files: expected a list of paths or globs, got {files!r}")
-    master = _expect(d.get("master"), "master")
-    unknown = set(master) - {"host", "port", "state_dir", "lease_seconds", "heartbeat_seconds",
-                             "ps_start_timeout", "progress_seconds", "grace_seconds"}
-    if unknown:
-        raise ConfigError(f"master: unknown key(s) {sorted(unknown)}")
-    repl = _expect(d.get("replication"), "replication")
-    unknown = set(repl) - {"interval_ms", "mode"}
-    if unknown:
-        raise ConfigError(f"replication: unknown key(s) {sorted(unknown)}")
-    mode = repl.get("mode", "async")
-    if mode not in ("async", "sync"):
-        raise ConfigError(f"replication.mode: expected 'async' or 'sync', got {mode!r}")
-    ck = _expect(d.get("checkpoint"), "checkpoint")
-    unknown = set(ck) - {"dir", "interval_seconds", "keep_chains", "full_every", "on_success"}
-    if unknown:
-        raise ConfigError(f"checkpoint: unknown key(s) {sorted(unknown)}")
-    interval = ck.get("interval_seconds", 0)
-    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval < 0:
-        raise ConfigError(f"checkpoint.interval_seconds: expected a number >= 0, got {interval!r}")
-    on_success = ck.get("on_success", True)
-    if not isinstance(on_success, bool):
-        raise ConfigError(f"checkpoint.on_success: expected true or false, got {on_success!r}")
-    init_from = d.get("init_from", "")
-    if not isinstance(init_from, str):
-        raise ConfigError(f"init_from: expected a checkpoint directory, got {init_from!r}")
-    reset_optimizer = d.get("reset_optimizer", False)
-    if not isinstance(reset_optimizer, bool):
-        raise ConfigError(f"reset_optimizer: expected true or false, got {reset_optimizer!r}")
-    if "worker" in d and "workers" in d:
-        raise ConfigError("job file: give either 'worker' or 'workers', not both")
-    num_slots = _int(d, "num_slots", "job", DEFAULT_NUM_SLOTS, minimum=1)
-    ps = _role(d.get("ps"), "ps", 1)
-    if ps.replicas < 1:
-        raise ConfigError("ps.replicas: a job needs at least 1 PS")
-    if ps.max_replicas > num_slots:
-        raise ConfigError(f"ps.max_replicas ({ps.max_replicas}) exceeds num_slots ({num_slots}): "
-                          "a PS would own no slot")
-    cfg = JobConfig(
-        name=name, num_slots=num_slots, ps=ps,
-        worker=_role(d.get("worker", d.get("workers")), "worker", 0),
-        data=DataConfig(files=tuple(files),
-                        records_per_shard=_int(data, "records_per_shard", "data", 10_000, 1),
-                        epochs=_int(data, "epochs", "data", 1, 1)),
-        host=str(master.get("host", "127.0.0.1")),
-        port=_int(master, "port", "master", 0),
-        state_dir=str(master.get("state_dir", "")),
-        lease_seconds=_float(master, "lease_seconds", "master", 10.0),
-        heartbeat_seconds=_float(master, "heartbeat_seconds", "master", 1.0),
-        ps_start_timeout=_float(master, "ps_start_timeout", "master", 60.0),
-        progress_seconds=_float(master, "progress_seconds", "master", 5.0),
-        grace_seconds=_float(master, "grace_seconds", "master", 30.0),
-        replication_interval_ms=_float(repl, "interval_ms", "replication", 200.0),
-        sync_replication=mode == "sync",
-        checkpoint_dir=str(ck.get("dir", "")),
-        checkpoint_interval_seconds=float(interval),
-        checkpoint_keep_chains=_int(ck, "keep_chains", "checkpoint", 2, minimum=1),
-        checkpoint_full_every=_int(ck, "full_every", "checkpoint", 5, minimum=1),
-        checkpoint_on_success=on_success,
-        export=_parse_export(d.get("export")),
-        init_from=init_from,
-        reset_optimizer=reset_optimizer,
-        autoscale=_parse_autoscale(d.get("autoscale")),
-        gazer=_parse_gazer(d.get("gazer")),
-        consistency=_parse_consistency(d.get("consistency")),
-        kubernetes=_parse_kubernetes(d.get("kubernetes")),
-        security=_parse_security(d.get("security")),
-    )
-    if cfg.worker.replicas and not cfg.worker.command:
-        raise ConfigError("worker.command: required when worker.replicas > 0")
-    if cfg.heartbeat_seconds * 2 > cfg.lease_seconds:
-        raise ConfigError(f"master.heartbeat_seconds ({cfg.heartbeat_seconds}) must be at most half "
-                          f"of master.lease_seconds ({cfg.lease_seconds})")
-    return cfg
+    """Validate a parsed YAML document into a JobConfig; ConfigError names every problem."""
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"job file: expected a mapping, got {type(doc).__name__}")
+    try:
+        f = JobFile.model_validate(doc)
+    except ValidationError as exc:
+        # one line per key: a union (list or string) reports each alternative; keep the first
+        lines = {}
+        for e in exc.errors():
+            line = _describe(e)
+            lines.setdefault(line.split(":")[0] if e["type"] != "value_error" else line, line)
+        raise ConfigError("\n".join(lines.values())) from None
+    files = f.data.files
+    m, ck = f.master, f.checkpoint
+    return JobConfig(
+        name=f.name, num_slots=f.num_slots, ps=_role(f.ps), worker=_role(f.worker),
+        data=DataConfig(files=tuple([files] if isinstance(files, str) else files),
+                        records_per_shard=f.data.records_per_shard, epochs=f.data.epochs),
+        host=m.host, port=m.port, state_dir=m.state_dir,
+        lease_seconds=float(m.lease_seconds), heartbeat_seconds=float(m.heartbeat_seconds),
+        ps_start_timeout=float(m.ps_start_timeout), progress_seconds=float(m.progress_seconds),
+        grace_seconds=float(m.grace_seconds),
+        replication_interval_ms=float(f.replication.interval_ms),
+        sync_replication=f.replication.mode == "sync",
+        checkpoint_dir=ck.dir, checkpoint_interval_seconds=float(ck.interval_seconds),
+        checkpoint_keep_chains=ck.keep_chains, checkpoint_full_every=ck.full_every,
+        checkpoint_on_success=ck.on_success, export=f.export, init_from=f.init_from,
+        reset_optimizer=f.reset_optimizer, autoscale=f.autoscale, gazer=f.gazer,
+        consistency=f.consistency, kubernetes=f.kubernetes, security=f.security)
 
 
 def load_job(path: str | None) -> JobConfig:

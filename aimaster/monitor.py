@@ -43,7 +43,7 @@ def with_prometheus_port(config: "JobConfig", port: int) -> "JobConfig":
         raise ConfigError(f"--prometheus-port: {port} is not a TCP port (1-65535)")
     if not config.gazer.enabled:
         raise ConfigError("--prometheus-port needs Gazer, but the job file sets gazer.enabled: false")
-    return replace(config, gazer=replace(config.gazer, prometheus_port=port))
+    return replace(config, gazer=config.gazer.model_copy(update={"prometheus_port": port}))
 
 
 class _Report:

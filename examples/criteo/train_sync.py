@@ -29,8 +29,6 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=0.001)
     p.add_argument("--seed", type=int, default=0, help="initial dense weights (same on every worker)")
     p.add_argument("--feature-dropout", type=float, default=0.0)
-    p.add_argument("--checkpoint-at-end", action="store_true",
-                   help="the host of virtual rank 0 takes a full checkpoint of the final model")
     p.add_argument("--throttle-ms", type=float, default=0.0,
                    help="sleep after each step (demos/tests: room to scale mid-run)")
     p.add_argument("--metrics-out", default="")
@@ -78,8 +76,6 @@ def main(argv=None) -> int:
     trainer = SyncTrainer(ctx, step_model, args.micro_batch, prepare,
                           throttle_seconds=args.throttle_ms / 1000)
     out = trainer.run()
-    if trainer.finished and trainer.primary and args.checkpoint_at_end:
-        out["checkpoint"] = trainer.checkpoint()
     secs = trainer.stats["step_seconds"]
     ends = trainer.stats["step_ends"]
     if len(ends) > 10:  # steady state: after 5 warm-up steps (tracing, first lookups)
