@@ -325,7 +325,7 @@ def cmd_export(args) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
     from checkpoint import CheckpointError
-    from checkpoint.export import ExportError, export
+    from aimaster.export import ExportError, export
     try:
         summary = export(args.checkpoint, args.out, tables=tables, dtype=args.dtype)
     except (ExportError, CheckpointError) as exc:

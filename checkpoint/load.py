@@ -80,18 +80,72 @@ def resolve(path) -> tuple[Path, int | None]:
     return path, None
 
 
-def load(path, tables=None, verify: str = "chunks") -> Loaded:
+class _Collector:
+    """Restore callback that keeps, per table, the rows and deletions of the chain in the
+    order they are applied; :meth:`resolve` then keeps each key's last event, vectorized
+    (no hash index, no store: the export and ``load`` need sorted arrays, not a table)."""
+
+    def __init__(self, slots: bool):
+        self.slots = slots
+        self.info: dict[str, dict] = {}
+        self.events: dict[str, list] = {}   # name -> [(order, keys, rows or None)]
+        self.n = 0
+
+    def __call__(self, op, name, keys, rows, info):
+        self.n += 1
+        if op == "table":
+            self.info[name] = info
+            self.events.setdefault(name, [])
+        elif op == "drop":
+            self.info.pop(name, None)
+            self.events.pop(name, None)
+        elif op == "delete":
+            self.events[name].append((self.n, keys, None))
+        elif op == "rows":
+            dim = self.info[name]["dim"]
+            keep = rows if self.slots or name.startswith(DENSE_PREFIX) else rows[:, :dim]
+            self.events[name].append((self.n, keys, np.ascontiguousarray(keep)))
+
+    def resolve(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids ascending, rows) of the table after every event of the chain."""
+        info = self.info[name]
+        width = info["row_width"] if self.slots or name.startswith(DENSE_PREFIX) else info["dim"]
+        ev = self.events[name]
+        upserts = [(k, r) for _, k, r in ev if r is not None]
+        rows = (np.concatenate([r for _, r in upserts]) if upserts
+                else np.zeros((0, width), np.float32))
+        if all(r is not None for _, _, r in ev) and len(upserts) <= 1:
+            keys = upserts[0][0] if upserts else np.zeros(0, np.int64)
+            order = np.argsort(keys, kind="stable")  # one full checkpoint: just sort
+            return keys[order], rows[order]
+        keys = np.concatenate([k for _, k, _ in ev])
+        seq = np.concatenate([np.full(k.size, n, np.int64) for n, k, _ in ev])
+        ptr = np.full(keys.size, -1, np.int64)
+        pos, base = 0, 0
+        for _, k, r in ev:
+            if r is not None:
+                ptr[pos:pos + k.size] = np.arange(base, base + k.size)
+                base += k.size
+            pos += k.size
+        order = np.lexsort((seq, keys))            # by key, then by when it happened
+        k_sorted = keys[order]
+        last = np.ones(order.size, bool)
+        last[:-1] = k_sorted[1:] != k_sorted[:-1]   # each key's last event wins
+        final = order[last]
+        final = final[ptr[final] >= 0]              # ...unless it was a deletion
+        return keys[final], rows[ptr[final]]
+
+
+def load(path, tables=None, verify: str = "chunks", slots: bool = True) -> Loaded:
     """Load the tables (ids, values, optimizer slots) and dense variables of a checkpoint.
 
     ``tables``: names to load (default all; dense variables are always loaded). An unknown
-    name raises CheckpointError naming it and the tables there are. A corrupt or missing
-    file of the chain raises CheckpointError when ``path`` names one checkpoint; for a
-    root the newest restorable chain is used (skipped ones are logged).
+    name raises CheckpointError naming it and the tables there are. ``slots=False`` skips
+    the optimizer slots (``Table.slots`` is then empty), which is all an export needs. A
+    corrupt or missing file of the chain raises CheckpointError when ``path`` names one
+    checkpoint; for a root the newest restorable chain is used (skipped ones are logged).
     """
-    from deeprec_ext.store.table import EmbeddingStore
-
     root, ckpt_id = resolve(path)
-    store = EmbeddingStore()
     wanted = None
     if tables is not None:
         from checkpoint.reader import list_chains
@@ -104,30 +158,31 @@ def load(path, tables=None, verify: str = "chunks") -> Loaded:
             raise CheckpointError(f"{head.path}: no table(s) {unknown}; the checkpoint has "
                                   f"{sorted(t for t in have if not t.startswith(DENSE_PREFIX))}")
         wanted = set(tables) | {t for t in have if t.startswith(DENSE_PREFIX)}
+    sink = _Collector(slots)
     try:
-        info = restore(root, store, upto=ckpt_id, exact=ckpt_id is not None, verify=verify,
+        info = restore(root, sink, upto=ckpt_id, exact=ckpt_id is not None, verify=verify,
                        tables=wanted)
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
     shapes = (info.extra.get("model") or {}).get("dense_shapes", {})
     out = Loaded(checkpoint_id=info.checkpoint_id, chain=info.chain, dir=info.dir,
                  num_slots=info.num_slots, extra=info.extra)
-    for name, t in store.tables().items():
-        keys, rows, _ = t.export_rows()
-        order = np.argsort(keys, kind="stable")
-        keys, rows = keys[order], rows[order]
+    for name, t in sink.info.items():
+        keys, rows = sink.resolve(name)
+        dim = t["dim"]
         if name.startswith(DENSE_PREFIX):
             var = name[len(DENSE_PREFIX):]
             if keys.size and not np.array_equal(keys, np.arange(keys.size)):
                 raise CheckpointError(f"{info.dir}: dense variable '{var}' has rows "
                                       f"{keys[:3].tolist()}..., expected 0..{keys.size - 1}")
-            value = rows[:, :t.dim]
+            value = np.ascontiguousarray(rows[:, :dim])
             shape = shapes.get(var)
             out.dense[var] = value.reshape(shape) if shape is not None else value
             continue
-        cfg = t.config
-        out.tables[name] = Table(name, keys, np.ascontiguousarray(rows[:, :t.dim]),
-                                 np.ascontiguousarray(rows[:, t.dim:]),
-                                 {"dim": t.dim, "initializer": cfg["initializer"],
-                                  "optimizer": cfg["optimizer"]})
+        values = rows if rows.shape[1] == dim else np.ascontiguousarray(rows[:, :dim])
+        out.tables[name] = Table(name, keys, values,
+                                 np.ascontiguousarray(rows[:, dim:]) if slots
+                                 else np.zeros((keys.size, 0), np.float32),
+                                 {"dim": dim, "initializer": t["initializer"],
+                                  "optimizer": t["optimizer"]})
     return out

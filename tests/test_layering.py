@@ -53,3 +53,12 @@ def test_ps_process_never_loads_tensorflow():
             "import deeprec_ext.client, deeprec_ext.worker; "
             "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_aimaster_process_never_loads_tensorflow():
+    """The AIMaster runs exports in a child process: importing its modules (the export
+    module included) must not load TensorFlow."""
+    code = ("import sys, aimaster.master, aimaster.cli, aimaster.export, aimaster.config, "
+            "checkpoint, checkpoint.load; "
+            "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

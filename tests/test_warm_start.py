@@ -59,7 +59,14 @@ def test_warm_start_onto_3_ps_and_other_num_slots(day1, start_job):
     c.create_table("emb", 8, initializer=INIT, optimizer={"name": "adagrad", "learning_rate": 0.5})
     got = c.lookup("emb", want.ids, insert_missing=False)
     np.testing.assert_array_equal(got.view(np.uint32), want.values.view(np.uint32))
-    ev = next(e for e in job.status()["events"] if e["kind"] == "warm_start")
+    st = job.status()
+    ev = next(e for e in st["events"] if e["kind"] == "warm_start")
+    # status shows the global step carried from day 1 and where every slot lives
+    assert st["global_step"] == ev["global_step"] == 0  # day 1 had no workers
+    placement = st["placement"]
+    assert placement["num_slots"] == 1000 and sorted(placement["ps"]) == ["ps-0", "ps-1", "ps-2"]
+    assert sum(p["slots"] for p in placement["ps"].values()) == 1000
+    assert st["final_checkpoint"] is None and st["model_recorded"] is False
     assert ev["rows"] == len(want) and ev["tables"] == ["emb"]
     assert ev["from_num_slots"] == 4096 and ev["num_slots"] == 1000
     g = np.full((1, 8), 0.2, np.float32)

@@ -147,7 +147,7 @@ def export(checkpoint_dir, out, tables=None, dtype: str = "float32") -> dict:
     except OSError as exc:
         raise ExportError(f"cannot create {out.parent}: {exc.strerror}") from None
     try:
-        loaded = load(checkpoint_dir, tables=tables)
+        loaded = load(checkpoint_dir, tables=tables, slots=False)
     except CheckpointError as exc:
         raise ExportError(str(exc)) from None
     record = loaded.model or {"kind": "tables", "tables": {}}
