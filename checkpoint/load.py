@@ -80,6 +80,16 @@ def resolve(path) -> tuple[Path, int | None]:
     return path, None
 
 
+def _take_rows(rows: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """rows[index], moving each row as one opaque item (2-3x faster than 2-D fancy
+    indexing on [n, width] float32)."""
+    rows = np.ascontiguousarray(rows)
+    if rows.shape[1] == 0:
+        return rows[index]
+    row = np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))
+    return rows.view(row).reshape(-1).take(index).view(rows.dtype).reshape(index.size, -1)
+
+
 class _Collector:
     """Restore callback that keeps, per table, the rows and deletions of the chain in the
     order they are applied; :meth:`resolve` then keeps each key's last event, vectorized
@@ -116,8 +126,8 @@ class _Collector:
                 else np.zeros((0, width), np.float32))
         if all(r is not None for _, _, r in ev) and len(upserts) <= 1:
             keys = upserts[0][0] if upserts else np.zeros(0, np.int64)
-            order = np.argsort(keys, kind="stable")  # one full checkpoint: just sort
-            return keys[order], rows[order]
+            order = np.argsort(keys)  # one checkpoint: unique keys, any sort will do
+            return keys[order], _take_rows(rows, order)
         keys = np.concatenate([k for _, k, _ in ev])
         seq = np.concatenate([np.full(k.size, n, np.int64) for n, k, _ in ev])
         ptr = np.full(keys.size, -1, np.int64)
@@ -133,7 +143,7 @@ class _Collector:
         last[:-1] = k_sorted[1:] != k_sorted[:-1]   # each key's last event wins
         final = order[last]
         final = final[ptr[final] >= 0]              # ...unless it was a deletion
-        return keys[final], rows[ptr[final]]
+        return keys[final], _take_rows(rows, ptr[final])
 
 
 def load(path, tables=None, verify: str = "chunks", slots: bool = True) -> Loaded:
