@@ -80,6 +80,35 @@ def test_tf1_monitored_session_job(start_job, criteo_data):
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.splitlines()[-1])["signatures"] == ["lookup_embedding",
                                                                    "lookup_linear"]
+    # docs/guide-serving.md's TF1 recipe: the export's lookups inside one's own serving
+    # function, saved as one SavedModel that holds the tables
+    import numpy as np
+    import tensorflow as tf
+    tables = tf.saved_model.load(str(out))
+    w = tf.Variable(ck.dense["deepfm/linear_dense/kernel"])
+
+    def serving_lookup(name, ids, dim):
+        values = tables.signatures[f"lookup_{name}"](ids=tf.reshape(ids, [-1]))["values"]
+        return tf.reshape(values, tf.concat([tf.shape(ids), [dim]], 0))
+
+    module = tf.Module()
+    module.tables, module.w = tables, w
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 26], tf.int64),
+                                  tf.TensorSpec([None, 13], tf.float32)])
+    def serve(cat, dense):
+        lin = tf.reduce_sum(serving_lookup("linear", cat, 1), axis=[1, 2])
+        return {"logit": lin + tf.squeeze(tf.matmul(dense, module.w), 1)}
+
+    combined = job.state_dir / "combined"
+    tf.saved_model.save(module, str(combined), signatures={"serving_default": serve})
+    t = ck.tables["linear"]
+    cat = t.ids[:26 * 4].reshape(4, 26)
+    dense = np.ones((4, 13), np.float32)
+    got = tf.saved_model.load(str(combined)).signatures["serving_default"](
+        cat=tf.constant(cat), dense=tf.constant(dense))["logit"].numpy()
+    want = t.values[:26 * 4, 0].reshape(4, 26).sum(1) + dense @ ck.dense["deepfm/linear_dense/kernel"][:, 0]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 def test_kill9_worker_its_shards_are_retrained_nothing_lost(start_job, criteo_data):
