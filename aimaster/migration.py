@@ -85,11 +85,12 @@ def migrate(old: RoutingTable, new_owner: np.ndarray, new_ids: list[str], new_ad
     _progress(active=True, phase="snapshot", pairs=len(pairs), pairs_done=0, rows=0,
               started=time.monotonic())
 
-    def ship(pair, first: bool):
+    def ship(pair, first: bool, last: bool = False):
         src, dst = pair
         resp = _stub(address[src]).MigrateSlots(ps_pb2.MigrateSlotsRequest(
             dst_address=address[dst], slots=masks[pair].astype(np.uint8).tobytes(),
-            num_slots=old.num_slots, since_seq=watermark[pair]), timeout=3600)
+            num_slots=old.num_slots, since_seq=watermark[pair], send_request_ids=last),
+            timeout=3600)
         with lock:
             watermark[pair] = resp.watermark
             result.moved_bytes += resp.bytes
@@ -122,8 +123,9 @@ def migrate(old: RoutingTable, new_owner: np.ndarray, new_ids: list[str], new_ad
             for ps in old_ids:
                 _set_routing(address[ps], epoch, old.num_slots,
                              (old_owner_ids == ps) & (new_owner_ids == ps))
-            # 4. last delta: nothing can write the fenced slots any more
-            list(pool.map(lambda p: ship(p, False), pairs))
+            # 4. last delta: nothing can write the fenced slots any more; the new owners
+            # also learn which pushes were applied (a push resent to them is not re-applied)
+            list(pool.map(lambda p: ship(p, False, last=True), pairs))
             result.rounds += 1
             # 5. destinations own their new slots; publish the epoch
             _progress(phase="handover")

@@ -316,13 +316,15 @@ class PSClient:
 
         call_id = f"{self._client_id}-{next(self._push_counter)}"
 
-        def build(ps_tables):
-            digest = hashlib.blake2b(digest_size=8)
-            for n, i, _ in ps_tables:
-                digest.update(n.encode())
-                digest.update(codec.ids_to_bytes(i))
+        def build(ps_tables, request_id=None):
+            if request_id is None:  # a first attempt: this part's own id
+                digest = hashlib.blake2b(digest_size=8)
+                for n, i, _ in ps_tables:
+                    digest.update(n.encode())
+                    digest.update(codec.ids_to_bytes(i))
+                request_id = f"{call_id}-{digest.hexdigest()}"
             return ps_pb2.PushRequest(
-                request_id=f"{call_id}-{digest.hexdigest()}",
+                request_id=request_id,
                 epoch=self.routing.epoch if self.routing else 0, return_values=return_values,
                 return_tables=sorted(return_tables or ()),
                 tables=[ps_pb2.TableUpdate(table=n, ids=codec.ids_to_bytes(i),
@@ -353,24 +355,29 @@ class PSClient:
         have been applied, and sending it again could apply it twice. The time a call
         spends waiting on re-routing is its stall, reported in ``stats``.
         """
-        pending = [(name, ids, np.arange(ids.size)) for name, ids in tables if ids.size]
+        # (table, ids, positions, request id): a part resent after a failure keeps the id
+        # of its first attempt, even when a new layout splits it over several PS, and
+        # parts of different attempts never share a request: a PS that applied (or was
+        # handed, by replication, promotion or migration) that id skips the resend
+        pending = [(name, ids, np.arange(ids.size), None) for name, ids in tables if ids.size]
         delays = self.retry.sleeps()
         first_failure = None
         while pending:
             routing = self.routing or self.refresh_routing()
-            by_ps: dict[int, list] = {}
-            for name, ids, pos in pending:
+            by_ps: dict[tuple, list] = {}
+            for name, ids, pos, rid in pending:
                 for p, sel in routing.partition(ids):
-                    by_ps.setdefault(p, []).append((name, ids[sel], pos[sel]))
+                    by_ps.setdefault((p, rid), []).append((name, ids[sel], pos[sel]))
             calls = []
-            for p, parts in by_ps.items():
+            for (p, rid), parts in by_ps.items():
                 payload = [(n, i, pos) if with_positions else (n, i) for n, i, pos in parts]
-                req = build(payload)
+                req = build(payload) if rid is None else build(payload, rid)
                 stub = self._stub(routing.ps_addresses[p])
-                calls.append((parts, method(stub).future(req, timeout=self.rpc_timeout)))
+                calls.append((parts, getattr(req, "request_id", None),
+                              method(stub).future(req, timeout=self.rpc_timeout)))
                 self.stats["rpcs"] += 1
             retry, failure = [], None
-            for parts, fut in calls:
+            for parts, sent_rid, fut in calls:
                 try:
                     resp = fut.result()
                 except grpc.RpcError as exc:
@@ -383,7 +390,7 @@ class PSClient:
                     self.stats[key] += 1
                     if failure is None or isinstance(err, StaleRoutingError):
                         failure = err
-                    retry.extend((n, i, pos) for n, i, pos in parts)
+                    retry.extend((n, i, pos, sent_rid) for n, i, pos in parts)
                     continue
                 if store is not None:
                     for (name, _, pos), payload in zip(parts, resp.values):

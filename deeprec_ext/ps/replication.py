@@ -62,6 +62,16 @@ class AppliedRequests:
             self._unshipped.clear()
             return out
 
+    def requeue(self, rids: list[str]) -> None:
+        """Ids taken for a shipment that failed: they go out with the next one."""
+        with self._lock:
+            self._unshipped.extendleft(reversed(rids))
+
+    def snapshot(self) -> list[str]:
+        """Every remembered id, oldest first (for a new peer or a slot's new owner)."""
+        with self._lock:
+            return list(self._ids)
+
 
 class Replicator:
     """Primary side: ships this PS's changes to its peer."""
@@ -130,8 +140,13 @@ class Replicator:
         with self._lock:
             if self._stub is None:
                 return 0
-            # request ids first: every push they name is applied by the watermark below
+            # request ids first: every push they name is applied by the watermark below. A
+            # new peer (full copy) learns every remembered id, not only the unshipped ones:
+            # a push resent to it after a failover must be recognised
             applied = self.applied.take_unshipped()
+            full = self._since < 0
+            if full:
+                applied = self.applied.snapshot()
             watermark = self.store.sequence.value
             if watermark == self._since and not applied:
                 self.last_shipped = time.monotonic()
@@ -140,7 +155,12 @@ class Replicator:
             for b in batches:
                 b.origin_sequence = watermark
             batches[-1].applied_request_ids.extend(applied)
-            resp = self._stub.Replicate(iter(batches), timeout=timeout)
+            try:
+                resp = self._stub.Replicate(iter(batches), timeout=timeout)
+            except Exception:
+                if not full:  # (a full copy is sent again whole, ids included)
+                    self.applied.requeue(applied)
+                raise
             self._since = watermark
             self.last_shipped = time.monotonic()
             self.shipped_rows += resp.rows

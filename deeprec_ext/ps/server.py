@@ -343,6 +343,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                         totals["rows"] += int(keys.size)
                         totals["bytes"] += len(payload) + 8 * int(keys.size)
                         yield ps_pb2.RowBatch(config=cfg, ids=codec.ids_to_bytes(keys), rows=payload)
+            if request.send_request_ids:
+                yield ps_pb2.RowBatch(applied_request_ids=self.applied.snapshot())
 
         from deeprec_ext.grpc_util import insecure_channel
         with insecure_channel(request.dst_address) as ch:
@@ -355,7 +357,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def ImportRows(self, request_iterator, context):
         n = 0
         for batch in request_iterator:
+            for rid in batch.applied_request_ids:  # pushes the source applied (migration)
+                self.applied.add(rid, ship=True)   # ...and this PS's peer learns them too
             cfg = batch.config
+            if not cfg.name:
+                continue
             try:
                 init = json.loads(cfg.initializer_json) if cfg.initializer_json else "zeros"
                 opt = json.loads(cfg.optimizer_json) if cfg.optimizer_json else "sgd"
