@@ -4,7 +4,7 @@
   aimaster status --master ADDR [--json] [--token-file F]
   aimaster manifest JOB.yaml [--plan PLAN.json] [-o FILE]  |  aimaster manifest --check FILE
   aimaster estimate MODULE:FUNCTION|SAVEDMODEL|GRAPH [--rows T=N] [--job JOB.yaml --parse M:F] [--json]
-  aimaster export CHECKPOINT_DIR --out DIR [--tables A,B] [--dtype float16] [--json]
+  aimaster export CHECKPOINT_DIR --out DIR [--tables A,B] [--dtype float16] [--min-count N] [--json]
 
 Every flag also reads an environment variable (AIMASTER_PS, AIMASTER_WORKERS, ...).
 """
@@ -109,6 +109,9 @@ def get_args_parser() -> argparse.ArgumentParser:
                     help="comma-separated tables to export (lookup signatures only)")
     ex.add_argument("--dtype", choices=("float32", "float16"), default="float32",
                     help="storage type of the exported values (lookups return float32)")
+    ex.add_argument("--min-count", type=int, default=0,
+                    help="keep only rows updated by at least N pushes (the others are served "
+                         "like unseen ids: their initializer value)")
     ex.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     from graph_opt.cli import add_parser as add_estimate_parser  # argparse only; no TF
     add_estimate_parser(sub)
@@ -327,7 +330,8 @@ def cmd_export(args) -> int:
     from checkpoint import CheckpointError
     from aimaster.export import ExportError, export
     try:
-        summary = export(args.checkpoint, args.out, tables=tables, dtype=args.dtype)
+        summary = export(args.checkpoint, args.out, tables=tables, dtype=args.dtype,
+                         min_count=args.min_count)
     except (ExportError, CheckpointError) as exc:
         return _fail(f"export: {exc}", 1)
     if args.json:

@@ -273,6 +273,9 @@ class ExportConfig(_Section):
         "Export only these tables (then: lookup signatures only); default all."))
     dtype: Literal["float32", "float16"] = Field("float32", description=(
         "Storage type of the exported values; lookups return float32."))
+    min_count: StrictInt = Field(0, ge=0, description=(
+        "Keep only rows updated by at least this many pushes (0: all); the others are "
+        "served like unseen ids."))
 
     @field_validator("tables", mode="after")
     @classmethod

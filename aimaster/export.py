@@ -126,11 +126,24 @@ def _rebuild_keras(tf, record: dict, lookups: dict, dense: dict) -> tuple:
     return model, warnings
 
 
-def export(checkpoint_dir, out, tables=None, dtype: str = "float32") -> dict:
+def _keep_frequent(table, min_count: int, where: str):
+    """The rows updated by at least ``min_count`` pushes (the others are served like ids
+    the model never saw: their initializer value)."""
+    from checkpoint.load import Table
+    if not table.counts.any() and len(table):
+        raise ExportError(f"{where}: table '{table.name}' has no update counts (a checkpoint "
+                          "written before they were recorded): min_count cannot be applied")
+    keep = table.counts >= min_count
+    return Table(table.name, table.ids[keep], table.values[keep], table.slots[keep],
+                 table.config, table.counts[keep])
+
+
+def export(checkpoint_dir, out, tables=None, dtype: str = "float32", min_count: int = 0) -> dict:
     """Write the SavedModel of a checkpoint (a root: its newest chain; or one
     ``ckpt-*`` directory) into ``out``, which must not exist. Written into a temporary
-    directory beside ``out`` and renamed, so ``out`` is complete or absent. Returns a
-    summary (dir, tables and their rows, signatures, bytes, seconds, warnings)."""
+    directory beside ``out`` and renamed, so ``out`` is complete or absent. ``min_count``:
+    keep only rows updated by at least that many pushes. Returns a summary (dir, tables
+    and their rows, signatures, bytes, seconds, warnings)."""
     import tensorflow as tf
 
     from checkpoint import CheckpointError, load
@@ -138,6 +151,8 @@ def export(checkpoint_dir, out, tables=None, dtype: str = "float32") -> dict:
     start = time.perf_counter()
     if dtype not in DTYPES:
         raise ExportError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if isinstance(min_count, bool) or not isinstance(min_count, int) or min_count < 0:
+        raise ExportError(f"min_count must be an integer >= 0, got {min_count!r}")
     out = Path(out)
     if out.exists():
         raise ExportError(f"{out} exists: export into a new directory (for TF Serving, a new "
@@ -152,6 +167,12 @@ def export(checkpoint_dir, out, tables=None, dtype: str = "float32") -> dict:
         raise ExportError(str(exc)) from None
     record = loaded.model or {"kind": "tables", "tables": {}}
     warnings = []
+    dropped = {}
+    if min_count:
+        for name in list(loaded.tables):
+            before = len(loaded.tables[name])
+            loaded.tables[name] = _keep_frequent(loaded.tables[name], min_count, loaded.dir)
+            dropped[name] = before - len(loaded.tables[name])
     if loaded.model is None:
         warnings.append("the checkpoint has no model record (no worker sent one): lookup "
                         "signatures only")
@@ -198,7 +219,7 @@ def export(checkpoint_dir, out, tables=None, dtype: str = "float32") -> dict:
         tf.saved_model.save(root, str(tmp), signatures=signatures)
         (tmp / "assets.extra").mkdir(exist_ok=True)
         info = {"checkpoint": loaded.dir, "checkpoint_id": loaded.checkpoint_id,
-                "global_step": loaded.global_step, "dtype": dtype,
+                "global_step": loaded.global_step, "dtype": dtype, "min_count": min_count,
                 "tables": {n: {"rows": len(t), "dim": t.dim,
                                "initializer": t.config["initializer"],
                                "signature": _signature_name(n)}
@@ -213,7 +234,8 @@ def export(checkpoint_dir, out, tables=None, dtype: str = "float32") -> dict:
     summary = {"dir": str(out.resolve()), "checkpoint": loaded.dir,
                "global_step": loaded.global_step,
                "tables": {n: len(t) for n, t in loaded.tables.items()},
-               "signatures": sorted(signatures), "dtype": dtype, "bytes": _du(out),
+               "signatures": sorted(signatures), "dtype": dtype, "min_count": min_count,
+               "rows_below_min_count": dropped, "bytes": _du(out),
                "seconds": round(time.perf_counter() - start, 3), "warnings": warnings}
     for w in warnings:
         log.warning("export: %s", w)

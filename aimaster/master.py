@@ -401,6 +401,8 @@ class JobMaster:
                "--dtype", ex.dtype, "--json"]
         if ex.tables:
             cmd += ["--tables", ",".join(ex.tables)]
+        if ex.min_count:
+            cmd += ["--min-count", str(ex.min_count)]
         start = self.clock()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
                               env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})

@@ -24,8 +24,10 @@ caught as well, not just unparseable JSON.
 Data files are a sequence of chunks (see :mod:`checkpoint.format`): a header (magic,
 version, kind rows|tombstones|array, table name, num_slots, slot range, n, row_width,
 raw and compressed length, crc32 of the compressed bytes, crc32 of the header) and one
-zstd frame of ``keys int64 LE || rows float32 LE [n, row_width]`` (value + optimizer
-slots, exactly the arena row). zstd adds its own xxh64 content checksum, so corrupt
+zstd frame of ``keys int64 LE || rows float32 LE [n, row_width + 1]`` (value + optimizer
+slots, exactly the arena row, then the row's update count; format 2, marked ``"counts":
+true`` in the manifest's table info. Format-1 checkpoints, without the count column,
+are still read). zstd adds its own xxh64 content checksum, so corrupt
 bytes are caught before and after decompression. An END chunk closes each file.
 
 Keyed by slot

@@ -28,7 +28,9 @@ import struct
 import zlib
 
 MAGIC = b"DRCK"
-FORMAT_VERSION = 1
+# 2: rows carry each row's update count as a last float32 column (table info "counts")
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST_FORMAT = "deeprec-ext-checkpoint"
 MANIFEST_NAME = "manifest.json"
 
@@ -86,7 +88,7 @@ def decode_header(buf: bytes, where: str) -> dict:
     (want,) = CRC.unpack_from(buf, end)
     if crc32(buf[:end]) != want:
         raise CheckpointError(f"{where}: chunk header crc32 mismatch")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise CheckpointError(f"{where}: unsupported chunk format version {version}")
     if kind not in KIND_NAMES:
         raise CheckpointError(f"{where}: unknown chunk kind {kind}")
@@ -114,3 +116,9 @@ def manifest_checksum(body: dict) -> str:
     body = {k: v for k, v in body.items() if k != "checksum"}
     blob = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def data_width(table_info: dict) -> int:
+    """Floats per row in a table's data chunks: the table's row width, plus the update
+    count column when the checkpoint records counts (format 2)."""
+    return int(table_info.get("row_width", 0)) + (1 if table_info.get("counts") else 0)

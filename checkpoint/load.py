@@ -23,12 +23,15 @@ DENSE_PREFIX = "dense/"  # dense variables live on the PS as tables "dense/<vari
 class Table:
     """One embedding table: ``ids`` int64 [n] ascending, ``values`` float32 [n, dim],
     ``slots`` float32 [n, num_slots * dim] (optimizer state, e.g. Adam's m and v),
-    ``config``: dim, initializer and optimizer as the job created the table."""
+    ``counts`` uint32 [n] (how many pushes updated each row; zeros in checkpoints written
+    before counts were recorded), ``config``: dim, initializer and optimizer as the job
+    created the table."""
     name: str
     ids: np.ndarray
     values: np.ndarray
     slots: np.ndarray
     config: dict
+    counts: np.ndarray = None
 
     @property
     def dim(self) -> int:
@@ -112,14 +115,20 @@ class _Collector:
         elif op == "delete":
             self.events[name].append((self.n, keys, None))
         elif op == "rows":
-            dim = self.info[name]["dim"]
-            keep = rows if self.slots or name.startswith(DENSE_PREFIX) else rows[:, :dim]
+            info = self.info[name]
+            if self.slots or name.startswith(DENSE_PREFIX):
+                keep = rows
+            elif info.get("counts"):  # values and the count column
+                keep = np.concatenate([rows[:, :info["dim"]], rows[:, -1:]], axis=1)
+            else:
+                keep = rows[:, :info["dim"]]
             self.events[name].append((self.n, keys, np.ascontiguousarray(keep)))
 
     def resolve(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """(ids ascending, rows) of the table after every event of the chain."""
         info = self.info[name]
         width = info["row_width"] if self.slots or name.startswith(DENSE_PREFIX) else info["dim"]
+        width += 1 if info.get("counts") else 0
         ev = self.events[name]
         upserts = [(k, r) for _, k, r in ev if r is not None]
         rows = (np.concatenate([r for _, r in upserts]) if upserts
@@ -189,10 +198,13 @@ def load(path, tables=None, verify: str = "chunks", slots: bool = True) -> Loade
             shape = shapes.get(var)
             out.dense[var] = value.reshape(shape) if shape is not None else value
             continue
+        end = t["row_width"] if slots else dim  # the count column (if any) follows
+        counts = (rows[:, end].astype(np.uint32) if t.get("counts")
+                  else np.zeros(keys.size, np.uint32))
         values = rows if rows.shape[1] == dim else np.ascontiguousarray(rows[:, :dim])
         out.tables[name] = Table(name, keys, values,
-                                 np.ascontiguousarray(rows[:, dim:]) if slots
+                                 np.ascontiguousarray(rows[:, dim:t["row_width"]]) if slots
                                  else np.zeros((keys.size, 0), np.float32),
                                  {"dim": dim, "initializer": t["initializer"],
-                                  "optimizer": t["optimizer"]})
+                                  "optimizer": t["optimizer"]}, counts)
     return out

@@ -17,10 +17,10 @@ import zstandard
 
 from deeprec_ext.hashing import slot_of
 
-from checkpoint.format import (CHUNK_FIELDS, DIR_RE, FORMAT_VERSION, KIND_ARRAY, KIND_END,
+from checkpoint.format import (CHUNK_FIELDS, DIR_RE, READABLE_VERSIONS, KIND_ARRAY, KIND_END,
                                KIND_ROWS, KIND_TOMBSTONES, MANIFEST_FORMAT,
                                MANIFEST_NAME, CheckpointError, NoValidCheckpoint, crc32,
-                               decode_header, header_size, manifest_checksum)
+                               data_width, decode_header, header_size, manifest_checksum)
 
 log = logging.getLogger("checkpoint")
 
@@ -55,7 +55,7 @@ def load_manifest(ckpt_dir) -> dict:
         raise CheckpointError(f"{where}: not valid JSON ({e})") from None
     if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
         raise CheckpointError(f"{where}: not a checkpoint manifest")
-    if m.get("version") != FORMAT_VERSION:
+    if m.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(f"{where}: unsupported format version {m.get('version')!r}")
     try:
         ok = m.get("checksum") == manifest_checksum(m)
@@ -235,7 +235,7 @@ def verify_file(ckpt_dir: Path, entry: dict, manifest: dict, deep: bool = True,
     where_f = f"{ckpt_dir.name}/{entry['path']}"
     num_slots = manifest["num_slots"]
     name = entry["table"] if entry["type"] == "rows" else None
-    w = manifest["tables"].get(name, {}).get("row_width", 0) if name else 0
+    w = data_width(manifest["tables"].get(name, {})) if name else 0
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -580,7 +580,7 @@ def _prevalidate(plan: _Plan) -> None:
                 if os.fstat(fd).st_size != e["size"]:
                     raise CheckpointError(f"{where_f}: size {os.fstat(fd).st_size} != "
                                           f"{e['size']} in the manifest")
-                w = c.manifest["tables"].get(e["table"], {}).get("row_width", 0) \
+                w = data_width(c.manifest["tables"].get(e["table"], {})) \
                     if e["type"] == "rows" else 0
                 for ci, kind, _ in todo:
                     name = e["table"] if e["type"] == "rows" else _array_name_of(e, ci)
@@ -782,7 +782,7 @@ def _apply(plan: _Plan, chain, sink, slot_mask):
                         for name, meta in e["arrays"].items():
                             dense_parts[name] = []
                             dense_meta[name] = meta
-                    w = m["tables"][e["table"]]["row_width"] if e["type"] == "rows" else 0
+                    w = data_width(m["tables"][e["table"]]) if e["type"] == "rows" else 0
                     for ci, kind, partial in sel:
                         if kind != phase:
                             continue

@@ -58,7 +58,12 @@ def find_checkpoint_dir(root: Path, ckpt_id: int) -> Path | None:
 def _table_info(table: EmbeddingTable) -> dict:
     cfg = table.config
     return {"dim": int(cfg["dim"]), "initializer": cfg["initializer"],
-            "optimizer": cfg["optimizer"], "row_width": int(table.row_width)}
+            "optimizer": cfg["optimizer"], "row_width": int(table.row_width), "counts": True}
+
+
+def _config_of(info: dict) -> dict:
+    """A table's config for comparisons along a chain (how rows are stored may differ)."""
+    return {k: v for k, v in info.items() if k != "counts"}
 
 
 def _slot_order(slots: np.ndarray, num_slots: int) -> np.ndarray:
@@ -147,7 +152,8 @@ class CheckpointWriter:
             self._parent_checksum = pm["checksum"]
             for name, info in pm["tables"].items():
                 self._tables[name] = {k: copy.deepcopy(v) for k, v in info.items()
-                                      if k in ("dim", "initializer", "optimizer", "row_width")}
+                                      if k in ("dim", "initializer", "optimizer", "row_width",
+                                               "counts")}
         elif parent is not None:
             raise ValueError("a full checkpoint has no parent")
 
@@ -228,7 +234,7 @@ class CheckpointWriter:
         name = table.name
         with self._lock:
             have = self._tables.get(name)
-            if have is not None and have != info:
+            if have is not None and _config_of(have) != _config_of(info):
                 raise ValueError(f"table '{name}': config {info} differs from the config "
                                  f"{have} recorded in this chain (write a full checkpoint "
                                  f"after re-creating a table with another config)")
@@ -243,14 +249,14 @@ class CheckpointWriter:
             start = 0
             while True:
                 k, r, _, nxt = table.export_slots(export_mask, since_seq, start,
-                                                  EXPORT_SLICE_ROWS)
+                                                  EXPORT_SLICE_ROWS, with_counts=True)
                 if k.size:
                     kparts.append(k)
                     rparts.append(r)
                 if nxt is None:
                     break
                 start = nxt
-            w = info["row_width"]
+            w = info["row_width"] + 1  # + the update count
             keys = np.concatenate(kparts) if kparts else np.empty(0, np.int64)
             rows = (np.concatenate(rparts) if len(rparts) > 1 else
                     rparts[0] if rparts else np.empty((0, w), np.float32))
@@ -272,7 +278,7 @@ class CheckpointWriter:
                       "since_seq": since_seq, "cut_seq": cut})
         with self._lock:
             self._files[fname] = entry
-            self._tables.setdefault(name, info)
+            self._tables[name] = info  # this checkpoint's files: with counts (format 2)
             self._watermarks.setdefault(writer_id, {})[name] = cut
         return {"writer": writer_id, "table": name, "file": fname, "rows": entry["rows"],
                 "tombstones": entry["tombstones"], "bytes": entry["size"],
@@ -457,7 +463,7 @@ class CheckpointWriter:
                 name = e.get("table")
                 if name is not None:
                     have = self._tables.get(name)
-                    if have is not None and have != info:
+                    if have is not None and _config_of(have) != _config_of(info):
                         raise ValueError(f"table '{name}': config {info} differs from {have}")
                     self._tables[name] = info
                     if e.get("cut_seq") is not None:

@@ -27,6 +27,14 @@ def ids_from_bytes(buf: bytes, field: str = "ids") -> np.ndarray:
     return np.frombuffer(buf, dtype=_I64)
 
 
+def rows_from_bytes(buf: bytes, n: int, row_width: int, field: str = "rows") -> np.ndarray:
+    """Full table rows [n, row_width], or [n, row_width + 1] when each row carries its
+    update count last (rows moved by replication and migration)."""
+    if n and len(buf) == n * (row_width + 1) * 4:
+        return floats_from_bytes(buf, n, row_width + 1, field)
+    return floats_from_bytes(buf, n, row_width, field)
+
+
 def floats_from_bytes(buf: bytes, rows: int, dim: int, field: str = "values") -> np.ndarray:
     expected = rows * dim * 4
     if len(buf) != expected:

@@ -619,3 +619,47 @@ def test_load_returns_named_arrays(tmp_path):
     path.write_bytes(bytes(blob))
     with pytest.raises((CheckpointError, NoValidCheckpoint), match="ckpt-00000002-incr"):
         checkpoint.load(tmp_path / "ckpt-00000002-incr")
+
+
+def test_update_counts_survive_a_chain_and_old_checkpoints_still_load(tmp_path):
+    """Format 2 stores each row's update count; a format-1 checkpoint (no counts) loads
+    with zero counts."""
+    import checkpoint
+    s = EmbeddingStore()
+    t = s.create_table("emb", 4, optimizer="sgd")
+    keys = np.arange(100, dtype=np.int64)
+    t.lookup(keys)  # every key exists, not yet updated: count 0
+    for k in range(1, 4):  # key i is pushed i % 4 times
+        sel = keys[keys % 4 >= k]
+        t.apply_gradients(sel, np.ones((sel.size, 4), np.float32))
+    np.testing.assert_array_equal(t.counts(keys), np.minimum(keys % 4, 3))
+    cuts = write(tmp_path, 1, s)
+    t.apply_gradients(keys[:10], np.ones((10, 4), np.float32))   # +1 for keys 0..9
+    write(tmp_path, 2, s, "incr", parent=1, cuts=cuts)
+    got = checkpoint.load(tmp_path).tables["emb"]
+    want = np.minimum(keys % 4, 3) + (keys < 10)
+    np.testing.assert_array_equal(got.counts, want)
+    s2, _ = restored(tmp_path)
+    np.testing.assert_array_equal(s2["emb"].counts(keys), want)
+    # a format-1 checkpoint: same layout without the count column
+    from checkpoint import format as fmt
+    old = tmp_path / "old"
+    monkey = (fmt.FORMAT_VERSION, )
+    import checkpoint.writer as w
+    orig_info, orig_export = w._table_info, EmbeddingStore
+    try:
+        w.FORMAT_VERSION = 1
+        fmt.FORMAT_VERSION = 1
+        w._table_info = lambda table: {k: v for k, v in orig_info(table).items() if k != "counts"}
+        t.export_slots = (lambda f: lambda *a, with_counts=False, **k: f(*a, **k))(t.export_slots)
+        wr = CheckpointWriter(old, 1, "full", num_slots=NUM_SLOTS)
+        for name, tb in s.tables().items():
+            wr.write_table("ps-0", tb)
+        wr.commit()
+    finally:
+        w.FORMAT_VERSION, fmt.FORMAT_VERSION = monkey[0], monkey[0]
+        w._table_info = orig_info
+        del t.export_slots
+    assert load_manifest(old / "ckpt-00000001-full")["version"] == 1
+    got = checkpoint.load(old).tables["emb"]
+    assert (got.counts == 0).all() and got.values.shape == (100, 4)

@@ -147,3 +147,35 @@ def test_client_resends_a_failed_part_under_its_first_id_even_when_split(monkeyp
     a_part = np.sort(sent[0][2])
     np.testing.assert_array_equal(np.sort(np.concatenate([ids for _, _, ids in resent])), a_part)
     client.close()
+
+
+def test_update_counts_follow_rows_through_migration_promotion_and_checkpoint(start_job):
+    """Each row's update count (what export min_count reads) moves with the row: a live
+    scale-out, a kill -9 (the peer's replica promoted), then a checkpoint; every key
+    pushed 4 times shows 4, once each time a push included it."""
+    import checkpoint
+    job = start_job({"name": "counts", "ps": {"replicas": 2, "max_replicas": 3},
+                     "replication": {"mode": "sync"}, "master": {"heartbeat_seconds": 0.5}},
+                    ["--workers", "0"])
+    client = PSClient.connect(job.address, timeout=60)
+    client.create_table("c", 2, initializer="zeros", optimizer="sgd")
+    keys = np.arange(30_000, dtype=np.int64) * 7
+    for _ in range(3):
+        client.push("c", keys, np.ones((keys.size, 2), np.float32))
+    r = subprocess.run([sys.executable, "-m", "aimaster.cli", "scale", "--master", job.address,
+                        "--ps", "3"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    client.push("c", keys, np.ones((keys.size, 2), np.float32))
+    pid = next(m["pid"] for m in _status(job)["members"] if m["id"] == "ps-1")
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: any(e["kind"] == "recovery" for e in _status(job)["events"]), 60,
+             "the recovery")
+    client.lookup("c", keys[:10])  # serving again
+    r = subprocess.run([sys.executable, "-m", "aimaster.cli", "checkpoint", "--master",
+                        job.address, "--full"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    t = checkpoint.load(json.loads(r.stdout)["path"]).tables["c"]
+    np.testing.assert_array_equal(t.ids, np.sort(keys))
+    np.testing.assert_array_equal(t.counts, 4)
+    client.close()

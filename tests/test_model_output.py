@@ -164,7 +164,25 @@ def test_offline_export_options_and_bad_input(day1, tmp_path):
     t = checkpoint.load(ckpt, tables=["embedding"]).tables["embedding"]
     got = lookup(ids=tf.constant(t.ids[:500]))["values"].numpy()
     np.testing.assert_allclose(got, t.values[:500].astype(np.float16).astype(np.float32))
+    # keep only rows updated by >= 3 pushes: the others are served like unseen ids
+    full = checkpoint.load(ckpt, tables=["embedding"]).tables["embedding"]
+    assert full.counts.max() >= 3 and (full.counts < 3).any()
+    out3 = tmp_path / "min3"
+    r = run(ckpt, "--out", str(out3), "--min-count", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout.splitlines()[-1])
+    kept = full.counts >= 3
+    assert summary["tables"]["embedding"] == int(kept.sum())
+    assert summary["rows_below_min_count"]["embedding"] == int((~kept).sum())
+    lookup3 = tf.saved_model.load(str(out3)).signatures["lookup_embedding"]
+    got = lookup3(ids=tf.constant(full.ids))["values"].numpy()
+    np.testing.assert_array_equal(got[kept], full.values[kept])
+    from deeprec_ext.store.initializers import make_initializer
+    init = make_initializer(full.config["initializer"], full.dim)
+    np.testing.assert_array_equal(got[~kept], init(full.ids[~kept]))
     # bad input: a clear message naming the problem, exit 1, nothing written
+    r = run(ckpt, "--out", str(tmp_path / "x"), "--min-count", "-1")
+    assert r.returncode == 1 and "min_count" in r.stderr and not (tmp_path / "x").exists()
     r = run(ckpt, "--out", str(out))
     assert r.returncode == 1 and "exists" in r.stderr
     r = run(ckpt, "--out", str(tmp_path / "x"), "--tables", "nope")

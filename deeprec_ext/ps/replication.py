@@ -122,14 +122,15 @@ class Replicator:
                 row = 0
                 yield ps_pb2.RowBatch(config=cfg, origin=self.origin)  # creates empty tables too
                 while row is not None:
-                    keys, rows, _, row = table.export_slots(everything, None, row, CHUNK_ROWS)
+                    keys, rows, _, row = table.export_slots(everything, None, row, CHUNK_ROWS,
+                                                                with_counts=True)
                     if keys.size:
                         yield ps_pb2.RowBatch(config=cfg, origin=self.origin,
                                               ids=codec.ids_to_bytes(keys),
                                               rows=codec.floats_to_bytes(rows))
                 continue
             deleted = table.tombstones_since(since)
-            keys, rows, _ = table.export_rows(since)
+            keys, rows, _ = table.export_rows(since, with_counts=True)
             if keys.size or deleted.size:
                 yield ps_pb2.RowBatch(config=cfg, origin=self.origin, ids=codec.ids_to_bytes(keys),
                                       rows=codec.floats_to_bytes(rows),
@@ -179,7 +180,7 @@ class Replicator:
                     self._lock.acquire()
                 return
             table = self.store.get(table_name)
-            found, rows = table.export_keys(keys)
+            found, rows = table.export_keys(keys, with_counts=True)
             self._stub.Replicate(iter([ps_pb2.RowBatch(
                 config=table_config(self.configs, table_name, table), origin=self.origin,
                 ids=codec.ids_to_bytes(found), rows=codec.floats_to_bytes(rows),
@@ -261,7 +262,7 @@ class ReplicaSet:
                     table.delete(deleted)
                 ids = codec.ids_from_bytes(b.ids)
                 if ids.size:
-                    table.import_rows(ids, codec.floats_from_bytes(b.rows, ids.size, table.row_width))
+                    table.import_rows(ids, codec.rows_from_bytes(b.rows, ids.size, table.row_width))
                     n += int(ids.size)
             with self._lock:
                 self.sequence[b.origin] = max(self.sequence.get(b.origin, 0), b.origin_sequence)

@@ -337,7 +337,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 yield ps_pb2.RowBatch(config=cfg, deleted_ids=codec.ids_to_bytes(deleted))
                 row = 0
                 while row is not None:
-                    keys, rows, _, row = table.export_slots(mask, since, row, self.MIGRATE_CHUNK_ROWS)
+                    keys, rows, _, row = table.export_slots(mask, since, row, self.MIGRATE_CHUNK_ROWS,
+                                                          with_counts=True)
                     if keys.size:
                         payload = codec.floats_to_bytes(rows)
                         totals["rows"] += int(keys.size)
@@ -372,7 +373,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     table.delete(deleted)
                 ids = codec.ids_from_bytes(batch.ids)
                 if ids.size:
-                    rows = codec.floats_from_bytes(batch.rows, ids.size, table.row_width, "rows")
+                    rows = codec.rows_from_bytes(batch.rows, ids.size, table.row_width, "rows")
                     table.import_rows(ids, rows)
                     n += int(ids.size)
             except (ValueError, TypeError) as exc:
@@ -445,7 +446,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             keys = rtable.keys_in_slots(mask)
             # in slices: one import of a million rows held the table lock for seconds
             for i in range(0, keys.size, self.MIGRATE_CHUNK_ROWS):
-                found, rows = rtable.export_keys(keys[i:i + self.MIGRATE_CHUNK_ROWS])
+                found, rows = rtable.export_keys(keys[i:i + self.MIGRATE_CHUNK_ROWS], with_counts=True)
                 table.import_rows(found, rows)
                 n += int(found.size)
         log.info("%s: promoted %d rows of %s (replica %.0f ms old)", self.ps_id, n,

@@ -150,6 +150,8 @@ class EmbeddingTable:
         self._arena = np.zeros((cap, self._width), dtype=np.float32)
         self._set_views()
         self._row_seq = np.zeros(cap, dtype=np.int64)
+        # updates per row: pushes that included the key (export min_count, admission)
+        self._row_count = np.zeros(cap, dtype=np.uint32)
         self._row_key = np.zeros(cap, dtype=np.int64)
         self._mark = np.zeros(cap, dtype=np.int64)  # scratch for duplicate detection
         self._hwm = 0  # rows [0, hwm) have been handed out at least once
@@ -182,6 +184,7 @@ class EmbeddingTable:
     @property
     def nbytes(self) -> int:
         return (self._arena.nbytes + self._row_seq.nbytes + self._row_key.nbytes
+                + self._row_count.nbytes
                 + self._mark.nbytes + self._free.nbytes + self._index.nbytes)
 
     @property
@@ -211,6 +214,9 @@ class EmbeddingTable:
         arena[:hwm] = self._arena[:hwm]
         row_seq = np.zeros(new_cap, dtype=np.int64)
         row_seq[:hwm] = self._row_seq[:hwm]
+        row_count = np.zeros(new_cap, dtype=np.uint32)
+        row_count[:hwm] = self._row_count[:hwm]
+        self._row_count = row_count
         row_key = np.zeros(new_cap, dtype=np.int64)
         row_key[:hwm] = self._row_key[:hwm]
         self._arena, self._row_seq, self._row_key = arena, row_seq, row_key
@@ -257,12 +263,14 @@ class EmbeddingTable:
         self._free[self._nfree:need] = rows
         self._nfree = need
         self._row_seq[rows] = 0
+        self._row_count[rows] = 0
 
     def _init_rows(self, rows: np.ndarray, keys: np.ndarray, seq: int) -> None:
         """Write fresh rows: initializer value + initial slots."""
         self._scatter_rows(rows, self._with_fresh_slots(self.initializer(keys)))
         self._row_key[rows] = keys
         self._row_seq[rows] = seq
+        self._row_count[rows] = 0
 
     def _create_missing(self, keys: np.ndarray, rows: np.ndarray, seq_holder: list) -> None:
         """Fill ``rows`` (-1 entries) by inserting the missing keys with initial values.
@@ -399,6 +407,7 @@ class EmbeddingTable:
                 rows, grads = self._sum_duplicates(rows, grads, rep)
             self._apply_optimizer(rows, grads)
             self._row_seq[rows] = seq
+            self._row_count[rows] += np.uint32(1)  # rows are unique here
             return seq
 
     def insert(self, keys, values, only_if_absent: bool = False) -> int:
@@ -433,13 +442,22 @@ class EmbeddingTable:
         return reset
 
     def import_rows(self, keys, rows) -> int:
-        """Upsert full rows float32 [n, row_width] (value + slots, as from ``export_rows``);
-        stamps one new sequence number, which is returned (0 for an empty batch)."""
+        """Upsert full rows float32 [n, row_width] (value + slots, as from ``export_rows``),
+        or [n, row_width + 1] with each row's update count last (``with_counts=True``
+        exports: how counts travel with rows); stamps one new sequence number, which is
+        returned (0 for an empty batch). Without counts, a row keeps its count."""
         keys = _check_keys(keys)
-        rows = _check_floats(rows, (keys.size, self._width), f"table '{self.name}': rows")
-        return self._upsert(keys, rows, full_rows=True, only_if_absent=False)
+        rows = np.asarray(rows)
+        counted = rows.ndim == 2 and rows.shape[1] == self._width + 1
+        rows = _check_floats(rows, (keys.size, self._width + counted),
+                             f"table '{self.name}': rows")
+        if not counted:
+            return self._upsert(keys, rows, full_rows=True, only_if_absent=False)
+        counts = np.clip(rows[:, self._width], 0, 2**32 - 1).astype(np.uint32)
+        return self._upsert(keys, np.ascontiguousarray(rows[:, :self._width]), full_rows=True,
+                            only_if_absent=False, counts=counts)
 
-    def _upsert(self, keys, data, full_rows: bool, only_if_absent: bool) -> int:
+    def _upsert(self, keys, data, full_rows: bool, only_if_absent: bool, counts=None) -> int:
         if keys.size == 0:
             return 0
         with self._lock:
@@ -449,6 +467,7 @@ class EmbeddingTable:
                 if miss.size == 0:
                     return 0
                 keys, data = keys.take(miss), data.take(miss, axis=0)
+                counts = counts.take(miss) if counts is not None else None
                 rows = np.full(miss.size, -1, dtype=np.int64)
             seq = self.sequence.next()
             if miss.size:
@@ -459,8 +478,11 @@ class EmbeddingTable:
             if self._find_duplicates(rows) is not None:  # last occurrence wins
                 last = self._last_occurrences(rows)
                 rows, data = rows.take(last), data.take(last, axis=0)
+                counts = counts.take(last) if counts is not None else None
             self._scatter_rows(rows, data if full_rows else self._with_fresh_slots(data))
             self._row_seq[rows] = seq
+            if counts is not None:
+                self._row_count[rows] = counts
             return seq
 
     def delete(self, keys, log_tombstone: bool = True) -> int:
@@ -500,7 +522,24 @@ class EmbeddingTable:
             self._tombstones = [(s, k) for s, k in self._tombstones if s > upto_seq]
             return before - len(self._tombstones)
 
-    def export_rows(self, since_seq: int | None = None):
+    def _counted(self, rows: np.ndarray, block: np.ndarray) -> np.ndarray:
+        """``block`` (gathered ``rows``) with each row's update count as a last column."""
+        out = np.empty((block.shape[0], self._width + 1), dtype=np.float32)
+        out[:, :self._width] = block
+        out[:, self._width] = self._row_count.take(rows)
+        return out
+
+    def counts(self, keys) -> np.ndarray:
+        """uint32 [n]: how many pushes updated each key (0 for a missing key)."""
+        keys = _check_keys(keys)
+        with self._lock:
+            rows = self._index.find(keys)
+            out = np.zeros(keys.size, dtype=np.uint32)
+            hit = rows >= 0
+            out[hit] = self._row_count.take(rows[hit])
+            return out
+
+    def export_rows(self, since_seq: int | None = None, with_counts: bool = False):
         """``(keys, rows, row_seq)`` of live rows, ordered by row id.
 
         ``since_seq=None``: every live row. Otherwise only rows whose last write has a
@@ -510,10 +549,13 @@ class EmbeddingTable:
         threshold = 0 if since_seq is None else max(int(since_seq), 0)
         with self._lock:
             sel = np.flatnonzero(self._row_seq[:self._hwm] > threshold)
-            return self._row_key.take(sel), self._gather_rows(sel), self._row_seq.take(sel)
+            block = self._gather_rows(sel)
+            if with_counts:
+                block = self._counted(sel, block)
+            return self._row_key.take(sel), block, self._row_seq.take(sel)
 
     def export_slots(self, slot_mask: np.ndarray, since_seq: int | None = None,
-                     row_start: int = 0, max_rows: int = 1 << 18):
+                     row_start: int = 0, max_rows: int = 1 << 18, with_counts: bool = False):
         """Live rows whose key's routing slot is set in ``slot_mask`` (bool [num_slots]),
         scanning arena rows [row_start, row_start + max_rows) so that a large table is
         exported in slices without holding the table lock for long.
@@ -531,16 +573,21 @@ class EmbeddingTable:
                 keys = self._row_key[row_start:stop].take(sel)
                 sel = sel[slot_mask[slot_of(keys, num_slots)]]
             sel += row_start
-            out = (self._row_key.take(sel), self._gather_rows(sel), self._row_seq.take(sel))
+            block = self._gather_rows(sel)
+            if with_counts:
+                block = self._counted(sel, block)
+            out = (self._row_key.take(sel), block, self._row_seq.take(sel))
             return (*out, stop if stop < self._hwm else None)
 
-    def export_keys(self, keys) -> tuple[np.ndarray, np.ndarray]:
-        """Full rows (value + slots) of those ``keys`` that exist: ``(keys, rows)``."""
+    def export_keys(self, keys, with_counts: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Full rows (value + slots [+ count]) of those ``keys`` that exist: ``(keys, rows)``."""
         keys = _check_keys(keys)
         with self._lock:
             rows = self._index.find(keys)
             hit = np.flatnonzero(rows >= 0)
-            return keys.take(hit), self._gather_rows(rows.take(hit))
+            sel = rows.take(hit)
+            block = self._gather_rows(sel)
+            return keys.take(hit), self._counted(sel, block) if with_counts else block
 
     def keys_in_slots(self, slot_mask: np.ndarray) -> np.ndarray:
         """Keys of live rows whose routing slot is set in ``slot_mask``."""
@@ -562,6 +609,7 @@ class EmbeddingTable:
             cap = self._arena.shape[0]
             self._index = HashIndex(2 * cap)
             self._row_seq.fill(0)
+            self._row_count.fill(0)
             self._hwm = 0
             self._nfree = 0
             self._tombstones = []
