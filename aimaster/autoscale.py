@@ -32,7 +32,6 @@ log = logging.getLogger("aimaster.autoscale")
 
 # refusals that say "not now" rather than "no resources": the decision is dropped, not
 # held against the scaler (see JobMaster.scale)
-_TRANSIENT = ("in progress", "not running", "recovery")
 
 
 class AutoscalePlugin(MasterPlugin):
@@ -176,12 +175,12 @@ class AutoscalePlugin(MasterPlugin):
         self._actor.start()
 
     def _scale(self, master, d: Decision) -> None:
-        from aimaster.master import ScaleRefused
+        from aimaster.master import Busy, NotRunning, ScaleRefused
         try:
             event = master.scale(ps=d.ps, workers=d.workers, timeout=self.cfg.max_wait_seconds)
         except ScaleRefused as exc:
             with self._lock:
-                if any(t in str(exc) for t in _TRANSIENT):
+                if isinstance(exc, (Busy, NotRunning)):
                     self.policy.pending = None  # not now: decide again on fresh samples
                     follow = None
                 else:

@@ -241,6 +241,16 @@ def cmd_status(args) -> int:
     return 0
 
 
+def _refusal(exc: grpc.RpcError) -> str | None:
+    """The AIMaster's refusal of a change, in words (None for other failures): ABORTED
+    means another operation holds the job, so the same command may succeed later."""
+    if exc.code() == grpc.StatusCode.ABORTED:
+        return f"{exc.details()} (busy: try again)"
+    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+        return exc.details()
+    return None
+
+
 def cmd_scale(args) -> int:
     if args.rebalance and (args.ps is not None or args.workers is not None):
         return _fail("--rebalance keeps the counts: give it without --ps / --workers")
@@ -262,8 +272,8 @@ def cmd_scale(args) -> int:
         with insecure_channel(args.master) as ch:
             resp = master_pb2_grpc.MasterStub(ch).Scale(req, timeout=args.timeout + 30)
     except grpc.RpcError as exc:
-        if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-            return _fail(f"scale refused: {exc.details()}", 1)
+        if (said := _refusal(exc)):
+            return _fail(f"scale refused: {said}", 1)
         return _rpc_fail("scale failed at", args.master, exc)
     print(resp.event_json)
     return 0
@@ -279,6 +289,8 @@ def cmd_checkpoint(args) -> int:
             resp = master_pb2_grpc.MasterStub(ch).Checkpoint(
                 master_pb2.CheckpointRequest(full=args.full), timeout=args.timeout)
     except grpc.RpcError as exc:
+        if (said := _refusal(exc)):
+            return _fail(f"checkpoint refused: {said}", 1)
         return _rpc_fail("checkpoint failed at", args.master, exc)
     print(resp.event_json)
     return 0

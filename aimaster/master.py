@@ -48,7 +48,21 @@ FINAL_PHASES = (JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.STOPPED)
 
 
 class ScaleRefused(ValueError):
-    """A scale request that cannot be carried out; nothing was changed."""
+    """A request for a change (scale, rebalance, checkpoint) that cannot be carried out
+    now or at all; nothing was changed. Callers decide by type, never by message:
+
+    - :class:`Busy`: another operation (scale, checkpoint, recovery) is running: try again;
+    - :class:`NotRunning`: the job is not running (starting, or over);
+    - the base class: the request itself is wrong (out of bounds, missing config).
+    """
+
+
+class Busy(ScaleRefused):
+    """Another operation holds the job; the same request may succeed later."""
+
+
+class NotRunning(ScaleRefused):
+    """The job is not running."""
 
 
 class JobMaster:
@@ -538,10 +552,10 @@ class JobMaster:
         running, or while another scale event is in progress.
         """
         if not self._scale_lock.acquire(blocking=False):
-            raise ScaleRefused("another scale event is in progress; try again when it is done")
+            raise Busy("another scale event is in progress; try again when it is done")
         try:
             if self.phase != JobPhase.RUNNING:
-                raise ScaleRefused(f"the job is {self.phase.value}, not running")
+                raise NotRunning(f"the job is {self.phase.value}, not running")
             cfg = self.config
             ps_before = len(self.routing.ps_ids)
             workers_before = len(self._live_workers())
@@ -558,7 +572,7 @@ class JobMaster:
                 live = {m.id for m in self._live_ps()}
                 dead = [p for p in self.routing.ps_ids if p not in live]
                 if dead:
-                    raise ScaleRefused(f"PS {dead} died and their recovery is in progress; "
+                    raise Busy(f"PS {dead} died and their recovery is in progress; "
                                        "scale after it")
             start = self.clock()
             started_at = time.time()
@@ -648,18 +662,18 @@ class JobMaster:
         """Move slots between the current PS so bytes and lookups are even (placement).
         Returns the event; nothing moves when every PS is within ``tolerance``."""
         if not self._scale_lock.acquire(blocking=False):
-            raise ScaleRefused("another scale event is in progress; try again when it is done")
+            raise Busy("another scale event is in progress; try again when it is done")
         try:
             if self.phase != JobPhase.RUNNING:
-                raise ScaleRefused(f"the job is {self.phase.value}, not running")
+                raise NotRunning(f"the job is {self.phase.value}, not running")
             old = self.routing
             live = {m.id for m in self._live_ps()}
             if any(p not in live for p in old.ps_ids):
-                raise ScaleRefused("a PS died and its recovery is in progress; rebalance after it")
+                raise Busy("a PS died and its recovery is in progress; rebalance after it")
             start, started_at = self.clock(), time.time()
             stats = self._slot_stats(old)
             if stats is None:
-                raise ScaleRefused("not every PS reported its slot statistics")
+                raise Busy("not every PS reported its slot statistics yet")
             nbytes, lookups = stats
             ids, n = list(old.ps_ids), len(old.ps_ids)
             new_owner = placement.balance(old.slot_owner, ids, ids,
@@ -824,7 +838,7 @@ class JobMaster:
             try:
                 self.scale(ps=self._ps_target)
             except ScaleRefused as exc:
-                if "in progress" not in str(exc) or self.clock() > deadline:
+                if not isinstance(exc, Busy) or self.clock() > deadline:
                     self._event("replacement_failed", dead=dead, reason=str(exc))
                     return
                 time.sleep(0.5)
@@ -877,17 +891,17 @@ class JobMaster:
         from checkpoint import CheckpointWriter, apply_retention, next_id
         from checkpoint.format import dir_name
         if not self._ckpt_lock.acquire(blocking=False):
-            raise ScaleRefused("a checkpoint is already being taken")
+            raise Busy("a checkpoint is already being taken")
         try:
             if self.phase != JobPhase.RUNNING:
-                raise ScaleRefused(f"the job is {self.phase.value}, not running")
+                raise NotRunning(f"the job is {self.phase.value}, not running")
             start = self.clock()
             with self._scale_lock:  # a stable layout while the PS write
                 routing = self.routing
                 members = {m.id: m for m in self._live_ps()}
                 missing = [p for p in routing.ps_ids if p not in members]
                 if missing:
-                    raise ScaleRefused(f"PS {missing} are not live (recovery in progress?)")
+                    raise Busy(f"PS {missing} are not live (recovery in progress?)")
                 chain = self._ckpt_chain
                 incr = (not full and chain is not None
                         and chain["n"] % self.config.checkpoint_full_every != 0)
@@ -1110,6 +1124,13 @@ class JobMaster:
         return response
 
 
+def _refuse(context, exc: ScaleRefused):
+    """The refusal's type as a status code: ABORTED when another operation holds the job
+    (retry later), FAILED_PRECONDITION otherwise."""
+    code = grpc.StatusCode.ABORTED if isinstance(exc, Busy) else grpc.StatusCode.FAILED_PRECONDITION
+    context.abort(code, str(exc))
+
+
 class MasterServicer(master_pb2_grpc.MasterServicer):
     def __init__(self, master: JobMaster):
         self.m = master
@@ -1221,21 +1242,21 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             try:
                 event = self.m.rebalance(timeout=request.timeout_seconds or 600.0)
             except ScaleRefused as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                _refuse(context, exc)
             return master_pb2.ScaleResponse(event_json=json.dumps(event, sort_keys=True))
         if ps is None and workers is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give a PS count, a worker count or both")
         try:
             event = self.m.scale(ps, workers, request.timeout_seconds or 600.0)
         except ScaleRefused as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            _refuse(context, exc)
         return master_pb2.ScaleResponse(event_json=json.dumps(event, sort_keys=True))
 
     def Checkpoint(self, request, context):
         try:
             event = self.m.checkpoint(full=request.full)
         except ScaleRefused as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            _refuse(context, exc)
         except (OSError, ValueError, grpc.RpcError) as exc:
             context.abort(grpc.StatusCode.INTERNAL, f"checkpoint failed: {exc}")
         return master_pb2.CheckpointResponse(event_json=json.dumps(event, sort_keys=True))
