@@ -108,7 +108,6 @@ def _rebuild_keras(tf, record: dict, lookups: dict, dense: dict) -> tuple:
         raise ExportError(f"the recorded Keras model cannot be rebuilt here ({exc}); it was "
                           f"recorded with Keras {record.get('keras')}") from exc
     warnings = []
-    used = set()
     for v in model.variables:
         value = dense.get(v.path)
         if value is None:
@@ -122,7 +121,6 @@ def _rebuild_keras(tf, record: dict, lookups: dict, dense: dict) -> tuple:
             raise ExportError(f"variable '{v.path}': shape {list(v.shape)} in the model, "
                               f"{list(value.shape)} in the checkpoint")
         v.assign(np.asarray(value, np.float32).reshape(v.shape))
-        used.add(v.path)
     return model, warnings
 
 
