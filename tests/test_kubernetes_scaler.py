@@ -1,6 +1,9 @@
 """KubernetesScaler through the real ``kubernetes`` client against an in-process HTTP server
 that speaks the subset of the Kubernetes API the scaler uses (TFJob get/patch, pod
-list/watch/delete). The test plays the training operator: it adds and removes pods."""
+list/watch/delete). The test plays the training operator: it adds and removes pods, either
+by hand or (``operator=True``) as training-operator v1.9's ``ReconcilePods`` does on every
+change of the TFJob: a pod whose replica index is at or past ``replicas`` is deleted at once
+(``pkg/controller.v1/common/pod.go``), a missing index below it is created."""
 from __future__ import annotations
 
 import itertools
@@ -10,13 +13,20 @@ import threading
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import pytest
 from kubernetes import client
 
 from aimaster.config import parse_job
+from aimaster.registry import MemberState, Registry
 from aimaster.scaler import NodeState, ScalePlan, ScalerError, create_scaler
 from aimaster.scaler.kubernetes import KubernetesScaler, drain_guard
+from aimaster.scaler.local import LocalProcessScaler
+from aimaster.shards import Shard, ShardQueue
+from tfjob_crd import naming
+
+pytestmark = pytest.mark.timeout(60)
 
 NS, JOB = "team-a", "ctr"
 TFJOB_PATH = f"/apis/kubeflow.org/v1/namespaces/{NS}/tfjobs/{JOB}"
@@ -36,9 +46,13 @@ def _merge(dst: dict, patch: dict) -> dict:
 
 
 class FakeKubeAPI:
-    """Just enough of an API server; records every request."""
+    """Just enough of an API server; records every request. With ``operator`` it also plays
+    the training operator's reconcile of the TFJob after every patch, before answering it."""
 
-    def __init__(self, ps: int = 2, workers: int = 1):
+    def __init__(self, ps: int = 2, workers: int = 1, operator: bool = False):
+        self.operator = operator
+        self.timeline: list[tuple] = []        # ("patch", body) / ("deleted", member), in order
+        self.on_operator_delete = None        # called with the member just before its pod goes
         self.requests: list[dict] = []
         self.tfjob = {"apiVersion": "kubeflow.org/v1", "kind": "TFJob",
                       "metadata": {"name": JOB, "namespace": NS},
@@ -80,6 +94,9 @@ class FakeKubeAPI:
                     return self._send(200, api.tfjob)
                 if url.path == TFJOB_PATH and method == "PATCH":
                     _merge(api.tfjob, body)
+                    api.timeline.append(("patch", body))
+                    if api.operator:
+                        api.reconcile()
                     return self._send(200, api.tfjob)
                 if url.path == PODS_PATH and method == "GET" and query.get("watch") in ("true", "True", "1"):
                     return self._watch(int(query.get("resourceVersion") or 0),
@@ -172,6 +189,40 @@ class FakeKubeAPI:
             self._event("DELETED", pod)
         return pod
 
+    def reconcile(self) -> None:
+        """training-operator v1.9, ``ReconcilePods`` for each replica type: ``GetPodSlices``
+        groups the pods by replica index; an index ``>= replicas`` is deleted right away
+        (``PodControl.DeletePod``, default grace period), a missing one below it created."""
+        for rtype, spec in self.tfjob["spec"]["tfReplicaSpecs"].items():
+            rt, n = rtype.lower(), int(spec.get("replicas") or 0)
+            with self.cond:
+                have = {int(p["metadata"]["labels"]["training.kubeflow.org/replica-index"]): name
+                        for name, p in self.pods.items()
+                        if p["metadata"]["labels"]["training.kubeflow.org/replica-type"] == rt}
+            for index in sorted(have):
+                if index >= n:
+                    self._operator_delete(rt, index, have[index])
+            for index in range(n):
+                if index not in have:
+                    self.put_pod(rt, index, uid=f"uid-{JOB}-{rt}-{index}-{next(self.rv)}")
+
+    def _operator_delete(self, rt: str, index: int, name: str) -> None:
+        member = naming.member_id(rt, index)
+        if self.on_operator_delete is not None:
+            self.on_operator_delete(member)
+        self.timeline.append(("deleted", member))
+        with self.cond:
+            pod = self.pods.get(name)
+            if pod is None:
+                return
+            # deletionTimestamp set, SIGTERM: a running container ends, then the pod is gone
+            pod["metadata"]["deletionTimestamp"] = "2026-11-21T00:05:00Z"
+            cs = pod["status"]["containerStatuses"][0]
+            if "terminated" not in cs["state"]:
+                cs["state"] = {"terminated": {"exitCode": 143, "reason": "Error"}}
+        self._event("MODIFIED", pod)
+        self.delete_pod(name)
+
     def mutations(self) -> list[tuple]:
         return [(r["method"], r["path"], r["body"], r["content_type"])
                 for r in self.requests if r["method"] not in ("GET",)]
@@ -193,6 +244,20 @@ def api():
     a.put_pod("worker", 0)
     yield a
     a.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_threads_left():
+    """Every test stops what it started: the pod watch, the fake API's threads."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline:
+        extra = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+        if not extra:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"threads left behind: {[t.name for t in extra]}")
 
 
 def _scaler(api: FakeKubeAPI, **kw) -> KubernetesScaler:
@@ -330,3 +395,242 @@ def test_a_missing_tfjob_is_a_clear_error(api):
     cfg.host = api.url
     with pytest.raises(ScalerError, match="read TFJob nope: Kubernetes API 404"):
         KubernetesScaler(CONFIG, namespace=NS, job_name="nope", api_client=client.ApiClient(cfg))
+
+
+# -- scale-in against the operator's real deletion: drain the leavers, then lower the count ----
+SLOTS = 12
+
+
+class _Job:
+    """The part of the AIMaster that ``drain_guard`` reads (``routing``, ``registry``,
+    ``shards``), plus what a drain does: the scale event moves a leaving PS's slots to the PS
+    that stay; a leaving worker finishes its step, hands its shard back with its progress,
+    deregisters and exits. ``check`` runs when the operator deletes a pod and records what the
+    member still owned at that moment: anything there is lost."""
+
+    def __init__(self, api: FakeKubeAPI, ps_ids: list[str], workers: list[str]):
+        self.api = api
+        self.registry = Registry(lease_seconds=3600)
+        for i, p in enumerate(ps_ids):
+            self.registry.register("ps", p, 1, f"10.0.0.{i + 1}:2222")
+        for w in workers:
+            self.registry.register("worker", w, 1, "")
+        self.ps_ids = list(ps_ids)
+        self.epoch = 1
+        self.owner = {s: ps_ids[s % len(ps_ids)] for s in range(SLOTS)}
+        self.rows = {s: 1000 + s for s in range(SLOTS)}   # they travel with their slot
+        self.shards = ShardQueue([Shard(i, "/data/train-0.txt", 100 * i, 100 * (i + 1))
+                                  for i in range(2 * len(workers))])
+        self.held = {w: self.shards.assign(w)[1] for w in workers}
+        self.lost: list[tuple[str, list]] = []
+        api.on_operator_delete = self.check
+
+    @property
+    def routing(self):
+        return SimpleNamespace(ps_ids=tuple(self.ps_ids), epoch=self.epoch)
+
+    def owns(self, member: str) -> list:
+        if member.startswith("ps-"):
+            slots = sorted(s for s, o in self.owner.items() if o == member)
+            return slots or (["in routing"] if member in self.ps_ids else [])
+        doing = self.shards.to_state()["doing"]
+        held = sorted(int(s) for s, w in doing.items() if w == member)
+        m = self.registry.get(member)
+        return held or (["registered"] if m is not None and m.state == MemberState.RUNNING else [])
+
+    def check(self, member: str) -> None:
+        if self.owns(member):
+            self.lost.append((member, self.owns(member)))
+
+    def migrate_off(self, leaving: list[str]) -> None:
+        self.api.timeline.append(("drained", tuple(leaving)))
+        stay = [p for p in self.ps_ids if p not in leaving]
+        moved = [s for s in sorted(self.owner) if self.owner[s] in leaving]
+        for k, slot in enumerate(moved):
+            self.owner[slot] = stay[k % len(stay)]
+        self.ps_ids, self.epoch = stay, self.epoch + 1
+        for p in leaving:
+            self.registry.mark(p, MemberState.LEFT)
+
+    def worker_leaves(self, w: str, trained: int = 40) -> None:
+        self.api.timeline.append(("drained", (w,)))
+        shard = self.held.pop(w)
+        self.shards.give_back(w, [shard.shard_id], {shard.shard_id: trained})
+        self.registry.mark(w, MemberState.LEFT)
+        rt, index = naming.replica_of(w)
+        self.api.put_pod(rt, index, state={"terminated": {"exitCode": 0, "reason": "Completed"}},
+                         phase="Succeeded")
+
+
+def _operator_api(ps: int, workers: int) -> FakeKubeAPI:
+    """A running TFJob: Chief (worker-0), ``ps`` PS pods, ``workers`` Worker pods."""
+    a = FakeKubeAPI(ps=ps, workers=workers, operator=True)
+    a.put_pod("chief", 0)
+    for i in range(ps):
+        a.put_pod("ps", i)
+    for i in range(workers):
+        a.put_pod("worker", i)
+    return a
+
+
+def _running(s: KubernetesScaler) -> set[str]:
+    return {n.id for n in s.nodes() if n.state == NodeState.RUNNING}
+
+
+def test_leavers_are_the_highest_indices_and_what_apply_removes(api):
+    s = _scaler(api)
+    try:
+        # before the first apply adopts the operator's pods, nothing would be removed
+        assert s.leavers("ps", 0) == [] and s.leavers("worker", 0) == []
+        s.apply(ScalePlan(ps=2, workers=2))       # PS 2, Worker 1 (worker-0 is the chief)
+        assert s.leavers("ps", 2) == [] and s.leavers("ps", 5) == []
+        assert s.leavers("ps", 1) == ["ps-1"]
+        assert s.leavers("ps", 0) == ["ps-0", "ps-1"]
+        assert s.leavers("worker", 2) == []
+        assert s.leavers("worker", 1) == ["worker-1"]
+        assert s.leavers("worker", 0) == ["worker-1"]   # the chief's container stays
+        with pytest.raises(ValueError):
+            s.leavers("chief", 0)
+        assert s.apply(ScalePlan(workers=4)).started == ("worker-2", "worker-3")
+        assert s.leavers("worker", 2) == ["worker-2", "worker-3"]   # Worker pods 1, 2
+        assert s.apply(ScalePlan(workers=2)).stopped == ("worker-2", "worker-3")
+        assert s.apply(ScalePlan(ps=1)).stopped == ("ps-1",)
+    finally:
+        s.shutdown()
+    s = _scaler(api, chief_is_worker=False)   # a PS-only chief: every worker is a Worker pod
+    try:
+        s.apply(ScalePlan(ps=1, workers=1))
+        assert s.leavers("worker", 1) == [] and s.leavers("worker", 0) == ["worker-1"]
+    finally:
+        s.shutdown()
+
+
+def test_a_drained_scale_in_loses_nothing_when_the_operator_deletes_at_once():
+    api = _operator_api(ps=3, workers=2)
+    job = _Job(api, ["ps-0", "ps-1", "ps-2"], ["worker-0", "worker-1", "worker-2"])
+    s = _scaler(api, drain=drain_guard(lambda: job))
+    try:
+        s.apply(ScalePlan(ps=3, workers=3))
+        assert api.mutations() == []
+        rows = sum(job.rows.values())
+
+        # PS 3 -> 2: the operator will delete index 2; the AIMaster migrates exactly that one
+        leaving = s.leavers("ps", 2)
+        assert leaving == ["ps-2"]
+        job.migrate_off(leaving)
+        assert s.apply(ScalePlan(ps=2)).stopped == ("ps-2",)
+        assert api.timeline == [("drained", ("ps-2",)),
+                                ("patch", {"spec": {"tfReplicaSpecs": {"PS": {"replicas": 2}}}}),
+                                ("deleted", "ps-2")]
+        assert f"{JOB}-ps-2" not in api.pods and job.lost == []
+        exits = _wait(s.poll_exits)
+        assert [(e.id, e.state) for e in exits] == [("ps-2", NodeState.STOPPED)]
+
+        # workers 3 -> 2: Worker pod 1 (worker-2) goes; it finishes its step, hands its
+        # shard back with its progress and exits 0 before the count drops
+        api.timeline.clear()
+        leaving = s.leavers("worker", 2)
+        assert leaving == ["worker-2"]
+        shard = job.held["worker-2"]
+        job.worker_leaves("worker-2", trained=40)
+        _wait(lambda: any(n.id == "worker-2" and n.state == NodeState.SUCCEEDED for n in s.nodes()))
+        assert s.apply(ScalePlan(workers=2)).stopped == ("worker-2",)
+        assert api.timeline == [
+            ("drained", ("worker-2",)),
+            ("patch", {"spec": {"tfReplicaSpecs": {"Worker": {"replicas": 1}}}}),
+            ("deleted", "worker-2")]
+        assert f"{JOB}-worker-1" not in api.pods and job.lost == []
+
+        # nothing lost: every slot (and its rows) on a PS that is still running, and the
+        # returned shard is handed out again from where worker-2 stopped
+        assert set(job.owner.values()) == {"ps-0", "ps-1"} and sum(job.rows.values()) == rows
+        _wait(lambda: {"ps-0", "ps-1", "worker-0", "worker-1"} <= _running(s))
+        assert job.shards.complete("worker-1", [job.held["worker-1"].shard_id])
+        state, again = job.shards.assign("worker-1")
+        assert (again.shard_id, again.start, again.end) == (shard.shard_id, shard.start + 40, shard.end)
+        assert api.tfjob["spec"]["tfReplicaSpecs"]["PS"]["replicas"] == 2
+        assert api.tfjob["spec"]["tfReplicaSpecs"]["Worker"]["replicas"] == 1
+    finally:
+        s.shutdown()
+        api.close()
+
+
+def test_lowering_replicas_first_is_refused_before_the_operator_deletes_an_owner():
+    api = _operator_api(ps=3, workers=2)
+    job = _Job(api, ["ps-0", "ps-1", "ps-2"], ["worker-0", "worker-1", "worker-2"])
+    s = _scaler(api, drain=drain_guard(lambda: job))
+    try:
+        s.apply(ScalePlan(ps=3, workers=3))
+        with pytest.raises(ScalerError, match=r"\['ps-2'\] still own slots at routing epoch 1"):
+            s.apply(ScalePlan(ps=2))
+        with pytest.raises(ScalerError, match=r"worker-2 holds shards \[2\]"):
+            s.apply(ScalePlan(workers=2))
+        # its shard done but the worker not gone: it would lose the step it is in
+        job.shards.complete("worker-2", [job.held["worker-2"].shard_id])
+        with pytest.raises(ScalerError, match="worker-2 is still registered"):
+            s.apply(ScalePlan(workers=2))
+        with pytest.raises(ScalerError, match=r"\['ps-1', 'ps-2'\] still own.*worker-1 holds"):
+            s.apply(ScalePlan(ps=1, workers=1))
+        # refused before any request: the operator had nothing to act on
+        assert api.mutations() == [] and api.timeline == [] and job.lost == []
+        assert api.tfjob["spec"]["tfReplicaSpecs"]["PS"]["replicas"] == 3
+        assert api.tfjob["spec"]["tfReplicaSpecs"]["Worker"]["replicas"] == 2
+        assert _running(s) == {"ps-0", "ps-1", "ps-2", "worker-0", "worker-1", "worker-2"}
+    finally:
+        s.shutdown()
+    # the same call without the check: the operator deletes ps-2 with its slots, at once
+    s = _scaler(api)
+    try:
+        s.apply(ScalePlan(ps=3, workers=3))
+        s.apply(ScalePlan(ps=2))
+        assert job.lost == [("ps-2", [2, 5, 8, 11])]
+        assert f"{JOB}-ps-2" not in api.pods
+    finally:
+        s.shutdown()
+        api.close()
+
+
+def test_the_leavers_are_the_operators_victims_even_with_a_gap_in_the_routing():
+    """ps-1 died and its re-created pod has not joined yet: the routing is ps-0, ps-2, ps-3.
+    Keeping the two lowest routed ids (ps-0, ps-2) is not what the operator does at
+    replicas=2: it deletes indices 2 and 3. Draining only ps-3 is refused; draining the
+    leavers loses nothing."""
+    api = _operator_api(ps=4, workers=0)
+    job = _Job(api, ["ps-0", "ps-2", "ps-3"], ["worker-0"])
+    job.registry.register("ps", "ps-1", 1, "10.0.0.9:2222")
+    s = _scaler(api, drain=drain_guard(lambda: job))
+    try:
+        s.apply(ScalePlan(ps=4, workers=1))
+        keep = sorted(job.ps_ids, key=lambda i: int(i.rsplit("-", 1)[1]))[:2]
+        job.migrate_off([p for p in job.ps_ids if p not in keep])   # ps-3 only
+        with pytest.raises(ScalerError, match=r"\['ps-2'\] still own slots"):
+            s.apply(ScalePlan(ps=2))
+        assert api.mutations() == [] and job.lost == []
+
+        leaving = s.leavers("ps", 2)
+        assert leaving == ["ps-2", "ps-3"]
+        job.migrate_off([p for p in leaving if p in job.ps_ids])
+        assert s.apply(ScalePlan(ps=2)).stopped == ("ps-2", "ps-3")
+        assert [e for e in api.timeline if e[0] == "deleted"] == [("deleted", "ps-2"), ("deleted", "ps-3")]
+        assert job.lost == [] and set(job.owner.values()) == {"ps-0"}
+        assert f"{JOB}-ps-1" in api.pods and f"{JOB}-ps-0" in api.pods
+    finally:
+        s.shutdown()
+        api.close()
+
+
+def test_local_scaler_leavers_are_the_live_nodes_it_stops(tmp_path):
+    cfg = parse_job({"name": "loc", "ps": {"replicas": 1},
+                     "worker": {"replicas": 3, "command": ["{python}", "-c", "import time; time.sleep(60)"]}})
+    s = LocalProcessScaler("127.0.0.1:1", cfg, str(tmp_path / "logs"))
+    try:
+        s.apply(ScalePlan(workers=4))
+        assert s.leavers("worker", 4) == [] and s.leavers("worker", 2) == ["worker-2", "worker-3"]
+        s.kill("worker-2")          # gone: the next live one by index leaves instead
+        _wait(lambda: any(n.id == "worker-2" and n.state != NodeState.RUNNING for n in s.nodes()))
+        assert s.leavers("worker", 2) == ["worker-3"]
+        assert s.apply(ScalePlan(workers=2)).stopped == ("worker-3",)
+        assert s.leavers("worker", 1) == ["worker-1"]
+    finally:
+        s.shutdown(timeout=5)
+    assert all(n.state != NodeState.RUNNING for n in s.nodes())

@@ -52,6 +52,18 @@ class Scaler(abc.ABC):
         """Start or stop nodes until each role has the planned count."""
 
     @abc.abstractmethod
+    def leavers(self, role: str, count: int) -> list[str]:
+        """The node ids that ``apply`` removes when ``role`` ("ps" or "worker") is scaled
+        down to ``count``, in the order the backend removes them; ``[]`` if ``count`` is not
+        below the current count.
+
+        The backend, not the caller, decides who leaves: the local scaler stops the live
+        nodes past ``count`` by index, and on Kubernetes the training operator deletes
+        every pod whose replica index is past the new ``replicas`` (which may include a
+        node that is not live). A caller that scales in drains exactly these nodes (a PS's
+        slots migrated away, a worker's shards handed back) before it calls ``apply``."""
+
+    @abc.abstractmethod
     def nodes(self) -> list[NodeInfo]:
         """Every node this scaler manages, live or exited."""
 

@@ -3,10 +3,16 @@
 The only module that imports the ``kubernetes`` client (tests/test_layering.py checks it).
 
 - **Act.** Scaling patches ``spec.tfReplicaSpecs.{PS,Worker}.replicas`` of the job's own TFJob
-  (a JSON merge patch); the training operator creates the pods. On scale-in the scaler
-  removes the highest indices itself (the operator does not delete pods past the count),
-  and only after the leaving PS were drained: the AIMaster's scale event has already moved
-  their rows to the PS that stay (live hand-off), and ``drain`` refuses otherwise.
+  (a JSON merge patch); the training operator creates the pods.
+- **Scale-in.** The operator decides who leaves: in the reconcile that follows the patch,
+  ``ReconcilePods`` deletes every pod of the type whose replica index is ``>= replicas``
+  (``pkg/controller.v1/common/pod.go``, training-operator v1.9; the delete has the pod's
+  grace period). So the leavers are the highest indices (``leavers``), they are gone as soon
+  as the count drops, and they must be drained *before*: a PS's slots migrated to the PS that
+  stay, a worker's step finished and its shards handed back. ``apply`` asks ``drain`` about
+  every leaver before it sends the patch, and a leaver that still owns slots or shards makes
+  it refuse (``ScalerError``, nothing changed). After the patch the scaler deletes the
+  leavers' pods too (a no-op when the operator was first).
 - **Observe.** A pod watch turns a container exit, a failed (evicted) pod or a deleted pod
   into a node exit at once, instead of after the member's lease runs out.
 - **Where.** Namespace and TFJob name come from the pod's environment (downward API, set by
@@ -29,6 +35,7 @@ from kubernetes import client, config as kube_config, watch
 from kubernetes.client.exceptions import ApiException
 
 from aimaster.config import JobConfig
+from aimaster.registry import MemberState
 from aimaster.scaler.api import NodeInfo, NodeState, ScalePlan, ScaleResult, Scaler, ScalerError
 from tfjob_crd import naming
 
@@ -237,25 +244,46 @@ class KubernetesScaler(Scaler):
     def _worker_offset(self) -> int:
         return 1 if self.chief_is_worker else 0
 
+    def _want(self, plan: ScalePlan) -> dict[str, int]:
+        """The replica counts ``apply(plan)`` sends (lock held). worker-0 is the Chief's
+        container when ``chief_is_worker``: ``workers`` counts it, ``Worker.replicas`` not."""
+        want = dict(self._replicas)
+        if plan.ps is not None:
+            want["PS"] = max(plan.ps, 0)
+        if plan.workers is not None:
+            want["Worker"] = max(plan.workers - self._worker_offset(), 0)
+        if not self._adopted:
+            # the operator already created the manifest's pods; the AIMaster's first
+            # call (PS now, workers later) must not delete the workers meanwhile
+            want = {k: max(v, self._replicas[k]) for k, v in want.items()}
+        return want
+
+    def _removed(self, want: dict[str, int]) -> list[str]:
+        """Members whose pods the operator deletes when the counts become ``want``: replica
+        indices ``want[type]`` and up, in the order its reconcile deletes them (ascending)."""
+        return [naming.member_id(t, i) for t, key in (("ps", "PS"), ("worker", "Worker"))
+                for i in range(want[key], self._replicas[key])]
+
+    def leavers(self, role: str, count: int) -> list[str]:
+        """The highest replica indices of ``role``'s type: the pods the training operator
+        deletes once ``replicas`` drops (never worker-0, the Chief's container)."""
+        if role not in ("ps", "worker"):
+            raise ValueError(f"role {role!r}: expected 'ps' or 'worker'")
+        with self._lock:
+            plan = ScalePlan(ps=count) if role == "ps" else ScalePlan(workers=count)
+            return [m for m in self._removed(self._want(plan)) if m.startswith(role + "-")]
+
     def apply(self, plan: ScalePlan) -> ScaleResult:
         with self._lock:
-            want = dict(self._replicas)
-            if plan.ps is not None:
-                want["PS"] = plan.ps
-            if plan.workers is not None:
-                want["Worker"] = max(plan.workers - self._worker_offset(), 0)
-            if not self._adopted:
-                # the operator already created the manifest's pods; the AIMaster's first
-                # call (PS now, workers later) must not delete the workers meanwhile
-                self._adopted = True
-                want = {k: max(v, self._replicas[k]) for k, v in want.items()}
-            removed = [naming.member_id(t, i) for t, key in (("ps", "PS"), ("worker", "Worker"))
-                       for i in range(want[key], self._replicas[key])]
+            want = self._want(plan)
+            self._adopted = True
+            removed = self._removed(want)
             added = [naming.member_id(t, i) for t, key in (("ps", "PS"), ("worker", "Worker"))
                      for i in range(self._replicas[key], want[key])]
-            leaving_ps = [m for m in removed if m.startswith("ps-")]
-            if leaving_ps and self.drain is not None:
-                self.drain(leaving_ps)  # raises ScalerError: nothing was changed
+            if removed and self.drain is not None:
+                # the operator deletes these pods as soon as the count drops: every one must
+                # be drained first; raises ScalerError, and then nothing was changed
+                self.drain(removed)
             patch = {k: {"replicas": want[k]} for k in ("PS", "Worker") if want[k] != self._replicas[k]}
             if patch:
                 self._api(lambda: self.custom.patch_namespaced_custom_object(
@@ -344,17 +372,56 @@ def _sa_namespace() -> str:
         return ""
 
 
+def _shard_holders(shards) -> dict[str, list[int]]:
+    """worker id -> the DOING shards it holds, from a ShardQueue's public state."""
+    held: dict[str, list[int]] = {}
+    if shards is not None:
+        for sid, worker in (shards.to_state().get("doing") or {}).items():
+            held.setdefault(worker, []).append(int(sid))
+    return {w: sorted(ids) for w, ids in held.items()}
+
+
 def drain_guard(get_master) -> Callable[[list[str]], None]:
-    """The drain step for the AIMaster: its scale event hands a leaving PS's rows to the PS
-    that stay (live migration) before it calls ``apply``. A PS that still owns slots was not
-    drained, and removing its pod would lose rows: refuse."""
-    def drain(ps_ids: list[str]) -> None:
-        routing = get_master().routing
-        owning = [p for p in ps_ids if routing is not None and p in routing.ps_ids]
+    """The drain check for the AIMaster, run on the members a scale-in removes before the
+    replica count drops (after it, the operator deletes their pods at once):
+
+    - a PS is drained when the routing no longer names it: the scale event migrated its
+      slots to the PS that stay (live hand-off). Deleting one that still owns slots loses
+      its rows since the last checkpoint, or costs a recovery from its ring peer;
+    - a worker is drained when it left: it finished its step, handed its shards back with
+      their progress and deregistered (or the AIMaster gave its shards back after it died).
+      One that is still registered, or still holds a shard, would lose the step in flight.
+
+    Reads the JobMaster's ``routing``, ``registry`` and ``shards``; raises ScalerError."""
+    def drain(member_ids: list[str]) -> None:
+        master = get_master()
+        routing = master.routing
+        problems = []
+        owning = [p for p in member_ids
+                  if p.startswith("ps-") and routing is not None and p in routing.ps_ids]
         if owning:
-            raise ScalerError(f"{owning} still own slots at routing epoch {routing.epoch}: scale "
-                              "PS in through the AIMaster (`aimaster scale --ps N`), which hands "
-                              "their rows off first")
+            problems.append(f"{owning} still own slots at routing epoch {routing.epoch}: scale "
+                            "PS in through the AIMaster (`aimaster scale --ps N`), which hands "
+                            "their rows off first")
+        workers = [w for w in member_ids if w.startswith("worker-")]
+        if workers:
+            registry = getattr(master, "registry", None)
+            held = _shard_holders(getattr(master, "shards", None))
+            busy = []
+            for w in workers:
+                member = registry.get(w) if registry is not None else None
+                registered = member is not None and member.state == MemberState.RUNNING
+                if w in held:
+                    busy.append(f"{w} holds shards {held[w]}")
+                elif registered:
+                    busy.append(f"{w} is still registered")
+            if busy:
+                problems.append(f"workers not drained ({'; '.join(busy)}): scale workers in "
+                                "through the AIMaster (`aimaster scale --workers N`), which lets "
+                                "them finish their step and hand their shards back first")
+        if problems:
+            raise ScalerError("refusing to lower the replica count: the training operator "
+                              "deletes the pods past it at once; " + "; ".join(problems))
     return drain
 
 

@@ -92,15 +92,24 @@ class LocalProcessScaler(Scaler):
         log.info("started %s (pid %d), log %s", node_id, proc.pid, path)
         return _Node(role, node_id, proc, restarts, log_file=log_file)
 
+    def _live(self, role: str) -> list[_Node]:
+        """Running nodes of ``role`` that were not asked to stop, by index (lock held)."""
+        return sorted((n for n in self._nodes.values()
+                       if n.role == role and n.proc.poll() is None and not n.stopping),
+                      key=lambda n: int(n.id.rsplit("-", 1)[1]))
+
+    def leavers(self, role: str, count: int) -> list[str]:
+        """The live nodes past ``count`` by index: the ones ``apply`` sends SIGTERM."""
+        with self._lock:
+            return [n.id for n in self._live(role)[max(count, 0):]]
+
     def apply(self, plan: ScalePlan) -> ScaleResult:
         started, stopped = [], []
         with self._lock:
             for role, want in (("ps", plan.ps), ("worker", plan.workers)):
                 if want is None:
                     continue
-                live = sorted((n for n in self._nodes.values()
-                               if n.role == role and n.proc.poll() is None and not n.stopping),
-                              key=lambda n: int(n.id.rsplit("-", 1)[1]))
+                live = self._live(role)
                 index = 0
                 while len(live) < want:
                     node_id = f"{role}-{index}"
