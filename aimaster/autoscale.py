@@ -23,10 +23,10 @@ import time
 import grpc
 import psutil
 
+from aimaster.errors import Busy, NotRunning, OperationRefused
 from aimaster.plugins import MasterPlugin
 from aimaster.policy import CostLedger, Decision, Observation, Policy, PSSample, WorkerSample
-from deeprec_ext.grpc_util import insecure_channel
-from deeprec_ext.proto import ps_pb2, ps_pb2_grpc
+from aimaster.view import JobPhase
 
 log = logging.getLogger("aimaster.autoscale")
 
@@ -48,14 +48,12 @@ class AutoscalePlugin(MasterPlugin):
         self._thread: threading.Thread | None = None
         self._actor: threading.Thread | None = None
         self._followups: list[Decision] = []
-        self._channels: dict[str, tuple] = {}  # address -> (channel, stub)
         self._last_ps: dict[str, PSSample] = {}
         self._procs: dict[int, psutil.Process] = {}
         self.decisions: list[dict] = []
 
     # -- hooks
     def on_tick(self, master) -> None:
-        from aimaster.master import JobPhase
         if self._thread is None and master.phase == JobPhase.RUNNING:
             self.policy.clock = master.clock
             self._thread = threading.Thread(target=self._loop, args=(master,), daemon=True,
@@ -73,13 +71,9 @@ class AutoscalePlugin(MasterPlugin):
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
-        for ch, _ in self._channels.values():
-            ch.close()
-        self._channels.clear()
 
     # -- observe
     def _loop(self, master) -> None:
-        from aimaster.master import JobPhase
         interval = self.cfg.interval_seconds
         next_at = time.monotonic()
         while not self._stop.is_set() and master.phase == JobPhase.RUNNING:
@@ -100,19 +94,12 @@ class AutoscalePlugin(MasterPlugin):
             self._stop.wait(max(0.0, next_at - time.monotonic()))
             next_at = max(next_at, time.monotonic() - interval)  # do not burst after a stall
 
-    def _stub(self, address: str):
-        if address not in self._channels:
-            ch = insecure_channel(address)
-            self._channels[address] = (ch, ps_pb2_grpc.ParameterServerStub(ch))
-        return self._channels[address][1]
-
-    def _ps_sample(self, member) -> PSSample | None:
+    def _ps_sample(self, master, member) -> PSSample | None:
         try:
-            s = self._stub(member.address).Stats(ps_pb2.StatsRequest(),
-                                                 timeout=max(2.0, 2 * self.cfg.interval_seconds))
-        except grpc.RpcError as exc:
+            s = master.ps_stats(member.address, timeout=max(2.0, 2 * self.cfg.interval_seconds))
+        except (grpc.RpcError, ValueError) as exc:  # ValueError: its channel closed (it left)
             # busy (a migration) or gone: reuse its last sample so counts stay right
-            log.debug("Stats of %s failed: %s", member.id, exc.code().name)
+            log.debug("Stats of %s failed: %s", member.id, exc)
             return self._last_ps.get(member.id)
         sample = PSSample(member.id, s.rss_bytes, s.cpu_seconds, s.memory_limit_bytes,
                           rows=sum(t.rows for t in s.tables),
@@ -137,18 +124,18 @@ class AutoscalePlugin(MasterPlugin):
         from aimaster.registry import MemberState
         routing = master.routing
         in_routing = set(routing.ps_ids) if routing is not None else set()
-        ps = [self._ps_sample(m) for m in master._live_ps() if m.id in in_routing]
+        ps = [self._ps_sample(master, m) for m in master.live_ps() if m.id in in_routing]
         workers = []
-        for m in master._live_workers():
+        for m in master.live_workers():
             cpu, rss = self._cpu_and_rss(m.pid) if m.pid else (None, 0)
             workers.append(WorkerSample(m.id, m.samples, cpu, rss))
-        counts = master.shards.counts() if master.shards else {"todo": 0}
-        done = sum(1 for m in master.registry.members("worker") if m.state == MemberState.SUCCEEDED)
-        target = master._worker_target
+        counts = master.shard_counts()
+        done = sum(1 for m in master.members("worker") if m.state == MemberState.SUCCEEDED)
+        target = master.worker_target
         return Observation(
             time=master.clock(), ps=tuple(p for p in ps if p is not None), workers=tuple(workers),
             pending_work=float(counts["todo"]),
-            ps_target=master._ps_target,
+            ps_target=master.ps_target,
             # workers that finished their work are not missing
             worker_target=max(0, target - done) if target else None)
 
@@ -159,7 +146,7 @@ class AutoscalePlugin(MasterPlugin):
         with self._lock:
             self.decisions.append({"time": time.time(), **event})
             del self.decisions[:-100]
-        master._event("autoscale", **event)
+        master.record_event("autoscale", **event)
 
     def _apply(self, master, d: Decision) -> None:
         ps_now, w_now = self.policy.sizes()
@@ -175,10 +162,9 @@ class AutoscalePlugin(MasterPlugin):
         self._actor.start()
 
     def _scale(self, master, d: Decision) -> None:
-        from aimaster.master import Busy, NotRunning, ScaleRefused
         try:
             event = master.scale(ps=d.ps, workers=d.workers, timeout=self.cfg.max_wait_seconds)
-        except ScaleRefused as exc:
+        except OperationRefused as exc:
             with self._lock:
                 if isinstance(exc, (Busy, NotRunning)):
                     self.policy.pending = None  # not now: decide again on fresh samples
@@ -187,13 +173,13 @@ class AutoscalePlugin(MasterPlugin):
                     follow = self.policy.finished(d, ok=False)
                     if follow is not None:
                         self._followups.append(follow)
-            master._event("autoscale_refused", rule=d.rule, reason=str(exc))
+            master.record_event("autoscale_refused", rule=d.rule, reason=str(exc))
             return
         except Exception as exc:  # noqa: BLE001 - reported, the policy goes on
             log.exception("autoscale: scale failed")
             with self._lock:
                 self.policy.pending = None
-            master._event("autoscale_refused", rule=d.rule, reason=f"{type(exc).__name__}: {exc}")
+            master.record_event("autoscale_refused", rule=d.rule, reason=f"{type(exc).__name__}: {exc}")
             return
         with self._lock:
             self.policy.finished(d, ok=True, duration=event.get("duration_ms", 0.0) / 1000)

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import grpc
 
@@ -242,13 +243,31 @@ def cmd_status(args) -> int:
 
 
 def _refusal(exc: grpc.RpcError) -> str | None:
-    """The AIMaster's refusal of a change, in words (None for other failures): ABORTED
-    means another operation holds the job, so the same command may succeed later."""
-    if exc.code() == grpc.StatusCode.ABORTED:
-        return f"{exc.details()} (busy: try again)"
-    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-        return exc.details()
-    return None
+    """The AIMaster's refusal of a change, in words (None for other failures), decided by
+    the kind the status carries: busy means the same command may succeed later."""
+    from aimaster.errors import Busy, Preempted, from_rpc_error
+    refused = from_rpc_error(exc)
+    if refused is None:
+        return None
+    if isinstance(refused, (Busy, Preempted)):
+        return f"{refused} (busy: try again)"
+    return str(refused)
+
+
+def _what_happened(address: str, kind: str, since: float, timeout: float) -> dict | None:
+    """After a lost answer (the connection dropped, the deadline passed): the event of a
+    ``kind`` operation that started at or after ``since``, if the AIMaster recorded one."""
+    from deeprec_ext.grpc_util import insecure_channel
+    from deeprec_ext.proto import master_pb2, master_pb2_grpc
+    try:
+        with insecure_channel(address) as ch:
+            resp = master_pb2_grpc.MasterStub(ch).Status(master_pb2.StatusRequest(),
+                                                         timeout=timeout, wait_for_ready=True)
+    except grpc.RpcError:
+        return None
+    events = [json.loads(e) for e in resp.events_json]
+    return next((e for e in reversed(events) if e.get("kind") == kind
+                 and e.get("time", 0) >= since - 1.0), None)
 
 
 def cmd_scale(args) -> int:
@@ -268,12 +287,22 @@ def cmd_scale(args) -> int:
         req.ps = args.ps
     if args.workers is not None:
         req.workers = args.workers
+    sent = time.time()
     try:
         with insecure_channel(args.master) as ch:
             resp = master_pb2_grpc.MasterStub(ch).Scale(req, timeout=args.timeout + 30)
     except grpc.RpcError as exc:
         if (said := _refusal(exc)):
             return _fail(f"scale refused: {said}", 1)
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            # the answer was lost, not necessarily the scale: say what really happened
+            kind = "rebalance" if args.rebalance else "scale"
+            event = _what_happened(args.master, kind, sent, timeout=10)
+            if event is not None:
+                print(json.dumps(event, sort_keys=True))
+                print(f"aimaster: the answer was lost ({exc.code().name}), but the {kind} "
+                      "completed (event above)", file=sys.stderr)
+                return 0
         return _rpc_fail("scale failed at", args.master, exc)
     print(resp.event_json)
     return 0

@@ -38,7 +38,7 @@ from deeprec_ext.proto import master_pb2, sync_pb2, sync_pb2_grpc
 
 if TYPE_CHECKING:  # pragma: no cover
     from aimaster.config import ConsistencyConfig, JobConfig
-    from aimaster.master import JobMaster
+    from aimaster.view import JobView
 
 log = logging.getLogger("aimaster.consistent")
 
@@ -55,7 +55,7 @@ class StepCoordinator(sync_pb2_grpc.SyncCoordinatorServicer):
         self.virtual_workers = config.virtual_workers
         self.seed = config.seed
         self.max_steps = config.steps
-        self.master: "JobMaster | None" = None
+        self.master: "JobView | None" = None
         self._cond = threading.Condition()
         self.round = 0  # the step the open round will start
         self.vw = {r: (0, "") for r in range(self.virtual_workers)}  # rank -> (step, state)
@@ -73,9 +73,9 @@ class StepCoordinator(sync_pb2_grpc.SyncCoordinatorServicer):
         self._marked = [0] * self.virtual_workers
 
     # -- data by virtual rank ------------------------------------------------------------
-    def attach(self, master: "JobMaster") -> None:
+    def attach(self, master: "JobView") -> None:
         self.master = master
-        shards = master.shards.all_shards() if master.shards is not None else []
+        shards = master.all_shards()
         for r in range(self.virtual_workers):
             mine = virtual_rank_shards(shards, r, self.virtual_workers)
             ends = np.cumsum([s.records for s in mine]).tolist()
@@ -89,17 +89,17 @@ class StepCoordinator(sync_pb2_grpc.SyncCoordinatorServicer):
         if not 0 <= r < self.virtual_workers:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"virtual_rank {r} is outside [0, {self.virtual_workers})")
-        if self.master.shards is None:
+        if not self.master.has_data:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this job has no data section")
         out = [master_pb2.Shard(shard_id=s.shard_id, path=os.path.abspath(s.path), start=s.start,
                                 end=s.end, data_epoch=s.data_epoch)
-               for s in virtual_rank_shards(self.master.shards.all_shards(), r, self.virtual_workers)]
+               for s in virtual_rank_shards(self.master.all_shards(), r, self.virtual_workers)]
         return sync_pb2.VirtualShardsResponse(shards=out)
 
     # -- the barrier -------------------------------------------------------------------------
     def StepBarrier(self, request, context):
         m = self.master
-        member = m.registry.get(request.worker_id)
+        member = m.member(request.worker_id)
         if member is None or member.role != "worker" or member.state != MemberState.RUNNING:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"{request.worker_id!r} is not a live registered worker")
@@ -156,8 +156,8 @@ class StepCoordinator(sync_pb2_grpc.SyncCoordinatorServicer):
 
     def _expected(self) -> set[str]:
         m = self.master
-        live = {w.id for w in m.registry.members("worker") if w.state == MemberState.RUNNING}
-        present = {w.id for w in m._live_workers()}  # running and not being scaled in
+        live = {w.id for w in m.members("worker") if w.state == MemberState.RUNNING}
+        present = {w.id for w in m.live_workers()}  # running and not being scaled in
         return (set(self.hosts.values()) & live) | present
 
     def _try_complete(self) -> None:
@@ -172,7 +172,7 @@ class StepCoordinator(sync_pb2_grpc.SyncCoordinatorServicer):
             self._cond.notify_all()
             return
         m = self.master
-        leaving_ids = m._leaving
+        leaving_ids = m.leaving()
         arrived = dict(self._arrived)
         for wid, req in arrived.items():
             for s in req.states:
@@ -180,7 +180,7 @@ class StepCoordinator(sync_pb2_grpc.SyncCoordinatorServicer):
         dead = [w for w in arrived if w not in expected]  # arrived, then died or left
         staying = sorted((w for w in arrived if w not in dead and w not in leaving_ids
                           and not arrived[w].leaving),
-                         key=lambda w: (m.registry.get(w).rank, w))
+                         key=lambda w: (m.member(w).rank, w))
         if not staying:
             # everyone here is leaving: answer them, keep the virtual workers' states for
             # whoever joins next
@@ -220,7 +220,7 @@ class StepCoordinator(sync_pb2_grpc.SyncCoordinatorServicer):
         if old_hosts != self.hosts:
             self.changes += 1
             moved = sorted(r for r in self.hosts if old_hosts.get(r) != self.hosts[r])
-            m._event("sync_membership", step=self.round, workers=staying, moved_virtual=moved,
+            m.record_event("sync_membership", step=self.round, workers=staying, moved_virtual=moved,
                      lagging=lagging, boundary_wait_ms=round(wait_ms, 1))
         if not lagging:
             self._mark_shards(self.round)
@@ -245,8 +245,8 @@ class StepCoordinator(sync_pb2_grpc.SyncCoordinatorServicer):
                 done.append(shards[k][0])
                 k += 1
             self._marked[r] = k
-        if done and self.master.shards is not None:
-            self.master.shards.mark_done(done)
+        if done:
+            self.master.complete_shards(done)
 
     def _finish(self, arrived: dict) -> None:
         self._mark_shards(self.round)
@@ -255,12 +255,10 @@ class StepCoordinator(sync_pb2_grpc.SyncCoordinatorServicer):
         # records that do not fill a whole step (or lie past the step limit) are not
         # trained: every layout stops at the same step
         rest = [sid for r in range(self.virtual_workers) for sid, _ in self._shards[r][self._marked[r]:]]
-        if rest and self.master.shards is not None:
-            self.master.shards.mark_done(rest)
         self.finished = True
-        self.master._event("sync_finished", steps=self.round, untrained_records=int(dropped),
-                           membership_changes=self.changes)
-        self.master._save()
+        self.master.record_event("sync_finished", steps=self.round, untrained_records=int(dropped),
+                                 membership_changes=self.changes)
+        self.master.complete_shards(rest)  # persists the job state, the event with it
         self._arrived = {}
         self._cond.notify_all()
 
@@ -333,7 +331,7 @@ class ConsistentModePlugin(MasterPlugin):
             yield
         finally:
             self.coordinator.release()
-            master._event("sync_hold", step=step, reached_ms=round(waited, 1),
+            master.record_event("sync_hold", step=step, reached_ms=round(waited, 1),
                           paused_ms=round((time.monotonic() - held_at) * 1000, 1))
 
     def on_start(self, master, server) -> None:

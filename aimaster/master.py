@@ -1,8 +1,17 @@
 """The AIMaster: owns one job's membership, routing, data shards and lifecycle.
 
-Built by injection from a JobConfig, a Scaler and a clock. Watchers (scaler exits, lease
-expiry) report; ``_tick`` decides; the scaler acts. Every change of job state is written
-durably to ``<state_dir>/job_state.json`` before it is acknowledged.
+A thin coordinator built by injection from a JobConfig, a Scaler and a clock, around parts
+that each have one job:
+
+- ``Registry``: members and their leases;
+- ``PsFleet`` (aimaster/fleet.py): the only code that talks to PS processes;
+- ``OperationRunner`` (aimaster/operations.py): publish, rescale, rebalance, recover and
+  checkpoint, one at a time, recovery first;
+- ``ShardQueue``: the data shards; ``StateStore``: the durable job state;
+- plugins, which see the job through a read-only ``JobView`` (aimaster/view.py).
+
+Watchers (scaler exits, lease expiry) report; ``_tick`` decides; the scaler acts. Every
+change of job state is written durably before it is acknowledged.
 """
 from __future__ import annotations
 
@@ -13,8 +22,7 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from enum import Enum
+from concurrent.futures import Future
 from typing import Callable
 
 import grpc
@@ -22,47 +30,29 @@ import numpy as np
 
 from aimaster import placement
 from aimaster.config import JobConfig
+from aimaster.errors import Busy, NotRunning, OperationRefused, Preempted, ScaleRefused  # noqa: F401
+from aimaster.fleet import PsFleet
 from aimaster.migration import MigrationError, migrate
+from aimaster.operations import OperationRunner, OpKind
+from aimaster.plugins import MasterPlugin, load_plugins
 from aimaster.registry import Member, MemberState, Registry
 from aimaster.scaler import NodeState, ScalePlan, Scaler, create_scaler
+from aimaster.servicer import MasterServicer
 from aimaster.shards import ShardQueue, ShardState, make_shards
 from aimaster.state import StateStore
+from aimaster.view import FINAL_PHASES, JobPhase, JobView
+from deeprec_ext import errors as wire_errors
 from deeprec_ext.client.routing import RoutingTable, rebalance
-from aimaster.plugins import MasterPlugin, load_plugins
-from deeprec_ext.grpc_util import create_server, insecure_channel
-from deeprec_ext.proto import master_pb2, master_pb2_grpc, ps_pb2, ps_pb2_grpc
+from deeprec_ext.grpc_util import create_server
+from deeprec_ext.proto import master_pb2, master_pb2_grpc, ps_pb2
 
 log = logging.getLogger("aimaster")
 
 
-class JobPhase(str, Enum):
-    """STARTING (waiting for every PS) -> RUNNING -> SUCCEEDED | FAILED | STOPPED."""
-    STARTING = "starting"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    STOPPED = "stopped"
 
 
-FINAL_PHASES = (JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.STOPPED)
-
-
-class ScaleRefused(ValueError):
-    """A request for a change (scale, rebalance, checkpoint) that cannot be carried out
-    now or at all; nothing was changed. Callers decide by type, never by message:
-
-    - :class:`Busy`: another operation (scale, checkpoint, recovery) is running: try again;
-    - :class:`NotRunning`: the job is not running (starting, or over);
-    - the base class: the request itself is wrong (out of bounds, missing config).
-    """
-
-
-class Busy(ScaleRefused):
-    """Another operation holds the job; the same request may succeed later."""
-
-
-class NotRunning(ScaleRefused):
-    """The job is not running."""
+__all__ = ["JobMaster", "JobPhase", "FINAL_PHASES", "Busy", "NotRunning", "OperationRefused",
+           "Preempted", "ScaleRefused"]
 
 
 class JobMaster:
@@ -92,7 +82,9 @@ class JobMaster:
         # the job completes by itself only while it has workers to run (0: PS-only job)
         self._worker_target = config.worker.replicas
         self._ps_target = config.ps.replicas  # what replacements restore after a PS loss
-        self._scale_lock = threading.Lock()
+        self.fleet = PsFleet(config.replication_interval_ms, config.sync_replication)
+        self.ops = OperationRunner()
+        self.view = JobView(self)
         self._leaving: set[str] = set()
         self._main_calls: queue.Queue = queue.Queue()
         self._wake = threading.Event()
@@ -102,12 +94,14 @@ class JobMaster:
         self._barrier_arrived: set[str] = set()
         self._barrier_members: set[str] = set()
         self.checkpoint_dir = config.checkpoint_dir or os.path.join(config.state_dir, "checkpoints")
-        self._ckpt_lock = threading.Lock()
-        self._ckpt_chain: dict | None = None  # {"id", "since": {(ps id, pid): {table: seq}}, "n"}
+        # {"id", "n", "since": {"<ps id>#<incarnation>": {table: seq}}}: the cut of each PS
+        # *process*; a new process under the same id (and pid) starts with no cut
+        self._ckpt_chain: dict | None = None
         self._last_ckpt = self.clock()
         self._last_samples = (0, self.clock())
         self.plugins: list[MasterPlugin] = load_plugins(config)
         self._signalled = False
+        self._closing = False  # shutdown started: no new work for the main thread
         self._warm_tables: set | None = None  # tables of the init_from checkpoint
         self.final_checkpoint = ""   # directory of the final checkpoint, once taken
         self.export_dir = ""         # the SavedModel exported after it
@@ -167,7 +161,7 @@ class JobMaster:
             }
         self.store.save(state)
 
-    def _event(self, kind: str, **fields) -> None:
+    def record_event(self, kind: str, **fields) -> None:
         with self._lock:
             self.events.append({"kind": kind, "time": time.time(), **fields})
         log.info("event %s %s", kind, fields)
@@ -177,7 +171,7 @@ class JobMaster:
             if self.phase in FINAL_PHASES:
                 return
             self.phase, self.message = phase, message
-        self._event("phase", phase=phase.value, message=message)
+        self.record_event("phase", phase=phase.value, message=message)
         self._save()
 
     @staticmethod
@@ -193,7 +187,7 @@ class JobMaster:
             interceptors=[i for p in self.plugins for i in p.interceptors()])
         master_pb2_grpc.add_MasterServicer_to_server(MasterServicer(self), self.server)
         for plugin in self.plugins:
-            plugin.on_start(self, self.server)
+            plugin.on_start(self.view, self.server)
         self.server.start()
         self.address = f"{self.config.host}:{port}"
         with open(os.path.join(self.config.state_dir, "master.addr.tmp"), "w") as f:
@@ -208,10 +202,20 @@ class JobMaster:
     def on_main(self, fn: Callable, timeout: float = 120.0):
         """Run ``fn`` on the main loop thread and return its result. Child processes must
         be forked from the main thread: PR_SET_PDEATHSIG ties them to the forking thread."""
+        if self._closing:
+            raise NotRunning("the AIMaster is shutting down")
         fut: Future = Future()
         self._main_calls.put((fn, fut))
         self._wake.set()
         return fut.result(timeout)
+
+    def _fail_main_calls(self) -> None:
+        while True:
+            try:
+                _, fut = self._main_calls.get_nowait()
+            except queue.Empty:
+                return
+            fut.set_exception(NotRunning("the AIMaster is shutting down"))
 
     def _drain_main_calls(self) -> None:
         while True:
@@ -262,13 +266,20 @@ class JobMaster:
     def _run_hook(self, plugin: MasterPlugin, hook: str, *args) -> None:
         # a failing plugin must not take the job down: log it and go on
         try:
-            getattr(plugin, hook)(self, *args)
+            getattr(plugin, hook)(self.view, *args)
         except Exception:  # noqa: BLE001
             log.exception("plugin %s: %s failed", plugin.name, hook)
 
     def shutdown(self) -> None:
+        """Bounded, whatever is in flight: pending operations are cancelled, a running one
+        is asked to stop and given a few seconds, then the members are stopped."""
         for plugin in self.plugins:
             self._run_hook(plugin, "on_stop")
+        self._closing = True
+        if not self.ops.close(timeout=5.0):
+            log.warning("operation %s still running at shutdown; stopping the members under it",
+                        self.ops.running())
+        self._fail_main_calls()
         if self.scaler is not None:
             self.scaler.shutdown(timeout=self.config.grace_seconds)
             for m in self.registry.members():
@@ -278,6 +289,7 @@ class JobMaster:
                 os.remove(os.path.join(self.config.state_dir, "master.addr"))
             except FileNotFoundError:
                 pass
+        self.fleet.close()
         if self.server is not None:
             self.server.stop(grace=1).wait()
             self.server = None
@@ -297,7 +309,7 @@ class JobMaster:
                         and node.id not in self._leaving and self.phase == JobPhase.RUNNING
                         and self.shards is not None and not self.shards.finished()):
                     info = self.scaler.restart(node.id)
-                    self._event("worker_replaced", id=node.id, pid=info.pid, reason="left early")
+                    self.record_event("worker_replaced", id=node.id, pid=info.pid, reason="left early")
                 continue
             if member.state == MemberState.DEAD:  # lease expired earlier; now it is gone
                 if node.role == "worker" and self.phase == JobPhase.RUNNING:
@@ -311,7 +323,7 @@ class JobMaster:
             self._on_member_end(m.id, m.role, MemberState.DEAD, "lease expired")
         if self.phase == JobPhase.STARTING:
             if self.routing is None and self.clock() > ps_deadline:
-                ready = len(self._live_ps())
+                ready = len(self.live_ps())
                 self._set_phase(JobPhase.FAILED,
                                 f"only {ready}/{self.config.ps.replicas} PS registered within "
                                 f"{self.config.ps_start_timeout:.0f}s; see {self.config.state_dir}/logs")
@@ -325,22 +337,31 @@ class JobMaster:
                 return
             self._check_done()
 
-    def _live_ps(self) -> list[Member]:
+    @property
+    def ps_target(self) -> int:
+        """The PS count the job keeps (replacements restore it after a loss)."""
+        return self._ps_target
+
+    @property
+    def worker_target(self) -> int:
+        """The worker count; 0: a PS-only job, which does not end by itself."""
+        return self._worker_target
+
+    def live_ps(self) -> list[Member]:
         return [m for m in self.registry.members("ps") if m.state == MemberState.RUNNING and m.address]
 
     def _on_member_end(self, member_id: str, role: str, state: MemberState, why: str) -> None:
         if role == "worker":
             returned = self.shards.give_back(member_id) if self.shards else []
-            self._event("worker_end", id=member_id, state=state.value, reason=why,
+            self.record_event("worker_end", id=member_id, state=state.value, reason=why,
                         returned_shards=returned)
             if state == MemberState.DEAD and self.phase == JobPhase.RUNNING:
                 self._maybe_restart(member_id)
         elif role == "ps":
-            self._event("ps_end", id=member_id, state=state.value, reason=why)
+            self.record_event("ps_end", id=member_id, state=state.value, reason=why)
             routing = self.routing
             if self.phase == JobPhase.RUNNING and routing is not None and member_id in routing.ps_ids:
-                threading.Thread(target=self._recover_ps, args=(member_id, why), daemon=True,
-                                 name=f"recover-{member_id}").start()
+                self._submit_recovery(member_id, why)
             elif self.phase == JobPhase.STARTING:
                 self._set_phase(JobPhase.FAILED, f"{member_id} died while the job was starting ({why})")
         self._save()
@@ -355,10 +376,10 @@ class JobMaster:
         if member_id in self._leaving:
             return
         if node.restarts >= self.config.worker.max_restarts:
-            self._event("worker_gave_up", id=member_id, restarts=node.restarts)
+            self.record_event("worker_gave_up", id=member_id, restarts=node.restarts)
             return
         info = self.scaler.restart(member_id)
-        self._event("worker_restart", id=member_id, pid=info.pid, restarts=info.restarts)
+        self.record_event("worker_restart", id=member_id, pid=info.pid, restarts=info.restarts)
 
     def _check_done(self) -> None:
         nodes = [n for n in self.scaler.nodes() if n.role == "worker"]
@@ -383,7 +404,7 @@ class JobMaster:
         the PS stop. A failure here fails the job: its model would be lost."""
         if self.config.checkpoint_on_success:
             try:
-                event = self.checkpoint(full=True, final=True)
+                event = self._final_checkpoint()
             except Exception as exc:  # noqa: BLE001 - reported as the job's failure
                 log.exception("final checkpoint failed")
                 self._set_phase(JobPhase.FAILED, f"training finished but the final checkpoint "
@@ -392,7 +413,7 @@ class JobMaster:
             self.final_checkpoint = event["path"]
         if self.config.export.dir:
             if not self.final_checkpoint:
-                self._event("export_skipped", reason="checkpoint.on_success is false: "
+                self.record_event("export_skipped", reason="checkpoint.on_success is false: "
                             "nothing to export from")
                 return True
             try:
@@ -402,6 +423,23 @@ class JobMaster:
                                 f"written, but its export failed: {exc}")
                 return False
         return True
+
+    def _final_checkpoint(self, attempts: int = 20) -> dict:
+        """The final checkpoint; a recovery that pre-empts it (or a periodic checkpoint
+        still running) delays it, it does not lose the model."""
+        for _ in range(attempts - 1):
+            try:
+                return self.checkpoint(full=True, final=True)
+            except (Busy, Preempted) as exc:
+                log.info("final checkpoint waits: %s", exc)
+                self._await_idle(timeout=600)
+        return self.checkpoint(full=True, final=True)
+
+    def _await_idle(self, timeout: float) -> None:
+        deadline = self.clock() + timeout
+        while not self.ops.idle() and self.clock() < deadline:
+            self._drain_main_calls()
+            time.sleep(0.05)
 
     def _export(self, ckpt_path: str) -> str:
         """Export the final checkpoint in a child process (TensorFlow is not loaded in the
@@ -430,51 +468,48 @@ class JobMaster:
                 [ln for ln in lines if "Error" in ln.split(":")[0]] or lines or ["(no output)"]
             raise RuntimeError(f"{said[-1]} (see {log_path})")
         summary = json.loads(proc.stdout.strip().splitlines()[-1])
-        self._event("export", dir=out, duration_ms=round((self.clock() - start) * 1000, 1),
+        self.record_event("export", dir=out, duration_ms=round((self.clock() - start) * 1000, 1),
                     bytes=summary.get("bytes"), tables=summary.get("tables"))
         return out
 
     def on_ps_registered(self) -> None:
-        """Publish routing once every PS is up, then start the workers."""
+        """Once every PS is up, publish the first routing (and restore a resumed or warm
+        started model) -- exactly once, however many PS register at the same moment: the
+        publish is an operation, deduplicated by the runner and re-checked when it runs."""
         with self._lock:
-            if self.routing is not None:
+            if self.routing is not None or len(self.live_ps()) < self.config.ps.replicas:
                 return
-            ps = self._live_ps()
+        try:
+            self.ops.submit(OpKind.PUBLISH, self._publish_first)
+        except (Busy, NotRunning):
+            pass  # already on its way (or the job is ending)
+
+    def _publish_first(self, cancel: threading.Event) -> None:
+        with self._lock:
+            if self.routing is not None or self.phase != JobPhase.STARTING:
+                return
+            ps = self.live_ps()
             if len(ps) < self.config.ps.replicas:
                 return
             ps = sorted(ps, key=lambda m: m.rank)[: self.config.ps.replicas]
-            routing = RoutingTable.even([m.id for m in ps], [m.address for m in ps],
-                                        self.config.num_slots, self.epoch + 1)
+        # a PS that outlived a restarted AIMaster keeps its epoch: start above it
+        self.fleet.observe_epoch(self.epoch)
+        self.fleet.learn_epochs([m.address for m in ps])
+        routing = RoutingTable.even([m.id for m in ps], [m.address for m in ps],
+                                    self.config.num_slots, self.fleet.next_epoch())
         self._push_routing(routing)
         if self._resume_from is not None:
-            restored = self._restore_all(routing, os.path.abspath(self.checkpoint_dir),
-                                         self._resume_from)
-            self._event("resumed", checkpoint=self._resume_from, rows=restored,
-                        shards=self.shards.counts() if self.shards else None)
+            restored = self.fleet.restore(routing, os.path.abspath(self.checkpoint_dir),
+                                          self._resume_from)
+            self.record_event("resumed", checkpoint=self._resume_from, rows=restored,
+                              shards=self.shards.counts() if self.shards else None)
         elif self.config.init_from:
             if not self._warm_start(routing):
                 return
         with self._lock:
             self.routing, self.epoch = routing, routing.epoch
-        self._event("routing", epoch=routing.epoch, ps=list(routing.ps_ids))
+        self.record_event("routing", epoch=routing.epoch, ps=list(routing.ps_ids))
         self._set_phase(JobPhase.RUNNING)
-
-    def _restore_all(self, routing: RoutingTable, root: str, ckpt_id: int,
-                     warm: bool = False) -> int:
-        """Every PS loads the rows of its slots (in this job's slot space) from a checkpoint."""
-        def one(p: int, address: str) -> int:
-            mask = routing.slot_owner == p
-            with insecure_channel(address) as ch:
-                return ps_pb2_grpc.ParameterServerStub(ch).RestoreCheckpoint(
-                    ps_pb2.RestoreCheckpointRequest(
-                        root=root, ckpt_id=ckpt_id, slots=mask.astype(np.uint8).tobytes(),
-                        num_slots=routing.num_slots, warm_start=warm,
-                        reset_optimizer=warm and self.config.reset_optimizer),
-                    timeout=3600).rows
-
-        # all PS at once: each reads only the chunks of its slots
-        with ThreadPoolExecutor(len(routing.ps_addresses)) as pool:
-            return sum(pool.map(one, range(len(routing.ps_addresses)), routing.ps_addresses))
 
     def _warm_start(self, routing: RoutingTable) -> bool:
         """``init_from``: tables, optimizer slots and dense variables of another job's
@@ -490,7 +525,8 @@ class JobMaster:
                 raise CheckpointError(f"{self.config.init_from}: no restorable checkpoint")
             head = chains[0].head if ckpt_id is None else \
                 next(c for c in chains[0].checkpoints if c.id == ckpt_id)
-            rows = self._restore_all(routing, str(root.resolve()), head.id, warm=True)
+            rows = self.fleet.restore(routing, str(root.resolve()), head.id, warm=True,
+                                      reset_optimizer=self.config.reset_optimizer)
         except (CheckpointError, OSError) as exc:
             self._set_phase(JobPhase.FAILED, f"init_from: {exc}")
             return False
@@ -502,40 +538,21 @@ class JobMaster:
         self._step_base = int(extra.get("global_step", 0))
         tables = sorted(t for t in head.manifest["tables"] if not t.startswith("dense/"))
         self._warm_tables = set(head.manifest["tables"])
-        self._event("warm_start", checkpoint=str(head.path), rows=rows, tables=tables,
+        self.record_event("warm_start", checkpoint=str(head.path), rows=rows, tables=tables,
                     global_step=self._step_base, reset_optimizer=self.config.reset_optimizer,
                     from_num_slots=head.manifest["num_slots"], num_slots=routing.num_slots,
                     duration_ms=round((self.clock() - start) * 1000, 1))
         return True
 
-    def _push_routing(self, routing: RoutingTable) -> None:
-        """Ownership plus the replication ring (each PS's peer is the next PS in order)."""
-        n = len(routing.ps_addresses)
-        failed = []
-        for p, address in enumerate(routing.ps_addresses):
-            owned = (routing.slot_owner == p).astype(np.uint8)
-            member = self.registry.get(routing.ps_ids[p])
-            if member is not None and member.state != MemberState.RUNNING:
-                failed.append(routing.ps_ids[p])  # dead too: its own recovery handles it
-                continue
-            try:
-                with insecure_channel(address) as ch:
-                    ps_pb2_grpc.ParameterServerStub(ch).SetRouting(ps_pb2.SetRoutingRequest(
-                        epoch=routing.epoch, num_slots=routing.num_slots,
-                        owned_slots=owned.tobytes(), ps_id=routing.ps_ids[p],
-                        replica_peer=routing.ps_addresses[(p + 1) % n] if n > 1 else "",
-                        replication_interval_ms=self.config.replication_interval_ms,
-                        sync_replication=self.config.sync_replication),
-                        timeout=10, wait_for_ready=True)
-            except grpc.RpcError:
-                # a PS that died while this routing was being built (two PS killed
-                # together) is not an error here: its own recovery follows
-                member = self.registry.get(routing.ps_ids[p])
-                if member is not None and member.state != MemberState.RUNNING:
-                    failed.append(routing.ps_ids[p])
-                    continue
-                raise
-        return failed
+    def _push_routing(self, routing: RoutingTable) -> list[str]:
+        """Ownership plus the replication ring to every live PS of ``routing``; returns the
+        PS skipped because they died too (their own recovery follows)."""
+        def is_live(ps_id: str) -> bool:
+            member = self.registry.get(ps_id)
+            return member is None or member.state == MemberState.RUNNING
+        skipped = self.fleet.publish(routing, is_live)
+        self.fleet.retain(routing.ps_addresses)  # channels of PS that left are closed
+        return skipped
 
     # -- elasticity ----------------------------------------------------------------------------
     def report_stall(self, stall_ms: float) -> None:
@@ -544,66 +561,87 @@ class JobMaster:
                 self._stall_reports.append((self.clock(), stall_ms))
                 del self._stall_reports[:-1000]
 
+    def _await(self, fut, timeout: float | None):
+        """Wait for an operation; on the main thread keep serving ``on_main`` calls (the
+        operation may need one: children are forked from the main thread)."""
+        if threading.current_thread() is not threading.main_thread():
+            return fut.result(timeout)
+        deadline = None if timeout is None else self.clock() + timeout
+        while True:
+            try:
+                return fut.result(0.05)
+            except TimeoutError:
+                self._drain_main_calls()
+                if deadline is not None and self.clock() > deadline:
+                    raise
+
+    def _run_op(self, kind: OpKind, fn, key: str | None = None, timeout: float | None = None):
+        return self.ops.run(kind, fn, key, timeout, waiter=self._await)
+
+    def _require_running(self) -> None:
+        if self.phase != JobPhase.RUNNING:
+            raise NotRunning(f"the job is {self.phase.value}, not running")
+
     def scale(self, ps: int | None = None, workers: int | None = None,
               timeout: float = 600.0) -> dict:
         """Change the PS and/or worker count of the running job; returns the event.
 
-        Raises ScaleRefused (nothing changed) for counts out of bounds, a job that is not
-        running, or while another scale event is in progress.
+        Raises OperationRefused (nothing changed) for counts out of bounds, a job that is
+        not running, or Busy while another scale is queued or running.
         """
-        if not self._scale_lock.acquire(blocking=False):
-            raise Busy("another scale event is in progress; try again when it is done")
-        try:
-            if self.phase != JobPhase.RUNNING:
-                raise NotRunning(f"the job is {self.phase.value}, not running")
-            cfg = self.config
-            ps_before = len(self.routing.ps_ids)
-            workers_before = len(self._live_workers())
-            if ps is not None and not max(1, cfg.ps.min_replicas) <= ps <= cfg.ps.max_replicas:
-                raise ScaleRefused(f"ps={ps} is outside [{max(1, cfg.ps.min_replicas)}, "
+        self._require_running()
+        cfg = self.config
+        if ps is not None and not max(1, cfg.ps.min_replicas) <= ps <= cfg.ps.max_replicas:
+            raise OperationRefused(f"ps={ps} is outside [{max(1, cfg.ps.min_replicas)}, "
                                    f"{cfg.ps.max_replicas}] (ps.min_replicas / ps.max_replicas)")
-            if workers is not None:
-                if not cfg.worker.min_replicas <= workers <= cfg.worker.max_replicas:
-                    raise ScaleRefused(f"workers={workers} is outside [{cfg.worker.min_replicas}, "
+        if workers is not None:
+            if not cfg.worker.min_replicas <= workers <= cfg.worker.max_replicas:
+                raise OperationRefused(f"workers={workers} is outside [{cfg.worker.min_replicas}, "
                                        f"{cfg.worker.max_replicas}] (worker.min_replicas / max_replicas)")
-                if workers > 0 and not cfg.worker.command:
-                    raise ScaleRefused("workers > 0 needs worker.command in the job file")
-            if ps is not None:
-                live = {m.id for m in self._live_ps()}
-                dead = [p for p in self.routing.ps_ids if p not in live]
-                if dead:
-                    raise Busy(f"PS {dead} died and their recovery is in progress; "
-                                       "scale after it")
-            start = self.clock()
-            started_at = time.time()
-            event = {"kind": "scale", "ps": [ps_before, ps_before],
-                     "workers": [workers_before, workers_before], "moved_rows": 0,
-                     "moved_bytes": 0, "max_stall_ms": 0.0, "fence_ms": 0.0}
-            if ps is not None:
-                self._ps_target = ps
-            if ps is not None and ps != ps_before:
-                result = self._scale_ps(ps, start + timeout)
-                event.update(ps=[ps_before, ps], moved_rows=result.moved_rows,
-                             moved_bytes=result.moved_bytes, moved_slots=result.moved_slots,
-                             catchup_rows=result.catchup_rows, rounds=result.rounds,
-                             fence_ms=round(result.fence_ms, 3), epoch=result.routing.epoch)
-            if workers is not None and workers != workers_before:
-                self._workers_started = True
-                self._worker_target = workers  # before the change: 0 means "no completion check"
-                self._scale_workers(workers, start + timeout)
-                event["workers"] = [workers_before, len(self._live_workers())]
-            event["duration_ms"] = round((self.clock() - start) * 1000, 3)
-            if event["fence_ms"]:
-                # workers report their stalls with the next heartbeats (not part of the event)
-                time.sleep(2.5 * cfg.heartbeat_seconds)
-                with self._lock:
-                    reported = [v for t, v in self._stall_reports if t >= start]
-                # the fence window bounds any request's wait; client reports add their
-                # own re-routing round trips on top of it
-                event["max_stall_ms"] = round(max([event["fence_ms"], *reported]), 3)
-            return self._record(event, started_at)
-        finally:
-            self._scale_lock.release()
+            if workers > 0 and not cfg.worker.command:
+                raise OperationRefused("workers > 0 needs worker.command in the job file")
+        # the wait covers time in the queue (a checkpoint or recovery ahead of it) too
+        return self._run_op(OpKind.RESCALE, lambda cancel: self._scale_op(ps, workers, timeout),
+                            timeout=timeout + 60)
+
+    def _scale_op(self, ps: int | None, workers: int | None, timeout: float) -> dict:
+        self._require_running()
+        cfg = self.config
+        ps_before = len(self.routing.ps_ids)
+        workers_before = len(self.live_workers())
+        if ps is not None:
+            live = {m.id for m in self.live_ps()}
+            dead = [p for p in self.routing.ps_ids if p not in live]
+            if dead:
+                raise Busy(f"PS {dead} died and their recovery is in progress; scale after it")
+        start = self.clock()
+        started_at = time.time()
+        event = {"kind": "scale", "ps": [ps_before, ps_before],
+                 "workers": [workers_before, workers_before], "moved_rows": 0,
+                 "moved_bytes": 0, "max_stall_ms": 0.0, "fence_ms": 0.0}
+        if ps is not None:
+            self._ps_target = ps
+        if ps is not None and ps != ps_before:
+            result = self._scale_ps(ps, start + timeout)
+            event.update(ps=[ps_before, ps], moved_rows=result.moved_rows,
+                         moved_bytes=result.moved_bytes, moved_slots=result.moved_slots,
+                         catchup_rows=result.catchup_rows, rounds=result.rounds,
+                         fence_ms=round(result.fence_ms, 3), epoch=result.routing.epoch)
+        if workers is not None and workers != workers_before:
+            self._workers_started = True
+            self._worker_target = workers  # before the change: 0 means "no completion check"
+            self._scale_workers(workers, start + timeout)
+            event["workers"] = [workers_before, len(self.live_workers())]
+        event["duration_ms"] = round((self.clock() - start) * 1000, 3)
+        if event["fence_ms"]:
+            # workers report their stalls with the next heartbeats (not part of the event)
+            time.sleep(2.5 * cfg.heartbeat_seconds)
+            with self._lock:
+                reported = [v for t, v in self._stall_reports if t >= start]
+            # the fence window bounds any request's wait; client reports add their
+            # own re-routing round trips on top of it
+            event["max_stall_ms"] = round(max([event["fence_ms"], *reported]), 3)
+        return self._record(event, started_at)
 
     def _publish(self, routing: RoutingTable) -> None:
         """Publish a migration's new layout: PS learn it (and re-form the replication
@@ -611,7 +649,7 @@ class JobMaster:
         self._push_routing(routing)
         with self._lock:
             self.routing, self.epoch = routing, routing.epoch
-        self._event("routing", epoch=routing.epoch, ps=list(routing.ps_ids))
+        self.record_event("routing", epoch=routing.epoch, ps=list(routing.ps_ids))
         self._save()
 
     def _record(self, event: dict, started_at: float) -> dict:
@@ -628,81 +666,70 @@ class JobMaster:
         stack = contextlib.ExitStack()
         try:
             for plugin in self.plugins:
-                stack.enter_context(plugin.around_migration(self))
+                stack.enter_context(plugin.around_migration(self.view))
         except BaseException:
             stack.close()
             raise
         return stack
 
-    def _slot_stats(self, routing: RoutingTable) -> tuple[np.ndarray, np.ndarray] | None:
-        """(bytes, lookups) per slot summed over the PS of ``routing``; None if a PS
-        cannot answer (placement then falls back to equal slot counts)."""
-        nbytes = np.zeros(routing.num_slots, np.int64)
-        lookups = np.zeros(routing.num_slots, np.int64)
-        for address in routing.ps_addresses:
-            try:
-                with insecure_channel(address) as ch:
-                    r = ps_pb2_grpc.ParameterServerStub(ch).SlotStats(ps_pb2.SlotStatsRequest(),
-                                                                      timeout=30)
-            except grpc.RpcError as exc:
-                log.warning("placement: no slot stats from %s (%s); balancing slot counts",
-                            address, exc.code().name)
-                return None
-            if r.num_slots != routing.num_slots:
-                return None
-            nbytes += np.frombuffer(r.slot_bytes, "<i8")
-            lookups += np.frombuffer(r.slot_lookups, "<i8")
-        return nbytes, lookups
-
     def _slot_loads(self, routing: RoutingTable) -> np.ndarray | None:
-        stats = self._slot_stats(routing)
+        stats = self.fleet.slot_stats(routing)
         return None if stats is None else placement.slot_loads(*stats)
 
     def rebalance(self, tolerance: float = 0.05, timeout: float = 600.0) -> dict:
         """Move slots between the current PS so bytes and lookups are even (placement).
         Returns the event; nothing moves when every PS is within ``tolerance``."""
-        if not self._scale_lock.acquire(blocking=False):
-            raise Busy("another scale event is in progress; try again when it is done")
-        try:
-            if self.phase != JobPhase.RUNNING:
-                raise NotRunning(f"the job is {self.phase.value}, not running")
-            old = self.routing
-            live = {m.id for m in self._live_ps()}
-            if any(p not in live for p in old.ps_ids):
-                raise Busy("a PS died and its recovery is in progress; rebalance after it")
-            start, started_at = self.clock(), time.time()
-            stats = self._slot_stats(old)
-            if stats is None:
-                raise Busy("not every PS reported its slot statistics yet")
-            nbytes, lookups = stats
-            ids, n = list(old.ps_ids), len(old.ps_ids)
-            new_owner = placement.balance(old.slot_owner, ids, ids,
-                                          placement.slot_loads(nbytes, lookups), tolerance)
-            event = {"kind": "rebalance", "ps": n, "moved_slots": int((new_owner != old.slot_owner).sum()),
-                     "bytes_imbalance": [round(placement.imbalance(old.slot_owner, nbytes, n), 4),
-                                         round(placement.imbalance(new_owner, nbytes, n), 4)],
-                     "lookup_imbalance": [round(placement.imbalance(old.slot_owner, lookups, n), 4),
-                                          round(placement.imbalance(new_owner, lookups, n), 4)],
-                     "moved_rows": 0, "moved_bytes": 0, "fence_ms": 0.0}
-            if event["moved_slots"]:
-                try:
-                    with self._around_migration():
-                        result = migrate(old, new_owner, ids, list(old.ps_addresses), self._publish)
-                except MigrationError as exc:
-                    raise ScaleRefused(str(exc)) from exc
-                event.update(moved_rows=result.moved_rows, moved_bytes=result.moved_bytes,
-                             fence_ms=round(result.fence_ms, 3), epoch=result.routing.epoch)
-            event["duration_ms"] = round((self.clock() - start) * 1000, 3)
-            return self._record(event, started_at)
-        finally:
-            self._scale_lock.release()
+        self._require_running()
+        return self._run_op(OpKind.RESCALE, lambda cancel: self._rebalance_op(tolerance),
+                            key="rebalance", timeout=timeout + 60)
 
-    def _recover_ps(self, dead: str, why: str) -> None:
+    def _rebalance_op(self, tolerance: float) -> dict:
+        self._require_running()
+        old = self.routing
+        live = {m.id for m in self.live_ps()}
+        if any(p not in live for p in old.ps_ids):
+            raise Busy("a PS died and its recovery is in progress; rebalance after it")
+        start, started_at = self.clock(), time.time()
+        stats = self.fleet.slot_stats(old)
+        if stats is None:
+            raise Busy("not every PS reported its slot statistics yet")
+        nbytes, lookups = stats
+        ids, n = list(old.ps_ids), len(old.ps_ids)
+        new_owner = placement.balance(old.slot_owner, ids, ids,
+                                      placement.slot_loads(nbytes, lookups), tolerance)
+        event = {"kind": "rebalance", "ps": n, "moved_slots": int((new_owner != old.slot_owner).sum()),
+                 "bytes_imbalance": [round(placement.imbalance(old.slot_owner, nbytes, n), 4),
+                                     round(placement.imbalance(new_owner, nbytes, n), 4)],
+                 "lookup_imbalance": [round(placement.imbalance(old.slot_owner, lookups, n), 4),
+                                      round(placement.imbalance(new_owner, lookups, n), 4)],
+                 "moved_rows": 0, "moved_bytes": 0, "fence_ms": 0.0}
+        if event["moved_slots"]:
+            try:
+                with self._around_migration():
+                    result = migrate(self.fleet, old, new_owner, ids, list(old.ps_addresses),
+                                     self._publish)
+            except MigrationError as exc:
+                raise OperationRefused(str(exc)) from exc
+            event.update(moved_rows=result.moved_rows, moved_bytes=result.moved_bytes,
+                         fence_ms=round(result.fence_ms, 3), epoch=result.routing.epoch)
+        event["duration_ms"] = round((self.clock() - start) * 1000, 3)
+        return self._record(event, started_at)
+
+    def _submit_recovery(self, dead: str, why: str) -> None:
+        """Queue the recovery of a dead PS ahead of every other operation (it pre-empts a
+        running checkpoint). A recovery of the same PS already queued is the same one."""
+        def run(cancel: threading.Event) -> None:
+            try:
+                self._recover_ps_once(dead, why)
+            except Exception as exc:  # noqa: BLE001 - a recovery that cannot finish fails loudly
+                log.exception("recovery of %s failed", dead)
+                self._set_phase(JobPhase.FAILED, f"recovery of {dead} failed: {exc}")
         try:
-            self._recover_ps_once(dead, why)
-        except Exception as exc:  # noqa: BLE001 - a recovery that cannot finish fails loudly
-            log.exception("recovery of %s failed", dead)
-            self._set_phase(JobPhase.FAILED, f"recovery of {dead} failed: {exc}")
+            self.ops.submit(OpKind.RECOVER, run, key=f"recover-{dead}")
+        except Busy:
+            pass
+        except NotRunning:
+            log.warning("%s died while the job shuts down; not recovered", dead)
 
     def _newest_checkpoint(self):
         return self._newest_checkpoint_in(self.checkpoint_dir)
@@ -730,22 +757,16 @@ class JobMaster:
         counts = {p: int((old.slot_owner == old.ps_ids.index(p)).sum()) for p in candidates}
         target = min(candidates, key=lambda p: counts[p])
         try:
-            with insecure_channel(old.ps_addresses[old.ps_ids.index(target)]) as ch:
-                r = ps_pb2_grpc.ParameterServerStub(ch).RestoreCheckpoint(
-                    ps_pb2.RestoreCheckpointRequest(
-                        root=os.path.abspath(self.checkpoint_dir), ckpt_id=head.id,
-                        slots=mask.astype(np.uint8).tobytes(), num_slots=old.num_slots),
-                    timeout=3600)
+            rows = self.fleet.restore_slots(old.ps_addresses[old.ps_ids.index(target)], mask,
+                                            old.num_slots, os.path.abspath(self.checkpoint_dir),
+                                            head.id)
         except grpc.RpcError as exc:
             self._set_phase(JobPhase.FAILED, f"{dead} died, no live replica, and restoring its "
                             f"slots from checkpoint {head.id} failed: {exc.details()}")
             return None
         age_ms = (time.time() - (head.created or time.time())) * 1000
 
-        class _Resp:  # the fields the recovery event reads
-            rows = r.rows
-            replica_age_ms = age_ms
-        return target, head.id, _Resp()
+        return target, head.id, ps_pb2.PromoteResponse(rows=rows, replica_age_ms=age_ms)
 
     def _stop_node(self, node_id: str, timeout: float | None = None) -> None:
         """Make sure a departed PS's process is gone (hung, or still exiting) before a
@@ -766,82 +787,105 @@ class JobMaster:
         detected = self.clock()
         member = self.registry.get(dead)
         silent_ms = (detected - member.last_heartbeat) * 1000 if member else 0.0
-        with self._scale_lock:
-            old = self.routing
-            if self.phase != JobPhase.RUNNING or dead not in old.ps_ids:
+        # an operation: nothing else changes the layout meanwhile
+        old = self.routing
+        if self.phase != JobPhase.RUNNING or dead not in old.ps_ids:
+            return
+        ids = list(old.ps_ids)
+        i = ids.index(dead)
+        n = len(ids)
+        peer = ids[(i + 1) % n] if n > 1 else None
+        live = {m.id for m in self.live_ps()}
+        mask = old.slot_owner == i
+        restored_from = None
+        if peer is None or peer not in live:
+            # no live copy: restore only these slots from the newest checkpoint, onto the
+            # live PS holding the fewest slots
+            target = self._restore_slots_from_checkpoint(old, mask, live, dead, why)
+            if target is None:
                 return
-            ids = list(old.ps_ids)
-            i = ids.index(dead)
-            n = len(ids)
-            peer = ids[(i + 1) % n] if n > 1 else None
-            live = {m.id for m in self._live_ps()}
-            mask = old.slot_owner == i
-            restored_from = None
-            if peer is None or peer not in live:
-                # no live copy: restore only these slots from the newest checkpoint, onto the
-                # live PS holding the fewest slots
-                target = self._restore_slots_from_checkpoint(old, mask, live, dead, why)
+            peer, restored_from, resp = target
+        else:
+            resp = self._promote(old, ids, peer, dead, mask)
+            if resp is None:
+                # no promotable copy (the peer died too, not yet noticed, or its replica
+                # is still being rebuilt): restore these slots from the checkpoint
+                target = self._restore_slots_from_checkpoint(old, mask, live - {peer}, dead, why)
                 if target is None:
                     return
                 peer, restored_from, resp = target
-            else:
-                try:
-                    with insecure_channel(old.ps_addresses[ids.index(peer)]) as ch:
-                        resp = ps_pb2_grpc.ParameterServerStub(ch).Promote(ps_pb2.PromoteRequest(
-                            origin=dead, slots=mask.astype(np.uint8).tobytes(),
-                            num_slots=old.num_slots), timeout=120)
-                except grpc.RpcError as exc:
-                    if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                        self._set_phase(JobPhase.FAILED, f"{dead} died and promoting its replica "
-                                        f"on {peer} failed: {exc.code().name}: {exc.details()}")
-                        return
-                    # the peer died too (not yet noticed): fall back to the checkpoint
-                    log.warning("%s: replica peer %s unreachable; restoring from checkpoint", dead, peer)
-                    target = self._restore_slots_from_checkpoint(old, mask, live - {peer}, dead, why)
-                    if target is None:
-                        return
-                    peer, restored_from, resp = target
-            new_ids = [x for x in ids if x != dead]
-            owner_ids = np.asarray(ids, dtype=object)[old.slot_owner]
-            owner_ids[mask] = peer
-            index_of = {x: k for k, x in enumerate(new_ids)}
-            new_owner = np.array([index_of[x] for x in owner_ids], dtype=np.int32)
-            addresses = dict(zip(old.ps_ids, old.ps_addresses))
-            routing = RoutingTable(old.epoch + 1, old.num_slots, tuple(new_ids),
-                                   tuple(addresses[x] for x in new_ids), new_owner)
-            self._push_routing(routing)
-            with self._lock:
-                self.routing, self.epoch = routing, routing.epoch
-            resumed = self.clock()
-            event = {"kind": "recovery", "dead": dead, "reason": why, "promoted_on": peer,
-                     "promoted_rows": resp.rows, "epoch": routing.epoch,
-                     "restored_from_checkpoint": restored_from,
-                     "last_heartbeat_age_ms": round(silent_ms, 1),
-                     "resumed_ms": round((resumed - detected) * 1000, 1),
-                     "replication_interval_ms": 0.0 if self.config.sync_replication
-                     else self.config.replication_interval_ms,
-                     # the updates at risk are those the dead PS applied after its last
-                     # shipment: measured as the replica's age when it was promoted
-                     "updates_at_risk_ms": round(resp.replica_age_ms, 1)
-                     if restored_from is not None or not self.config.sync_replication else 0.0,
-                     "replication": "sync" if self.config.sync_replication else "async",
-                     "time": time.time()}
-            with self._lock:
-                self.events.append(event)
-            log.info("event recovery %s", event)
-            self._save()
+        new_ids = [x for x in ids if x != dead]
+        owner_ids = np.asarray(ids, dtype=object)[old.slot_owner]
+        owner_ids[mask] = peer
+        index_of = {x: k for k, x in enumerate(new_ids)}
+        new_owner = np.array([index_of[x] for x in owner_ids], dtype=np.int32)
+        addresses = dict(zip(old.ps_ids, old.ps_addresses))
+        routing = RoutingTable(self.fleet.next_epoch(), old.num_slots, tuple(new_ids),
+                               tuple(addresses[x] for x in new_ids), new_owner)
+        self._push_routing(routing)
+        with self._lock:
+            self.routing, self.epoch = routing, routing.epoch
+        resumed = self.clock()
+        event = {"kind": "recovery", "dead": dead, "reason": why, "promoted_on": peer,
+                 "promoted_rows": resp.rows, "epoch": routing.epoch,
+                 "restored_from_checkpoint": restored_from,
+                 "last_heartbeat_age_ms": round(silent_ms, 1),
+                 "resumed_ms": round((resumed - detected) * 1000, 1),
+                 "replication_interval_ms": 0.0 if self.config.sync_replication
+                 else self.config.replication_interval_ms,
+                 # the updates at risk are those the dead PS applied after its last
+                 # shipment: measured as the replica's age when it was promoted
+                 "updates_at_risk_ms": round(resp.replica_age_ms, 1)
+                 if restored_from is not None or not self.config.sync_replication else 0.0,
+                 "replication": "sync" if self.config.sync_replication else "async",
+                 "time": time.time()}
+        with self._lock:
+            self.events.append(event)
+        log.info("event recovery %s", event)
+        self._save()
         self._stop_node(dead)
-        # replacement: an ordinary scale-out back to the job's PS count (other recoveries
-        # or scale events may hold the lock for a while: wait for them)
-        deadline = self.clock() + 600
-        while self.phase == JobPhase.RUNNING and len(self.routing.ps_ids) < self._ps_target:
+        self._submit_replacement(dead)
+
+    def _promote(self, old: RoutingTable, ids: list[str], peer: str, dead: str, mask):
+        """Promote ``peer``'s replica of ``dead``'s slots; None when it has no promotable
+        copy. A replica being rebuilt (full resync) is waited for, within a bound."""
+        deadline = self.clock() + self.config.lease_seconds * 10 + 10
+        while True:
             try:
-                self.scale(ps=self._ps_target)
-            except ScaleRefused as exc:
-                if not isinstance(exc, Busy) or self.clock() > deadline:
-                    self._event("replacement_failed", dead=dead, reason=str(exc))
-                    return
-                time.sleep(0.5)
+                return self.fleet.promote(old.ps_addresses[ids.index(peer)], dead, mask,
+                                          old.num_slots)
+            except grpc.RpcError as exc:
+                kind = wire_errors.kind_of(exc)
+                if kind == wire_errors.ErrorKind.RESYNCING and self.clock() < deadline:
+                    time.sleep(0.1)
+                    continue
+                if exc.code() == grpc.StatusCode.UNAVAILABLE or kind in (
+                        wire_errors.ErrorKind.RESYNCING, wire_errors.ErrorKind.NO_REPLICA):
+                    log.warning("%s: no promotable replica on %s (%s: %s); restoring from "
+                                "checkpoint", dead, peer, exc.code().name, exc.details())
+                    return None
+                raise OperationRefused(f"{dead} died and promoting its replica on {peer} "
+                                       f"failed: {exc.code().name}: {exc.details()}") from exc
+
+    def _submit_replacement(self, dead: str) -> None:
+        """A replacement for a recovered PS: an ordinary scale-out back to the job's PS
+        count, queued behind whatever runs now (its own key: a user's scale request is
+        not refused because of it)."""
+        def run(cancel: threading.Event):
+            if self.phase != JobPhase.RUNNING or len(self.routing.ps_ids) >= self._ps_target:
+                return None
+            try:
+                return self._scale_op(self._ps_target, None, 600.0)
+            except Busy:  # e.g. another PS died meanwhile: after its recovery
+                if not cancel.is_set():
+                    threading.Timer(1.0, self._submit_replacement, args=(dead,)).start()
+            except OperationRefused as exc:
+                self.record_event("replacement_failed", dead=dead, reason=str(exc))
+            return None
+        try:
+            self.ops.submit(OpKind.RESCALE, run, key=f"replace-{dead}")
+        except (Busy, NotRunning):
+            pass
 
     def global_step(self) -> int:
         """Training steps of all workers of this job plus those of the checkpoint it
@@ -875,99 +919,120 @@ class JobMaster:
             raise ValueError("model_json: expected an object with kind 'keras' or 'tables'")
         with self._lock:
             self.model_spec = spec
-        self._event("model_recorded", worker=worker_id, model_kind=spec["kind"],
+        self.record_event("model_recorded", worker=worker_id, model_kind=spec["kind"],
                     tables=sorted(spec.get("tables", {})))
         if self._warm_tables is not None:
             fresh = sorted(set(spec.get("tables", {})) - self._warm_tables)
             if fresh:
                 log.warning("tables %s are not in the init_from checkpoint: they start fresh", fresh)
-                self._event("warm_start_fresh_tables", tables=fresh)
+                self.record_event("warm_start_fresh_tables", tables=fresh)
         self._save()
 
     def checkpoint(self, full: bool = False, final: bool = False) -> dict:
-        """Take a checkpoint now: every PS writes the rows of its slots (incremental: rows
-        changed since its part of the previous checkpoint), then the manifest is committed
-        with the data-shard queues and the routing, so model and consumed data match."""
+        """Take a checkpoint now (an operation: after a running scale, before a pending
+        one; a recovery pre-empts it). Busy while another checkpoint is queued or running."""
+        self._require_running()
+        return self._run_op(OpKind.CHECKPOINT, lambda cancel: self._checkpoint_op(cancel, full, final))
+
+    @staticmethod
+    def _cut_key(member: Member) -> str:
+        """Per-process key of a PS's checkpoint cut: its id and incarnation. A replacement
+        under the same id -- and, in a container, the same pid 1 -- has no cut yet, so its
+        first incremental holds every row it has instead of those past the old one's cut."""
+        return f"{member.id}#{member.incarnation}"
+
+    def _checkpoint_op(self, cancel: threading.Event, full: bool, final: bool) -> dict:
+        """Every PS writes the rows of its slots (incremental: rows changed since its part
+        of the previous checkpoint), then the manifest is committed with the data-shard
+        queues and the routing, so model and consumed data match. The layout cannot change
+        meanwhile (operations run one at a time); lookups and pushes go on."""
         from checkpoint import CheckpointWriter, apply_retention, next_id
         from checkpoint.format import dir_name
-        if not self._ckpt_lock.acquire(blocking=False):
-            raise Busy("a checkpoint is already being taken")
-        try:
-            if self.phase != JobPhase.RUNNING:
-                raise NotRunning(f"the job is {self.phase.value}, not running")
-            start = self.clock()
-            with self._scale_lock:  # a stable layout while the PS write
-                routing = self.routing
-                members = {m.id: m for m in self._live_ps()}
-                missing = [p for p in routing.ps_ids if p not in members]
-                if missing:
-                    raise Busy(f"PS {missing} are not live (recovery in progress?)")
-                chain = self._ckpt_chain
-                incr = (not full and chain is not None
-                        and chain["n"] % self.config.checkpoint_full_every != 0)
-                ckpt_id = next_id(self.checkpoint_dir)
-                kind = "incr" if incr else "full"
-                shard_state = self.shards.to_state() if self.shards else None
-                results = {}
-                for ps_id, address in zip(routing.ps_ids, routing.ps_addresses):
-                    key = f"{ps_id}@{members[ps_id].pid}"
-                    since = (chain["since"].get(key, {}) if incr else {})
-                    with insecure_channel(address) as ch:
-                        results[key] = ps_pb2_grpc.ParameterServerStub(ch).WriteCheckpoint(
-                            ps_pb2.WriteCheckpointRequest(
-                                root=os.path.abspath(self.checkpoint_dir), ckpt_id=ckpt_id,
-                                kind=kind, parent=chain["id"] if incr else 0, writer_id=ps_id,
-                                since_json=json.dumps(since)), timeout=3600)
-            writer = CheckpointWriter(self.checkpoint_dir, ckpt_id, kind,
-                                      parent=chain["id"] if incr else None,
-                                      num_slots=routing.num_slots)
-            for resp in results.values():
-                writer.add_file_entries(json.loads(resp.files_json))
-            writer.add_extra({"job": self.config.name, "epoch": routing.epoch,
-                              "ps_ids": list(routing.ps_ids), "shards": shard_state,
-                              "slot_owner": routing.slot_owner.tolist(),
-                              "global_step": self.global_step(), "model": self.model_spec,
-                              "final": final})
-            writer.commit()
-            self._ckpt_chain = {"id": ckpt_id, "n": (chain["n"] + 1) if incr else 1,
-                                "since": {k: json.loads(r.cut_json) for k, r in results.items()}}
-            self._last_ckpt = self.clock()
-            # manifest checks (checksum, file sizes), not a sha256 of the whole chain after
-            # every commit; restores still verify every chunk they read
-            deleted = apply_retention(self.checkpoint_dir, self.config.checkpoint_keep_chains,
-                                      verify="manifest")
-            event = {"kind": "checkpoint", "id": ckpt_id, "type": kind,
-                     "rows": sum(r.rows for r in results.values()),
-                     "bytes": sum(r.bytes for r in results.values()),
-                     "duration_ms": round((self.clock() - start) * 1000, 1),
-                     "dir": os.path.abspath(self.checkpoint_dir), "retention_deleted": deleted,
-                     "path": os.path.join(os.path.abspath(self.checkpoint_dir),
-                                          dir_name(ckpt_id, kind)),
-                     "global_step": self.global_step(), "final": final,
-                     "time": time.time()}
-            with self._lock:
-                self.events.append(event)
-                self.checkpoint_pointer = event
-            log.info("event checkpoint %s", event)
-            self._save()
-            return event
-        finally:
-            self._ckpt_lock.release()
+        self._require_running()
+        start = self.clock()
+        routing = self.routing
+        members = {m.id: m for m in self.live_ps()}
+        missing = [p for p in routing.ps_ids if p not in members]
+        if missing:
+            raise Busy(f"PS {missing} are not live (recovery in progress?)")
+        chain = self._ckpt_chain
+        incr = (not full and chain is not None
+                and chain["n"] % self.config.checkpoint_full_every != 0)
+        ckpt_id = next_id(self.checkpoint_dir)
+        kind = "incr" if incr else "full"
+        shard_state = self.shards.to_state() if self.shards else None
+        futures = {}
+        for ps_id, address in zip(routing.ps_ids, routing.ps_addresses):
+            key = self._cut_key(members[ps_id])
+            since = (chain["since"].get(key, {}) if incr else {})
+            futures[key] = self.fleet.write_checkpoint(address, ps_pb2.WriteCheckpointRequest(
+                root=os.path.abspath(self.checkpoint_dir), ckpt_id=ckpt_id, kind=kind,
+                parent=chain["id"] if incr else 0, writer_id=ps_id, since_json=json.dumps(since)))
+        while not all(f.done() for f in futures.values()):
+            if cancel.wait(0.05):
+                for f in futures.values():
+                    f.cancel()
+                # no manifest: the chunks written so far are never part of a checkpoint
+                self.record_event("checkpoint_preempted", id=ckpt_id, type=kind)
+                raise Preempted(f"checkpoint {ckpt_id} was pre-empted by a PS recovery; "
+                                "nothing was committed")
+        results = {k: f.result() for k, f in futures.items()}
+        writer = CheckpointWriter(self.checkpoint_dir, ckpt_id, kind,
+                                  parent=chain["id"] if incr else None,
+                                  num_slots=routing.num_slots)
+        for resp in results.values():
+            writer.add_file_entries(json.loads(resp.files_json))
+        writer.add_extra({"job": self.config.name, "epoch": routing.epoch,
+                          "ps_ids": list(routing.ps_ids), "shards": shard_state,
+                          "slot_owner": routing.slot_owner.tolist(),
+                          "global_step": self.global_step(), "model": self.model_spec,
+                          "final": final})
+        writer.commit()
+        self._ckpt_chain = {"id": ckpt_id, "n": (chain["n"] + 1) if incr else 1,
+                            "since": {k: json.loads(r.cut_json) for k, r in results.items()}}
+        self._last_ckpt = self.clock()
+        # manifest checks (checksum, file sizes), not a sha256 of the whole chain after
+        # every commit; restores still verify every chunk they read
+        deleted = apply_retention(self.checkpoint_dir, self.config.checkpoint_keep_chains,
+                                  verify="manifest")
+        event = {"kind": "checkpoint", "id": ckpt_id, "type": kind,
+                 "rows": sum(r.rows for r in results.values()),
+                 "bytes": sum(r.bytes for r in results.values()),
+                 "duration_ms": round((self.clock() - start) * 1000, 1),
+                 "dir": os.path.abspath(self.checkpoint_dir), "retention_deleted": deleted,
+                 "path": os.path.join(os.path.abspath(self.checkpoint_dir),
+                                      dir_name(ckpt_id, kind)),
+                 "global_step": self.global_step(), "final": final,
+                 "time": time.time()}
+        with self._lock:
+            self.events.append(event)
+            self.checkpoint_pointer = event
+        log.info("event checkpoint %s", event)
+        self._save()
+        return event
 
     def _maybe_periodic_checkpoint(self) -> None:
         every = self.config.checkpoint_interval_seconds
-        if every and self.phase == JobPhase.RUNNING and self.clock() - self._last_ckpt >= every \
-                and not self._ckpt_lock.locked():
-            self._last_ckpt = self.clock()
+        if not every or self.phase != JobPhase.RUNNING or self.clock() - self._last_ckpt < every:
+            return
+        self._last_ckpt = self.clock()
+        try:
+            fut = self.ops.submit(OpKind.CHECKPOINT,
+                                  lambda cancel: self._checkpoint_op(cancel, False, False))
+        except (Busy, NotRunning):
+            return
 
-            def run():
-                try:
-                    self.checkpoint()
-                except Exception as exc:  # noqa: BLE001 - reported as an event, job goes on
-                    self._event("checkpoint_failed", reason=str(exc))
-            threading.Thread(target=run, daemon=True, name="checkpoint").start()
+        def done(f) -> None:  # reported as an event; the job goes on
+            exc = None if f.cancelled() else f.exception()
+            if exc is not None and not isinstance(exc, Preempted):
+                self.record_event("checkpoint_failed", reason=str(exc))
+        fut.add_done_callback(done)
 
-    def _live_workers(self) -> list[Member]:
+    def leaving(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._leaving)
+
+    def live_workers(self) -> list[Member]:
         return [m for m in self.registry.members("worker")
                 if m.state == MemberState.RUNNING and m.id not in self._leaving]
 
@@ -977,7 +1042,7 @@ class JobMaster:
             if value:
                 return value
             time.sleep(0.05)
-        raise ScaleRefused(f"timed out waiting for {what}")
+        raise OperationRefused(f"timed out waiting for {what}")
 
     def _scale_ps(self, n: int, deadline: float):
         old = self.routing
@@ -986,35 +1051,39 @@ class JobMaster:
             self.on_main(lambda: self.scaler.apply(ScalePlan(ps=n)))
             try:
                 fresh = self._wait(lambda: (lambda new: new if len(new) >= n - len(old_ids) else None)(
-                    [m for m in self._live_ps() if m.id not in old_ids]), deadline,
+                    [m for m in self.live_ps() if m.id not in old_ids]), deadline,
                     f"{n - len(old_ids)} new PS to register")
-            except ScaleRefused:
-                for m in self._live_ps():
+            except OperationRefused:
+                for m in self.live_ps():
                     if m.id not in old_ids:
                         self.registry.mark(m.id, MemberState.LEFT)
-                self.on_main(lambda: self.scaler.apply(ScalePlan(ps=len(old_ids))))
+                self.on_main(lambda: self.scaler.apply(ScalePlan(ps=self._count_keeping("ps", old_ids))))
                 raise
             joining = sorted(fresh, key=lambda m: m.rank)[: n - len(old_ids)]
             new_ids = old_ids + [m.id for m in joining]
         else:
-            keep = sorted(old_ids, key=lambda i: int(i.rsplit("-", 1)[1]))[:n]
-            new_ids = [i for i in old_ids if i in keep]
-        addresses = {m.id: m.address for m in self._live_ps()}
+            # the backend decides who leaves (on Kubernetes the operator deletes the
+            # highest replica indices): exactly those are drained before the count drops
+            leaving = set(self.scaler.leavers("ps", n))
+            new_ids = [i for i in old_ids if i not in leaving]
+            if not new_ids:
+                raise OperationRefused(f"scaling PS to {n} would remove every PS that owns slots")
+        addresses = {m.id: m.address for m in self.live_ps()}
         loads = self._slot_loads(old)
         new_owner = rebalance(old.slot_owner, old_ids, new_ids) if loads is None else \
             placement.balance(old.slot_owner, old_ids, new_ids, loads)
 
         try:
             with self._around_migration():
-                result = migrate(old, new_owner, new_ids, [addresses[i] for i in new_ids],
-                                 self._publish)
+                result = migrate(self.fleet, old, new_owner, new_ids,
+                                 [addresses[i] for i in new_ids], self._publish)
         except MigrationError as exc:
             joined = [i for i in new_ids if i not in old_ids]
             for ps_id in joined:  # the layout is the old one again: the new PS own nothing
                 self.registry.mark(ps_id, MemberState.LEFT)
             if joined:
-                self.on_main(lambda: self.scaler.apply(ScalePlan(ps=len(old_ids))))
-            raise ScaleRefused(str(exc)) from exc
+                self.on_main(lambda: self.scaler.apply(ScalePlan(ps=self._count_keeping("ps", old_ids))))
+            raise OperationRefused(str(exc)) from exc
         leaving = [i for i in old_ids if i not in new_ids]
         for ps_id in leaving:
             self.registry.mark(ps_id, MemberState.LEFT)
@@ -1022,18 +1091,27 @@ class JobMaster:
             self.on_main(lambda: self.scaler.apply(ScalePlan(ps=n)))
         return result
 
+    def _count_keeping(self, role: str, ids: list[str]) -> int:
+        """The smallest count whose scale-in removes none of ``ids`` (a rollback with a
+        gap in the indices must not delete a member that owns data)."""
+        n = len(ids)
+        while set(self.scaler.leavers(role, n)) & set(ids):
+            n += 1
+        return n
+
     def _scale_workers(self, m: int, deadline: float) -> None:
-        live = sorted(self._live_workers(), key=lambda w: w.rank)
+        live = sorted(self.live_workers(), key=lambda w: w.rank)
         if m > len(live):
             before = {w.id for w in live}
             self.on_main(lambda: self.scaler.apply(ScalePlan(workers=m)))
-            self._wait(lambda: len(self._live_workers()) >= m, deadline,
+            self._wait(lambda: len(self.live_workers()) >= m, deadline,
                        f"{m - len(before)} new worker(s) to register")
             return
-        victims = [w.id for w in live[m:]]
+        leaving = set(self.scaler.leavers("worker", m))
+        victims = [w.id for w in live if w.id in leaving]
         with self._lock:
             self._leaving.update(victims)
-        self._event("workers_leaving", ids=victims)
+        self.record_event("workers_leaving", ids=victims)
 
         def gone():
             nodes = {n.id: n for n in self.scaler.nodes()}
@@ -1043,12 +1121,14 @@ class JobMaster:
             # a leaving worker finishes its step, returns its shards and exits by itself
             self._wait(gone, min(deadline, self.clock() + self.config.grace_seconds),
                        "leaving workers to exit")
-        except ScaleRefused:
+        except OperationRefused:
             log.warning("workers %s did not leave in time; stopping them", victims)
-        self.on_main(lambda: self.scaler.apply(ScalePlan(workers=m)))
+        # drained before the count drops: a straggler that missed the grace period (or
+        # crashed while leaving) hands its shards back here, then its pod may go
         for v in victims:
             if self.registry.mark(v, MemberState.LEFT) is not None and self.shards:
                 self.shards.give_back(v)
+        self.on_main(lambda: self.scaler.apply(ScalePlan(workers=m)))
 
     def barrier(self, worker_id: str, generation: int, timeout: float) -> tuple[int, list[str], bool]:
         """Step-boundary barrier for synchronous training: returns when every live worker
@@ -1063,7 +1143,7 @@ class JobMaster:
             self._barrier_arrived.add(worker_id)
             self._barrier_cond.notify_all()
             while self._barrier_gen == gen:
-                expected = {w.id for w in self._live_workers()}
+                expected = {w.id for w in self.live_workers()}
                 if self._barrier_arrived >= expected:
                     self._barrier_members = self._barrier_arrived & expected
                     self._barrier_arrived = set()
@@ -1081,6 +1161,68 @@ class JobMaster:
         rank = {m.id: m.rank for m in self.registry.members("worker")}
         return sorted(ids, key=lambda i: (rank.get(i, 1 << 30), i))
 
+    # -- members and shards (the servicer's requests) ----------------------------------------
+    def register(self, role: str, member_id: str, pid: int, address: str,
+                 incarnation: str = "") -> Member:
+        member = self.registry.register(role, member_id, pid, address, incarnation)
+        self.record_event("register", id=member.id, role=member.role, pid=member.pid,
+                          address=member.address)
+        self._save()
+        if member.role == "ps":
+            # publishing may restore a checkpoint: not on the RPC thread of a Register
+            threading.Thread(target=self.on_ps_registered, daemon=True).start()
+        return member
+
+    def heartbeat(self, member_id: str, steps: int, samples: int, max_stall_ms: float,
+                  request=None) -> tuple[bool, bool]:
+        """Returns (known, stop): a member that left (scale-in) or whose job ended is told
+        to stop, never to register again."""
+        member = self.registry.heartbeat(member_id, steps, samples)
+        self.report_stall(max_stall_ms)
+        if request is not None:
+            for plugin in self.plugins:
+                self._run_hook(plugin, "on_heartbeat", request)
+        known = self.registry.get(member_id)
+        left = known is not None and known.state == MemberState.LEFT
+        return (member is not None or left,
+                left or self.phase in FINAL_PHASES or member_id in self._leaving)
+
+    def deregister(self, member_id: str, reason: str) -> None:
+        member = self.registry.mark(member_id, MemberState.LEFT)
+        routing = self.routing
+        if (member is not None and member.role == "ps" and routing is not None
+                and member_id in routing.ps_ids and self.phase == JobPhase.RUNNING):
+            # a PS leaving on its own (preemption notice) after handing its last delta to
+            # its ring peer: promote that copy, as for a death, and replace it
+            self.record_event("ps_end", id=member_id, state="left", reason=reason)
+            self._submit_recovery(member_id, reason)
+        if member is not None and member.role == "worker" and self.shards:
+            returned = self.shards.give_back(member_id)
+            self.record_event("worker_left", id=member_id, reason=reason, returned_shards=returned)
+            self._save()
+
+    def assign_shard(self, worker_id: str):
+        """(state, shard) for a live worker's request; persisted before it is answered."""
+        state, shard = self.shards.assign(worker_id)
+        if state == ShardState.DOING:
+            self._save()
+        return state, shard
+
+    def report_shards(self, worker_id: str, done: list[int], returned: list[int],
+                      progress: list[int]) -> list[int]:
+        """Done and handed-back shards of a worker; returns the done ids it did not hold."""
+        taken = self.shards.complete(worker_id, done)
+        if returned:
+            self.shards.give_back(worker_id, returned, dict(zip(returned, progress)))
+        self._save()
+        return sorted(set(done) - set(taken))
+
+    def complete_shards(self, shard_ids: list[int]) -> None:
+        if self.shards is not None:
+            if shard_ids:
+                self.shards.mark_done(shard_ids)
+            self._save()
+
     # -- reporting ---------------------------------------------------------------------------
     def progress_line(self) -> str:
         workers = [m for m in self.registry.members("worker")]
@@ -1090,7 +1232,7 @@ class JobMaster:
         rate = (samples - prev_samples) / max(now - prev_t, 1e-6)
         self._last_samples = (samples, now)
         live = sum(1 for m in workers if m.state == MemberState.RUNNING)
-        parts = [f"[{self.config.name}] epoch {self.epoch}", f"ps {len(self._live_ps())}",
+        parts = [f"[{self.config.name}] epoch {self.epoch}", f"ps {len(self.live_ps())}",
                  f"workers {live}", f"samples {samples}", f"{rate:,.0f} samples/s"]
         if self.shards:
             c = self.shards.counts()
@@ -1122,163 +1264,3 @@ class JobMaster:
         for plugin in self.plugins:
             self._run_hook(plugin, "on_status", response)
         return response
-
-
-def _refuse(context, exc: ScaleRefused):
-    """The refusal's type as a status code: ABORTED when another operation holds the job
-    (retry later), FAILED_PRECONDITION otherwise."""
-    code = grpc.StatusCode.ABORTED if isinstance(exc, Busy) else grpc.StatusCode.FAILED_PRECONDITION
-    context.abort(code, str(exc))
-
-
-class MasterServicer(master_pb2_grpc.MasterServicer):
-    def __init__(self, master: JobMaster):
-        self.m = master
-
-    def Register(self, request, context):
-        if request.role not in ("ps", "worker", "client"):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"role must be 'ps', 'worker' or 'client', got {request.role!r}")
-        if request.role == "ps" and not request.address:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a PS must register with its address")
-        try:
-            member = self.m.registry.register(request.role, request.id, request.pid, request.address)
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        self.m._event("register", id=member.id, role=member.role, pid=member.pid,
-                      address=member.address)
-        self.m._save()
-        if member.role == "ps":
-            threading.Thread(target=self.m.on_ps_registered, daemon=True).start()
-        cfg = self.m.config
-        return master_pb2.RegisterResponse(id=member.id, lease_seconds=cfg.lease_seconds,
-                                           heartbeat_seconds=cfg.heartbeat_seconds,
-                                           epoch=self.m.epoch, rank=member.rank, job_name=cfg.name)
-
-    def Heartbeat(self, request, context):
-        member = self.m.registry.heartbeat(request.id, request.steps, request.samples)
-        self.m.report_stall(request.max_stall_ms)
-        for plugin in self.m.plugins:
-            self.m._run_hook(plugin, "on_heartbeat", request)
-        known = self.m.registry.get(request.id)
-        left = known is not None and known.state == MemberState.LEFT
-        # a member that left (scale-in) is told to stop, never to register again
-        return master_pb2.HeartbeatResponse(
-            epoch=self.m.epoch, known=member is not None or left,
-            stop=left or self.m.phase in FINAL_PHASES or request.id in self.m._leaving)
-
-    def Deregister(self, request, context):
-        member = self.m.registry.mark(request.id, MemberState.LEFT)
-        routing = self.m.routing
-        if (member is not None and member.role == "ps" and routing is not None
-                and request.id in routing.ps_ids and self.m.phase == JobPhase.RUNNING):
-            # a PS leaving on its own (preemption notice) after handing its last delta to
-            # its ring peer: promote that copy, as for a death, and replace it
-            self.m._event("ps_end", id=request.id, state="left", reason=request.reason)
-            threading.Thread(target=self.m._recover_ps, args=(request.id, request.reason),
-                             daemon=True, name=f"recover-{request.id}").start()
-        if member is not None and member.role == "worker" and self.m.shards:
-            returned = self.m.shards.give_back(request.id)
-            self.m._event("worker_left", id=request.id, reason=request.reason,
-                          returned_shards=returned)
-            self.m._save()
-        return master_pb2.DeregisterResponse()
-
-    def GetRouting(self, request, context):
-        routing = self.m.routing
-        if routing is None:
-            ready = len(self.m._live_ps())
-            context.abort(grpc.StatusCode.UNAVAILABLE,
-                          f"routing not ready: {ready}/{self.m.config.ps.replicas} PS registered")
-        return routing.to_proto()
-
-    def GetShard(self, request, context):
-        if self.m.shards is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          "this job has no data section: no shards to hand out")
-        member = self.m.registry.get(request.worker_id)
-        if member is None or member.state != MemberState.RUNNING:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"worker {request.worker_id!r} is not a registered live member")
-        state, shard = self.m.shards.assign(request.worker_id)
-        if state == ShardState.DOING:
-            self.m._save()
-            return master_pb2.GetShardResponse(
-                status=master_pb2.GetShardResponse.SHARD,
-                shard=master_pb2.Shard(shard_id=shard.shard_id, path=os.path.abspath(shard.path),
-                                       start=shard.start, end=shard.end, data_epoch=shard.data_epoch))
-        status = master_pb2.GetShardResponse.FINISHED if state == ShardState.DONE \
-            else master_pb2.GetShardResponse.WAIT
-        return master_pb2.GetShardResponse(status=status)
-
-    def ReportShard(self, request, context):
-        if self.m.shards is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this job has no data section")
-        if request.returned_progress and len(request.returned_progress) != len(request.returned_shard_ids):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          "returned_progress must have one entry per returned shard")
-        taken = self.m.shards.complete(request.worker_id, request.done_shard_ids)
-        missing = sorted(set(request.done_shard_ids) - set(taken))
-        if request.returned_shard_ids:
-            progress = dict(zip(request.returned_shard_ids, request.returned_progress))
-            self.m.shards.give_back(request.worker_id, request.returned_shard_ids, progress)
-        self.m._save()
-        if missing:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"shards {missing} are not DOING for {request.worker_id!r} "
-                          "(reassigned after a lease loss?)")
-        return master_pb2.ReportShardResponse()
-
-    def Status(self, request, context):
-        return self.m.status()
-
-    def Scale(self, request, context):
-        ps = request.ps if request.HasField("ps") else None
-        workers = request.workers if request.HasField("workers") else None
-        if request.rebalance:
-            if ps is not None or workers is not None:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              "rebalance moves slots between the current PS; give no counts with it")
-            try:
-                event = self.m.rebalance(timeout=request.timeout_seconds or 600.0)
-            except ScaleRefused as exc:
-                _refuse(context, exc)
-            return master_pb2.ScaleResponse(event_json=json.dumps(event, sort_keys=True))
-        if ps is None and workers is None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give a PS count, a worker count or both")
-        try:
-            event = self.m.scale(ps, workers, request.timeout_seconds or 600.0)
-        except ScaleRefused as exc:
-            _refuse(context, exc)
-        return master_pb2.ScaleResponse(event_json=json.dumps(event, sort_keys=True))
-
-    def Checkpoint(self, request, context):
-        try:
-            event = self.m.checkpoint(full=request.full)
-        except ScaleRefused as exc:
-            _refuse(context, exc)
-        except (OSError, ValueError, grpc.RpcError) as exc:
-            context.abort(grpc.StatusCode.INTERNAL, f"checkpoint failed: {exc}")
-        return master_pb2.CheckpointResponse(event_json=json.dumps(event, sort_keys=True))
-
-    def PutModel(self, request, context):
-        if len(request.model_json) > 16 << 20:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"model_json is {len(request.model_json)} bytes; at most 16 MiB")
-        try:
-            self.m.put_model(request.worker_id, request.model_json)
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return master_pb2.PutModelResponse()
-
-    def Barrier(self, request, context):
-        member = self.m.registry.get(request.worker_id)
-        if member is None or member.role != "worker" or member.state != MemberState.RUNNING:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"{request.worker_id!r} is not a live registered worker")
-        timeout = max(1.0, (context.time_remaining() or 600.0) - 0.5)
-        try:
-            gen, ids, leave = self.m.barrier(request.worker_id, request.generation, timeout)
-        except TimeoutError as exc:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
-        return master_pb2.BarrierResponse(generation=gen, worker_ids=ids, leave=leave)

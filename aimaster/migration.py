@@ -13,13 +13,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from deeprec_ext.client.routing import RoutingTable
-from deeprec_ext.grpc_util import insecure_channel
-from deeprec_ext.proto import ps_pb2, ps_pb2_grpc
+
+if TYPE_CHECKING:  # pragma: no cover
+    from aimaster.fleet import PsFleet
 
 log = logging.getLogger(__name__)
 
@@ -55,20 +56,12 @@ class MigrationError(RuntimeError):
     """A migration step failed; the old layout was restored at a newer epoch."""
 
 
-def _stub(address: str):
-    return ps_pb2_grpc.ParameterServerStub(insecure_channel(address))
-
-
-def _set_routing(address: str, epoch: int, num_slots: int, owned: np.ndarray) -> None:
-    _stub(address).SetRouting(ps_pb2.SetRoutingRequest(
-        epoch=epoch, num_slots=num_slots, owned_slots=owned.astype(np.uint8).tobytes()), timeout=30)
-
-
-def migrate(old: RoutingTable, new_owner: np.ndarray, new_ids: list[str], new_addresses: list[str],
-            publish: Callable[[RoutingTable], None], small_delta_rows: int = 2000,
-            max_catchup_rounds: int = 4) -> MigrationResult:
+def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids: list[str],
+            new_addresses: list[str], publish: Callable[[RoutingTable], None],
+            small_delta_rows: int = 2000, max_catchup_rounds: int = 4) -> MigrationResult:
     """Move slots from the ``old`` layout to ``new_owner`` (indices into ``new_ids``), then
-    call ``publish`` with the new routing table (epoch + 1) before cleaning up."""
+    call ``publish`` with the new routing table before cleaning up. Epochs: the fence takes
+    one from the fleet, the new layout the next (a PS only ever moves forward)."""
     old_owner_ids = np.asarray(old.ps_ids, dtype=object)[old.slot_owner]
     new_owner_ids = np.asarray(new_ids, dtype=object)[new_owner]
     address = dict(zip(old.ps_ids, old.ps_addresses))
@@ -76,8 +69,8 @@ def migrate(old: RoutingTable, new_owner: np.ndarray, new_ids: list[str], new_ad
     moving = old_owner_ids != new_owner_ids
     pairs = sorted({(s, d) for s, d in zip(old_owner_ids[moving], new_owner_ids[moving])})
     masks = {(s, d): (old_owner_ids == s) & (new_owner_ids == d) for s, d in pairs}
-    epoch = old.epoch + 1
-    new_routing = RoutingTable(epoch, old.num_slots, tuple(new_ids), tuple(new_addresses),
+    fence_epoch = fleet.next_epoch()
+    new_routing = RoutingTable(fleet.next_epoch(), old.num_slots, tuple(new_ids), tuple(new_addresses),
                                new_owner.astype(np.int32))
     result = MigrationResult(new_routing, moved_slots=int(moving.sum()))
     watermark = {p: -1 for p in pairs}
@@ -87,10 +80,8 @@ def migrate(old: RoutingTable, new_owner: np.ndarray, new_ids: list[str], new_ad
 
     def ship(pair, first: bool, last: bool = False):
         src, dst = pair
-        resp = _stub(address[src]).MigrateSlots(ps_pb2.MigrateSlotsRequest(
-            dst_address=address[dst], slots=masks[pair].astype(np.uint8).tobytes(),
-            num_slots=old.num_slots, since_seq=watermark[pair], send_request_ids=last),
-            timeout=3600)
+        resp = fleet.migrate_slots(address[src], address[dst], masks[pair], old.num_slots,
+                                   watermark[pair], send_request_ids=last)
         with lock:
             watermark[pair] = resp.watermark
             result.moved_bytes += resp.bytes
@@ -121,38 +112,34 @@ def migrate(old: RoutingTable, new_owner: np.ndarray, new_ids: list[str], new_ad
             fenced = True
             _progress(phase="fence", pairs_done=0)
             for ps in old_ids:
-                _set_routing(address[ps], epoch, old.num_slots,
-                             (old_owner_ids == ps) & (new_owner_ids == ps))
+                fleet.fence(address[ps], fence_epoch, old.num_slots,
+                            (old_owner_ids == ps) & (new_owner_ids == ps))
             # 4. last delta: nothing can write the fenced slots any more; the new owners
             # also learn which pushes were applied (a push resent to them is not re-applied)
             list(pool.map(lambda p: ship(p, False, last=True), pairs))
             result.rounds += 1
-            # 5. destinations own their new slots; publish the epoch
+            # 5. hand over: every PS learns the new layout (and ring) at the next epoch,
+            # then the clients
             _progress(phase="handover")
-            for ps in new_ids:
-                _set_routing(address[ps], epoch, old.num_slots, new_owner_ids == ps)
             publish(new_routing)
             result.fence_ms = (time.monotonic() - fence_start) * 1000
         except Exception as exc:
             _progress(active=False, phase="failed")
             if fenced:
-                rollback = RoutingTable(epoch + 1, old.num_slots, old.ps_ids, old.ps_addresses,
-                                        old.slot_owner)
-                for ps in old_ids:
-                    try:
-                        _set_routing(address[ps], epoch + 1, old.num_slots, old_owner_ids == ps)
-                    except Exception:  # noqa: BLE001 - best effort, reported below
-                        log.exception("rollback of %s failed", ps)
-                publish(rollback)
+                # the old layout again, at an epoch newer than anything pushed so far
+                rollback = RoutingTable(fleet.next_epoch(), old.num_slots, old.ps_ids,
+                                        old.ps_addresses, old.slot_owner)
+                try:
+                    publish(rollback)
+                except Exception:  # noqa: BLE001 - reported with the migration's error
+                    log.exception("rollback to the old layout failed")
             raise MigrationError(f"slot migration failed: {exc}") from exc
     # 6. free the moved rows on sources that stay (leaving PS exit anyway)
     _progress(phase="cleanup")
     for src in {s for s, _ in pairs if s in new_ids}:
         gone = (old_owner_ids == src) & (new_owner_ids != src)
         try:
-            resp = _stub(address[src]).DropSlots(ps_pb2.DropSlotsRequest(
-                slots=gone.astype(np.uint8).tobytes(), num_slots=old.num_slots), timeout=600)
-            result.drops[src] = resp.rows
+            result.drops[src] = fleet.drop_slots(address[src], gone, old.num_slots)
         except Exception:  # noqa: BLE001 - the layout is already correct; memory only
             log.exception("could not drop moved rows on %s", src)
     _progress(active=False, phase="done")

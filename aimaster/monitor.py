@@ -26,7 +26,7 @@ from deeprec_ext.stats import LATENCY_BOUNDS_MS, quantile_ms
 
 if TYPE_CHECKING:  # pragma: no cover
     from aimaster.config import JobConfig
-    from aimaster.master import JobMaster
+    from aimaster.view import JobView
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +59,24 @@ class _Report:
         self.p99_ms = 0.0
 
 
+# a histogram has one count per bucket of LATENCY_BOUNDS_MS plus the open (+Inf) one;
+# a report with another shape (another version's buckets, a damaged message) is not used
+_BUCKETS = len(LATENCY_BOUNDS_MS) + 1
+
+
 def _window_p99(new: _Report, old: _Report | None) -> float:
     """p99 of what happened between two reports: the difference of cumulative histograms."""
     if new.stats.role == "worker":
         cur = np.asarray(new.stats.step_counts, dtype=np.int64)
         prev = np.asarray(old.stats.step_counts, dtype=np.int64) if old is not None else None
-        if not cur.size:
+        if cur.size != _BUCKETS:
             return 0.0
         delta = cur - prev if prev is not None and prev.size == cur.size else cur
         return quantile_ms(np.maximum(delta, 0), 0.99)
     deltas = {}
     for method, counts in new.rpc_counts.items():
+        if counts.size != _BUCKETS:
+            continue
         before = old.rpc_counts.get(method) if old is not None else None
         d = counts - before if before is not None and before.size == counts.size else counts
         deltas[method] = np.maximum(d, 0)
@@ -86,7 +93,7 @@ class GazerPlugin(MasterPlugin, gazer_pb2_grpc.GazerServicer):
     def __init__(self, config: "JobConfig"):
         self.config = config.gazer
         self.job_name = config.name
-        self.master: "JobMaster | None" = None
+        self.master: "JobView | None" = None
         self._lock = threading.Lock()
         self._reports: dict[str, _Report] = {}
         self._history: deque[float] = deque(maxlen=HISTORY_SECONDS)
@@ -112,8 +119,8 @@ class GazerPlugin(MasterPlugin, gazer_pb2_grpc.GazerServicer):
                      self.prometheus_port)
 
     def on_heartbeat(self, master, request) -> None:
-        if not request.gazer_stats:
-            return
+        if not request.gazer_stats or master.member(request.id) is None:
+            return  # nothing, or from no member: kept reports are those snapshots show
         try:
             stats = gazer_pb2.MemberStats.FromString(request.gazer_stats)
         except DecodeError:
@@ -135,7 +142,7 @@ class GazerPlugin(MasterPlugin, gazer_pb2_grpc.GazerServicer):
         now = time.monotonic()
         if self._last_point is not None and now - self._last_point[0] < 1.0:
             return
-        total = sum(m.samples for m in master.registry.members("worker"))
+        total = sum(m.samples for m in master.members("worker"))
         with self._lock:
             if self._last_point is not None:
                 t0, s0 = self._last_point
@@ -153,7 +160,7 @@ class GazerPlugin(MasterPlugin, gazer_pb2_grpc.GazerServicer):
     def snapshot(self) -> gazer_pb2.Snapshot:
         m = self.master
         now = time.monotonic()
-        counts = m.shards.counts() if m.shards else {"todo": 0, "doing": 0, "done": 0}
+        counts = m.shard_counts()
         with self._lock:
             reports = dict(self._reports)
             history = list(self._history)
@@ -164,7 +171,7 @@ class GazerPlugin(MasterPlugin, gazer_pb2_grpc.GazerServicer):
             throughput_history=history, samples_per_second=history[-1] if history else 0.0,
             op_sample_every=self.config.op_sample_every_steps)
         ops: dict = defaultdict(lambda: [0.0, 0, 0.0])  # (name, type) -> [micros, workers, share]
-        for member in sorted(m.registry.members(), key=lambda x: (x.role != "ps", x.role, x.rank, x.id)):
+        for member in sorted(m.members(), key=lambda x: (x.role != "ps", x.role, x.rank, x.id)):
             view = snap.members.add(id=member.id, role=member.role, state=member.state.value,
                                     address=member.address, stats_age_seconds=-1.0)
             r = reports.get(member.id)
@@ -187,8 +194,7 @@ class GazerPlugin(MasterPlugin, gazer_pb2_grpc.GazerServicer):
         top = sorted(ops.items(), key=lambda kv: -kv[1][0] / kv[1][1])[:TOP_OPS]
         for (name, typ), (us, n, share) in top:
             snap.top_ops.add(name=name, type=typ, micros=us / n, workers=n, share=share / n)
-        from aimaster.migration import progress
-        p = progress()
+        p = m.migration_progress()
         if p["phase"]:
             snap.migration.CopyFrom(gazer_pb2.MigrationProgress(
                 active=p["active"], phase=p["phase"], pairs=p["pairs"], pairs_done=p["pairs_done"],
@@ -214,13 +220,29 @@ class GazerPlugin(MasterPlugin, gazer_pb2_grpc.GazerServicer):
                               f"{MAX_WATCHERS} Gazer streams are open already; close one or use "
                               "`gazer dump` / `gazer top --once`")
             self._watchers += 1
+        ended = threading.Event()  # the caller cancelled, or its deadline passed
+        if not context.add_callback(ended.set):
+            ended.set()
         try:
             yield self.snapshot()
-            while context.is_active() and not self._stopping.wait(interval):
+            while self._sleep(interval, ended):
                 yield self.snapshot()
         finally:
             with self._lock:
                 self._watchers -= 1
+
+    def _sleep(self, seconds: float, ended: threading.Event) -> bool:
+        """Wait ``seconds`` between two snapshots of a stream; False as soon as the stream
+        ended or the AIMaster stops (a cancelled stream frees its RPC thread and its
+        watcher slot at once, not after the interval)."""
+        deadline = time.monotonic() + seconds
+        while not self._stopping.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return not ended.is_set()
+            if ended.wait(min(left, 0.25)):
+                return False
+        return False
 
 
 def create(config: "JobConfig") -> GazerPlugin | None:

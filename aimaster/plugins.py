@@ -2,8 +2,10 @@
 
 Gazer statistics, the autoscale policy, access control and the consistent (sync) mode each
 ship a ``MasterPlugin``; ``load_plugins`` builds the ones a job's configuration asks for.
-Hooks run on the thread named in their docstring and must not block for long: the main
-loop ticks every 0.2 s and RPC threads serve training.
+Hooks get the job's read-only ``JobView`` (aimaster/view.py), never the JobMaster: a
+plugin asks for changes through the view's operations. Hooks run on the thread named in
+their docstring and must not block for long: the main loop ticks every 0.2 s and RPC
+threads serve training.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import grpc
 
     from aimaster.config import JobConfig
-    from aimaster.master import JobMaster
+    from aimaster.view import JobView
 
 
 class MasterPlugin:
@@ -25,24 +27,24 @@ class MasterPlugin:
         """grpc.ServerInterceptor objects for the AIMaster's server (before it binds)."""
         return []
 
-    def on_start(self, master: "JobMaster", server: "grpc.Server") -> None:
+    def on_start(self, master: "JobView", server: "grpc.Server") -> None:
         """Add services to the server; called once, before it starts."""
 
-    def on_tick(self, master: "JobMaster") -> None:
+    def on_tick(self, master: "JobView") -> None:
         """Main loop thread, about five times a second. May call master.scale()."""
 
-    def on_heartbeat(self, master: "JobMaster", request) -> None:
+    def on_heartbeat(self, master: "JobView", request) -> None:
         """RPC thread: a member's HeartbeatRequest, after the registry took it."""
 
-    def on_status(self, master: "JobMaster", response) -> None:
+    def on_status(self, master: "JobView", response) -> None:
         """RPC thread: fill this plugin's fields of a StatusResponse."""
 
-    def around_migration(self, master: "JobMaster"):
+    def around_migration(self, master: "JobView"):
         """A context manager entered just before table rows move between PS (scale,
         rebalance) and left once the new routing is published. Default: nothing."""
         return contextlib.nullcontext()
 
-    def on_stop(self, master: "JobMaster") -> None:
+    def on_stop(self, master: "JobView") -> None:
         """Main loop thread, when the job ends, before the members are stopped."""
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Callable
@@ -30,6 +31,9 @@ class Member:
     samples: int = 0
     base_steps: int = 0    # counts of earlier processes under this id (restarts)
     base_samples: int = 0
+    # one per process: a new process under a reused id (and, in a container, the same
+    # pid 1) is a new incarnation; keys of per-process state (checkpoint cuts) use it
+    incarnation: str = ""
 
 
 class Registry:
@@ -39,7 +43,11 @@ class Registry:
         self._lock = threading.Lock()
         self._members: dict[str, Member] = {}
 
-    def register(self, role: str, member_id: str, pid: int, address: str) -> Member:
+    def register(self, role: str, member_id: str, pid: int, address: str,
+                 incarnation: str = "") -> Member:
+        """Register (or re-register) a member. ``incarnation`` is the process's own random
+        id; without one (an old client), a fresh one is drawn unless the same pid
+        re-registers."""
         with self._lock:
             if not member_id:
                 n = sum(1 for m in self._members.values() if m.role == role)
@@ -52,12 +60,16 @@ class Registry:
             rank = int(member_id.rsplit("-", 1)[1]) if member_id.rsplit("-", 1)[-1].isdigit() else -1
             steps = old.steps if old else 0
             samples = old.samples if old else 0
-            if old is not None and old.pid == pid:  # the same process registering again
+            same = old is not None and (old.incarnation == incarnation if incarnation
+                                        else old.pid == pid)
+            if same:  # the same process registering again
                 base_steps, base_samples = old.base_steps, old.base_samples
+                incarnation = old.incarnation
             else:
                 base_steps, base_samples = steps, samples
+                incarnation = incarnation or uuid.uuid4().hex
             m = Member(role, member_id, pid, address, MemberState.RUNNING, self.clock(), rank,
-                       steps, samples, base_steps, base_samples)
+                       steps, samples, base_steps, base_samples, incarnation)
             self._members[member_id] = m
             return m
 

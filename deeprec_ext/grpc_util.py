@@ -1,6 +1,7 @@
 """gRPC plumbing shared by every service: channel/server options and retry policy."""
 from __future__ import annotations
 
+import json
 import logging
 import time
 from concurrent import futures
@@ -47,11 +48,34 @@ def create_server(address: str, max_workers: int = 8,
     return server, port
 
 
-def insecure_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
+def insecure_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                     service_config: dict | None = None) -> grpc.Channel:
     """Every client channel of the project. Despite the name, it carries this process's
-    access control (``deeprec_ext.auth``: the job token, TLS) when it has any."""
+    access control (``deeprec_ext.auth``: the job token, TLS) when it has any.
+    ``service_config``: gRPC's own per-channel policy (retries), see :func:`retry_config`."""
     from deeprec_ext import auth
-    return auth.client_channel(address, channel_options(max_message_bytes))
+    options = channel_options(max_message_bytes)
+    if service_config is not None:
+        options.append(("grpc.service_config", json.dumps(service_config)))
+    return auth.client_channel(address, options)
+
+
+def retry_config(service: str, max_attempts: int = 4, initial_backoff: float = 0.05,
+                 max_backoff: float = 0.5, codes: tuple[str, ...] = ("UNAVAILABLE",)) -> dict:
+    """A service config retrying every method of ``service`` (e.g. "deeprec.ParameterServer")
+    on ``codes`` with exponential backoff: the retry policy is the channel's, declared once,
+    not a loop around each call. UNAVAILABLE means the request did not reach a handler, so
+    retrying it is safe for every method."""
+    return {"methodConfig": [{
+        "name": [{"service": service}],
+        "retryPolicy": {
+            "maxAttempts": max_attempts,
+            "initialBackoff": f"{initial_backoff}s",
+            "maxBackoff": f"{max_backoff}s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": list(codes),
+        },
+    }]}
 
 
 @dataclass(frozen=True)

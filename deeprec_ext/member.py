@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import threading
+import uuid
 from typing import Callable
 
 import grpc
@@ -17,6 +18,8 @@ from deeprec_ext.grpc_util import RetryPolicy, call_with_retry, insecure_channel
 from deeprec_ext.proto import master_pb2, master_pb2_grpc
 
 log = logging.getLogger(__name__)
+# this process's registrations share it; a new process under the same id gets another
+INCARNATION = uuid.uuid4().hex
 
 MASTER_ENV = "DEEPREC_MASTER_ADDR"
 MEMBER_ID_ENV = "DEEPREC_MEMBER_ID"
@@ -61,7 +64,7 @@ class MasterSession:
     def register(self) -> master_pb2.RegisterResponse:
         req = master_pb2.RegisterRequest(role=self.role, id=self.id or self.requested_id,
                                          pid=os.getpid(), address=self.address,
-                                         host=socket.gethostname())
+                                         host=socket.gethostname(), incarnation=INCARNATION)
         resp = call_with_retry(lambda: self.stub.Register(req, timeout=10),
                                f"register {self.role} with {self.master_address}", self.retry)
         self.id, self.rank = resp.id, resp.rank

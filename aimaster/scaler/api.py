@@ -92,11 +92,3 @@ def create_scaler(name: str, **kwargs) -> Scaler:
     if name not in _REGISTRY:
         raise ValueError(f"unknown scaler {name!r}; known: {sorted(_REGISTRY)}")
     return _REGISTRY[name](**kwargs)
-
-
-def _kubernetes(**kwargs) -> Scaler:
-    from aimaster.scaler.kubernetes import KubernetesScaler  # the kubernetes client: only there
-    return KubernetesScaler(**kwargs)
-
-
-register_scaler("kubernetes", _kubernetes)

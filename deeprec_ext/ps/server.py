@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import psutil
 
-from deeprec_ext import codec
+from deeprec_ext import codec, errors
 from deeprec_ext.errors import InvalidRequestError
 from deeprec_ext.grpc_util import ROUTING_EPOCH_KEY
 from deeprec_ext.hashing import DEFAULT_NUM_SLOTS, slot_of
@@ -88,6 +88,19 @@ class Routing:
             if num_slots != self.lookups_per_slot.size:
                 self.lookups_per_slot = np.zeros(num_slots, dtype=np.int64)
             self.epoch, self.num_slots, self.owned = epoch, num_slots, owned
+        finally:
+            self.gate.release_exclusive()
+
+    def advance(self, epoch: int, num_slots: int, owned: np.ndarray) -> bool:
+        """``set``, only if ``epoch`` is newer than the current one (epochs never go back)."""
+        self.gate.acquire_exclusive()
+        try:
+            if epoch <= self.epoch:
+                return False
+            if num_slots != self.lookups_per_slot.size:
+                self.lookups_per_slot = np.zeros(num_slots, dtype=np.int64)
+            self.epoch, self.num_slots, self.owned = epoch, num_slots, owned
+            return True
         finally:
             self.gate.release_exclusive()
 
@@ -292,7 +305,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if request.num_slots <= 0 or owned.size != request.num_slots:
             self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
                          f"owned_slots has {owned.size} entries, num_slots is {request.num_slots}")
-        self.routing.set(request.epoch, request.num_slots, owned.astype(bool))
+        if not self.routing.advance(request.epoch, request.num_slots, owned.astype(bool)):
+            # a push that lost a race with a newer one (or a restarted master that does not
+            # know the PS's epoch): applying it would move routing backwards
+            errors.abort(context, grpc.StatusCode.FAILED_PRECONDITION, errors.ErrorKind.STALE_EPOCH,
+                         f"routing epoch {request.epoch} is not newer than this PS's epoch "
+                         f"{self.routing.epoch}", ((ROUTING_EPOCH_KEY, str(self.routing.epoch)),))
         if request.ps_id:
             self.ps_id = request.ps_id
             self.replicator.configure(request.ps_id, request.replica_peer,

@@ -1,0 +1,198 @@
+"""PsFleet: the only code of the AIMaster that talks to PS processes.
+
+- one cached, authenticated channel per PS address (closed when the PS leaves the job);
+- one retry policy, gRPC's own: every channel carries a service config that retries
+  UNAVAILABLE with backoff (``grpc_util.retry_config``), no hand-written loops;
+- routing epochs only go forward: the fleet hands out epochs (``next_epoch``) above every
+  epoch it pushed or saw on a PS, and a PS refuses a push that is not newer
+  (``ErrorKind.STALE_EPOCH``), so a slow push can never roll a layout back;
+- one builder of ``SetRouting``: ``publish`` (ownership + replication ring) and ``fence``
+  (ownership only, during a migration).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable
+
+import grpc
+import numpy as np
+
+from deeprec_ext.client.routing import RoutingTable
+from deeprec_ext.grpc_util import insecure_channel, retry_config
+from deeprec_ext.proto import ps_pb2, ps_pb2_grpc
+
+log = logging.getLogger("aimaster.fleet")
+
+PS_SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+# a PS being replaced answers again within a second; longer outages are the recovery's
+# business (the lease), not the retry policy's
+_RETRY = retry_config(PS_SERVICE, max_attempts=4, initial_backoff=0.05, max_backoff=0.4)
+
+
+class PsFleet:
+    def __init__(self, replication_interval_ms: float = 200.0, sync_replication: bool = False):
+        self.replication_interval_ms = replication_interval_ms
+        self.sync_replication = sync_replication
+        self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[str, ps_pb2_grpc.ParameterServerStub] = {}
+        self._lock = threading.Lock()
+        self._epoch = 0  # the highest epoch handed out, pushed or seen on a PS
+
+    # -- channels ------------------------------------------------------------------------
+    def stub(self, address: str) -> ps_pb2_grpc.ParameterServerStub:
+        with self._lock:
+            stub = self._stubs.get(address)
+            if stub is None:
+                channel = insecure_channel(address, service_config=_RETRY)
+                self._channels[address] = channel
+                stub = self._stubs[address] = ps_pb2_grpc.ParameterServerStub(channel)
+            return stub
+
+    def forget(self, addresses: Iterable[str]) -> None:
+        """Close the channels of PS that left the job."""
+        with self._lock:
+            channels = [self._channels.pop(a, None) for a in addresses]
+            for a in addresses:
+                self._stubs.pop(a, None)
+        for ch in channels:
+            if ch is not None:
+                ch.close()
+
+    def retain(self, addresses: Iterable[str]) -> None:
+        """Close every channel except those to ``addresses`` (the PS of the job)."""
+        keep = set(addresses)
+        with self._lock:
+            gone = [a for a in self._channels if a not in keep]
+        self.forget(gone)
+
+    def open_channels(self) -> int:
+        with self._lock:
+            return len(self._channels)
+
+    def close(self) -> None:
+        with self._lock:
+            addresses = list(self._channels)
+        self.forget(addresses)
+
+    # -- epochs --------------------------------------------------------------------------
+    def next_epoch(self) -> int:
+        """A routing epoch newer than every epoch handed out or seen before."""
+        with self._lock:
+            self._epoch += 1
+            return self._epoch
+
+    def observe_epoch(self, epoch: int) -> None:
+        with self._lock:
+            self._epoch = max(self._epoch, int(epoch))
+
+    @property
+    def epoch(self) -> int:
+        with self._lock:
+            return self._epoch
+
+    def learn_epochs(self, addresses: Iterable[str], timeout: float = 10.0) -> int:
+        """Raise the epoch floor to the highest epoch any of these PS already has (a PS
+        that outlived a restarted AIMaster keeps its epoch)."""
+        for address in addresses:
+            try:
+                r = self.stub(address).Stats(ps_pb2.StatsRequest(), timeout=timeout,
+                                             wait_for_ready=True)
+                self.observe_epoch(r.epoch)
+            except grpc.RpcError as exc:
+                log.warning("no epoch from %s (%s)", address, exc.code().name)
+        return self.epoch
+
+    # -- routing -------------------------------------------------------------------------
+    def publish(self, routing: RoutingTable, is_live: Callable[[str], bool]) -> list[str]:
+        """Push ``routing`` to each of its PS: the slots it owns and its replication peer
+        (the next PS in ring order). Returns the ids of PS that are dead (not an error: a
+        PS that died while this routing was built is left to its own recovery)."""
+        self.observe_epoch(routing.epoch)
+        n = len(routing.ps_addresses)
+        skipped = []
+        for p, address in enumerate(routing.ps_addresses):
+            ps_id = routing.ps_ids[p]
+            if not is_live(ps_id):
+                skipped.append(ps_id)
+                continue
+            try:
+                self.stub(address).SetRouting(ps_pb2.SetRoutingRequest(
+                    epoch=routing.epoch, num_slots=routing.num_slots,
+                    owned_slots=(routing.slot_owner == p).astype(np.uint8).tobytes(), ps_id=ps_id,
+                    replica_peer=routing.ps_addresses[(p + 1) % n] if n > 1 else "",
+                    replication_interval_ms=self.replication_interval_ms,
+                    sync_replication=self.sync_replication), timeout=10, wait_for_ready=True)
+            except grpc.RpcError:
+                if not is_live(ps_id):
+                    skipped.append(ps_id)
+                    continue
+                raise
+        return skipped
+
+    def fence(self, address: str, epoch: int, num_slots: int, owned: np.ndarray) -> None:
+        """Ownership only (the ring is unchanged): a migration fences its moving slots."""
+        self.observe_epoch(epoch)
+        self.stub(address).SetRouting(ps_pb2.SetRoutingRequest(
+            epoch=epoch, num_slots=num_slots, owned_slots=owned.astype(np.uint8).tobytes()),
+            timeout=30)
+
+    # -- data operations -----------------------------------------------------------------
+    def slot_stats(self, routing: RoutingTable) -> tuple[np.ndarray, np.ndarray] | None:
+        """(bytes, lookups) per slot summed over the PS of ``routing``; None if a PS
+        cannot answer (placement then falls back to equal slot counts)."""
+        nbytes = np.zeros(routing.num_slots, np.int64)
+        lookups = np.zeros(routing.num_slots, np.int64)
+        for address in routing.ps_addresses:
+            try:
+                r = self.stub(address).SlotStats(ps_pb2.SlotStatsRequest(), timeout=30)
+            except grpc.RpcError as exc:
+                log.warning("placement: no slot stats from %s (%s); balancing slot counts",
+                            address, exc.code().name)
+                return None
+            if r.num_slots != routing.num_slots:
+                return None
+            nbytes += np.frombuffer(r.slot_bytes, "<i8")
+            lookups += np.frombuffer(r.slot_lookups, "<i8")
+        return nbytes, lookups
+
+    def stats(self, address: str, timeout: float = 2.0) -> ps_pb2.StatsResponse:
+        return self.stub(address).Stats(ps_pb2.StatsRequest(), timeout=timeout)
+
+    def restore(self, routing: RoutingTable, root: str, ckpt_id: int, warm: bool = False,
+                reset_optimizer: bool = False) -> int:
+        """Every PS of ``routing`` loads the rows of its slots from a checkpoint, all at
+        once (each reads only the chunks of its slots). Returns the rows restored."""
+        def one(p: int) -> int:
+            return self.restore_slots(routing.ps_addresses[p], routing.slot_owner == p,
+                                      routing.num_slots, root, ckpt_id, warm, reset_optimizer)
+        with ThreadPoolExecutor(len(routing.ps_addresses)) as pool:
+            return sum(pool.map(one, range(len(routing.ps_addresses))))
+
+    def restore_slots(self, address: str, mask: np.ndarray, num_slots: int, root: str,
+                      ckpt_id: int, warm: bool = False, reset_optimizer: bool = False) -> int:
+        return self.stub(address).RestoreCheckpoint(ps_pb2.RestoreCheckpointRequest(
+            root=root, ckpt_id=ckpt_id, slots=mask.astype(np.uint8).tobytes(),
+            num_slots=num_slots, warm_start=warm, reset_optimizer=warm and reset_optimizer),
+            timeout=3600).rows
+
+    def promote(self, address: str, origin: str, mask: np.ndarray, num_slots: int,
+                timeout: float = 120.0) -> ps_pb2.PromoteResponse:
+        return self.stub(address).Promote(ps_pb2.PromoteRequest(
+            origin=origin, slots=mask.astype(np.uint8).tobytes(), num_slots=num_slots),
+            timeout=timeout)
+
+    def write_checkpoint(self, address: str, request: ps_pb2.WriteCheckpointRequest):
+        """A future: the checkpoint can be cancelled (a recovery pre-empts it)."""
+        return self.stub(address).WriteCheckpoint.future(request, timeout=3600)
+
+    def migrate_slots(self, src: str, dst: str, mask: np.ndarray, num_slots: int,
+                      since_seq: int, send_request_ids: bool) -> ps_pb2.MigrateSlotsResponse:
+        return self.stub(src).MigrateSlots(ps_pb2.MigrateSlotsRequest(
+            dst_address=dst, slots=mask.astype(np.uint8).tobytes(), num_slots=num_slots,
+            since_seq=since_seq, send_request_ids=send_request_ids), timeout=3600)
+
+    def drop_slots(self, address: str, mask: np.ndarray, num_slots: int) -> int:
+        return self.stub(address).DropSlots(ps_pb2.DropSlotsRequest(
+            slots=mask.astype(np.uint8).tobytes(), num_slots=num_slots), timeout=600).rows

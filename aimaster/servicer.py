@@ -1,0 +1,140 @@
+"""The AIMaster's gRPC service: checks each request, calls the master's public methods,
+and turns refusals into status codes with their kind (``aimaster.errors``)."""
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING
+
+import grpc
+
+from aimaster import errors
+from aimaster.registry import MemberState
+from aimaster.shards import ShardState
+from deeprec_ext.proto import master_pb2, master_pb2_grpc
+
+if TYPE_CHECKING:  # pragma: no cover
+    from aimaster.master import JobMaster
+
+MAX_MODEL_JSON = 16 << 20
+
+
+class MasterServicer(master_pb2_grpc.MasterServicer):
+    def __init__(self, master: "JobMaster"):
+        self.m = master
+
+    def Register(self, request, context):
+        if request.role not in ("ps", "worker", "client"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"role must be 'ps', 'worker' or 'client', got {request.role!r}")
+        if request.role == "ps" and not request.address:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a PS must register with its address")
+        try:
+            member = self.m.register(request.role, request.id, request.pid, request.address,
+                                     request.incarnation)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        cfg = self.m.config
+        return master_pb2.RegisterResponse(id=member.id, lease_seconds=cfg.lease_seconds,
+                                           heartbeat_seconds=cfg.heartbeat_seconds,
+                                           epoch=self.m.epoch, rank=member.rank, job_name=cfg.name)
+
+    def Heartbeat(self, request, context):
+        known, stop = self.m.heartbeat(request.id, request.steps, request.samples,
+                                       request.max_stall_ms, request)
+        return master_pb2.HeartbeatResponse(epoch=self.m.epoch, known=known, stop=stop)
+
+    def Deregister(self, request, context):
+        self.m.deregister(request.id, request.reason)
+        return master_pb2.DeregisterResponse()
+
+    def GetRouting(self, request, context):
+        routing = self.m.routing
+        if routing is None:
+            ready = len(self.m.live_ps())
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"routing not ready: {ready}/{self.m.config.ps.replicas} PS registered")
+        return routing.to_proto()
+
+    def _live_worker(self, worker_id: str, context) -> None:
+        member = self.m.registry.get(worker_id)
+        if member is None or member.role != "worker" or member.state != MemberState.RUNNING:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"{worker_id!r} is not a live registered worker")
+
+    def GetShard(self, request, context):
+        if self.m.shards is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "this job has no data section: no shards to hand out")
+        self._live_worker(request.worker_id, context)
+        state, shard = self.m.assign_shard(request.worker_id)
+        if state == ShardState.DOING:
+            return master_pb2.GetShardResponse(
+                status=master_pb2.GetShardResponse.SHARD,
+                shard=master_pb2.Shard(shard_id=shard.shard_id, path=os.path.abspath(shard.path),
+                                       start=shard.start, end=shard.end, data_epoch=shard.data_epoch))
+        status = master_pb2.GetShardResponse.FINISHED if state == ShardState.DONE \
+            else master_pb2.GetShardResponse.WAIT
+        return master_pb2.GetShardResponse(status=status)
+
+    def ReportShard(self, request, context):
+        if self.m.shards is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this job has no data section")
+        if request.returned_progress and len(request.returned_progress) != len(request.returned_shard_ids):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "returned_progress must have one entry per returned shard")
+        missing = self.m.report_shards(request.worker_id, list(request.done_shard_ids),
+                                       list(request.returned_shard_ids),
+                                       list(request.returned_progress))
+        if missing:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"shards {missing} are not DOING for {request.worker_id!r} "
+                          "(reassigned after a lease loss?)")
+        return master_pb2.ReportShardResponse()
+
+    def Status(self, request, context):
+        return self.m.status()
+
+    def Scale(self, request, context):
+        ps = request.ps if request.HasField("ps") else None
+        workers = request.workers if request.HasField("workers") else None
+        timeout = request.timeout_seconds or 600.0
+        if request.rebalance and (ps is not None or workers is not None):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "rebalance moves slots between the current PS; give no counts with it")
+        if not request.rebalance and ps is None and workers is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give a PS count, a worker count or both")
+        try:
+            event = self.m.rebalance(timeout=timeout) if request.rebalance \
+                else self.m.scale(ps, workers, timeout)
+        except errors.OperationRefused as exc:
+            errors.abort(context, exc)
+        return master_pb2.ScaleResponse(event_json=json.dumps(event, sort_keys=True))
+
+    def Checkpoint(self, request, context):
+        try:
+            event = self.m.checkpoint(full=request.full)
+        except errors.OperationRefused as exc:
+            errors.abort(context, exc)
+        except (OSError, ValueError, grpc.RpcError) as exc:
+            context.abort(grpc.StatusCode.INTERNAL, f"checkpoint failed: {exc}")
+        return master_pb2.CheckpointResponse(event_json=json.dumps(event, sort_keys=True))
+
+    def PutModel(self, request, context):
+        if len(request.model_json) > MAX_MODEL_JSON:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"model_json is {len(request.model_json)} bytes; at most 16 MiB")
+        try:
+            self.m.put_model(request.worker_id, request.model_json)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return master_pb2.PutModelResponse()
+
+    def Barrier(self, request, context):
+        self._live_worker(request.worker_id, context)
+        timeout = max(1.0, (context.time_remaining() or 600.0) - 0.5)
+        try:
+            gen, ids, leave = self.m.barrier(request.worker_id, request.generation, timeout)
+        except TimeoutError as exc:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        return master_pb2.BarrierResponse(generation=gen, worker_ids=ids, leave=leave)

@@ -1,0 +1,133 @@
+"""JobView: the narrow, read-only face of a running job that plugins, the gRPC servicer's
+helpers and tools get instead of the JobMaster itself.
+
+It reads (phase, routing, members, shard counts, targets) and asks for changes only through
+the master's public operations (``scale``, ``rebalance``, ``checkpoint``, ``record_event``,
+``complete_shards``), which run through the operation runner and persist the job state. No
+caller reaches a private field: what a feature needs is added here, on purpose.
+"""
+from __future__ import annotations
+
+from enum import Enum
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from aimaster.config import JobConfig
+    from aimaster.registry import Member
+    from aimaster.shards import Shard
+    from deeprec_ext.client.routing import RoutingTable
+
+
+class JobPhase(str, Enum):
+    """STARTING (waiting for every PS) -> RUNNING -> SUCCEEDED | FAILED | STOPPED."""
+    STARTING = "starting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+FINAL_PHASES = (JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.STOPPED)
+
+
+class JobView:
+    def __init__(self, master):
+        self._m = master
+
+    # -- what the job is -------------------------------------------------------------------
+    @property
+    def config(self) -> "JobConfig":
+        return self._m.config
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self._m.clock
+
+    @property
+    def started_at(self) -> float:
+        return self._m.started_at
+
+    @property
+    def address(self) -> str:
+        return self._m.address
+
+    @property
+    def phase(self):
+        return self._m.phase
+
+    @property
+    def epoch(self) -> int:
+        return self._m.epoch
+
+    @property
+    def routing(self) -> "RoutingTable | None":
+        return self._m.routing  # immutable: a new table replaces it on every change
+
+    def global_step(self) -> int:
+        return self._m.global_step()
+
+    # -- members -------------------------------------------------------------------------
+    # Member and Shard are frozen dataclasses: handing them out shares nothing mutable
+    def members(self, role: str | None = None) -> list["Member"]:
+        return self._m.registry.members(role)
+
+    def member(self, member_id: str) -> "Member | None":
+        return self._m.registry.get(member_id)
+
+    def live_ps(self) -> list["Member"]:
+        return self._m.live_ps()
+
+    def live_workers(self) -> list["Member"]:
+        """Running workers that are not leaving."""
+        return self._m.live_workers()
+
+    def leaving(self) -> frozenset[str]:
+        """Workers asked to leave (a scale-in) that have not left yet."""
+        return self._m.leaving()
+
+    @property
+    def ps_target(self) -> int:
+        return self._m.ps_target
+
+    @property
+    def worker_target(self) -> int:
+        return self._m.worker_target
+
+    # -- data ----------------------------------------------------------------------------
+    @property
+    def has_data(self) -> bool:
+        return self._m.shards is not None
+
+    def shard_counts(self) -> dict:
+        s = self._m.shards
+        return s.counts() if s is not None else {"todo": 0, "doing": 0, "done": 0}
+
+    def all_shards(self) -> list["Shard"]:
+        s = self._m.shards
+        return s.all_shards() if s is not None else []
+
+    # -- asking for changes ---------------------------------------------------------------
+    def record_event(self, kind: str, **fields) -> None:
+        self._m.record_event(kind, **fields)
+
+    def complete_shards(self, shard_ids: list[int]) -> None:
+        """Mark shards DONE (consistent mode decides by step) and persist it."""
+        self._m.complete_shards(shard_ids)
+
+    def scale(self, ps: int | None = None, workers: int | None = None,
+              timeout: float = 600.0) -> dict:
+        return self._m.scale(ps, workers, timeout)
+
+    def rebalance(self, tolerance: float = 0.05, timeout: float = 600.0) -> dict:
+        return self._m.rebalance(tolerance, timeout)
+
+    def checkpoint(self, full: bool = False) -> dict:
+        return self._m.checkpoint(full=full)
+
+    def ps_stats(self, address: str, timeout: float = 2.0):
+        """A PS's StatsResponse, through the job's PS fleet (its channel and retries)."""
+        return self._m.fleet.stats(address, timeout)
+
+    def migration_progress(self) -> dict:
+        from aimaster.migration import progress
+        return progress()

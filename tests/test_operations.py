@@ -1,0 +1,346 @@
+"""The control plane's parts: the operation runner's order and pre-emption, the PS fleet's
+epochs and channels, and the races they close (a double publish, checkpoint cuts keyed by
+process incarnation, a checkpoint pre-empted by a recovery). The PS are real gRPC servers
+(the PS servicer in this process, on free loopback ports); the AIMaster is a JobMaster
+in-process, with a scaler that starts nothing (the test plays the PS's registrations)."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from aimaster.config import load_job
+from checkpoint.format import MANIFEST_NAME
+from aimaster.errors import Busy, NotRunning, Preempted
+from aimaster.fleet import PsFleet
+from aimaster.master import JobMaster, JobPhase
+from aimaster.operations import OperationRunner, OpKind
+from aimaster.registry import Registry
+from aimaster.scaler import NodeInfo, ScalePlan, ScaleResult, Scaler
+from deeprec_ext import errors as wire
+from deeprec_ext.client.routing import RoutingTable
+from deeprec_ext.grpc_util import create_server
+from deeprec_ext.hashing import slot_of
+from deeprec_ext.proto import ps_pb2, ps_pb2_grpc
+from deeprec_ext.ps.server import ParameterServerServicer
+
+
+# -- the operation runner ----------------------------------------------------------------
+def _blocker():
+    started, release = threading.Event(), threading.Event()
+
+    def fn(cancel):
+        started.set()
+        release.wait(10)
+        return "blocker"
+    return fn, started, release
+
+
+def test_runner_order_recover_first_then_checkpoint_then_rescale():
+    runner = OperationRunner()
+    order = []
+    fn, started, release = _blocker()
+    first = runner.submit(OpKind.RESCALE, fn, key="first")
+    assert started.wait(5)
+    futs = [runner.submit(OpKind.RESCALE, lambda c: order.append("rescale"), key="rescale"),
+            runner.submit(OpKind.CHECKPOINT, lambda c: order.append("checkpoint")),
+            runner.submit(OpKind.RECOVER, lambda c: order.append("recover-a"), key="recover-a"),
+            runner.submit(OpKind.RECOVER, lambda c: order.append("recover-b"), key="recover-b")]
+    assert runner.pending() == ["recover-a", "recover-b", "checkpoint", "rescale"]
+    release.set()
+    for f in [first, *futs]:
+        f.result(5)
+    assert order == ["recover-a", "recover-b", "checkpoint", "rescale"]
+    assert runner.close(5)
+
+
+def test_runner_refuses_a_duplicate_and_a_closed_runner():
+    runner = OperationRunner()
+    fn, started, release = _blocker()
+    runner.submit(OpKind.CHECKPOINT, fn)
+    assert started.wait(5)
+    with pytest.raises(Busy, match="another checkpoint is in progress"):
+        runner.submit(OpKind.CHECKPOINT, lambda c: None)
+    queued = runner.submit(OpKind.RESCALE, lambda c: None)
+    with pytest.raises(Busy, match="another scale event is queued"):
+        runner.submit(OpKind.RESCALE, lambda c: None)
+    release.set()
+    queued.result(5)
+    assert runner.close(5)
+    with pytest.raises(NotRunning):
+        runner.submit(OpKind.RESCALE, lambda c: None)
+
+
+def test_recovery_preempts_a_running_checkpoint():
+    runner = OperationRunner()
+    seen = threading.Event()
+
+    def checkpoint(cancel):
+        seen.set()
+        if cancel.wait(10):
+            raise Preempted("pre-empted")
+        return "committed"
+    ckpt = runner.submit(OpKind.CHECKPOINT, checkpoint)
+    assert seen.wait(5)
+    t0 = time.monotonic()
+    rec = runner.submit(OpKind.RECOVER, lambda c: "recovered", key="recover-ps-1")
+    assert rec.result(5) == "recovered"
+    with pytest.raises(Preempted):
+        ckpt.result(0)
+    assert time.monotonic() - t0 < 2
+    assert runner.close(5)
+
+
+def test_close_cancels_pending_and_asks_the_running_one_to_stop():
+    runner = OperationRunner()
+    seen = threading.Event()
+
+    def long_op(cancel):
+        seen.set()
+        cancel.wait(30)
+        return "stopped"
+    running = runner.submit(OpKind.RESCALE, long_op)
+    assert seen.wait(5)
+    pending = runner.submit(OpKind.CHECKPOINT, lambda c: "never")
+    t0 = time.monotonic()
+    assert runner.close(5)
+    assert time.monotonic() - t0 < 2
+    assert pending.cancelled() and running.result(0) == "stopped"
+
+
+# -- real PS servers in this process ------------------------------------------------------
+class _PS:
+    def __init__(self, ps_id: str, servicer_cls=ParameterServerServicer):
+        self.servicer = servicer_cls(ps_id)
+        self.server, port = create_server("127.0.0.1:0")
+        ps_pb2_grpc.add_ParameterServerServicer_to_server(self.servicer, self.server)
+        self.server.start()
+        self.address = f"127.0.0.1:{port}"
+
+    def stop(self):
+        self.server.stop(0).wait()
+
+
+@pytest.fixture
+def two_ps():
+    servers = [_PS("ps-0"), _PS("ps-1")]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+def test_fleet_epochs_only_go_forward(two_ps):
+    fleet = PsFleet()
+    a, b = (s.address for s in two_ps)
+    owner = np.array([0, 1] * 8, np.int32)
+    routing = RoutingTable(fleet.next_epoch(), 16, ("ps-0", "ps-1"), (a, b), owner)
+    assert fleet.publish(routing, lambda ps_id: True) == []
+    assert two_ps[0].servicer.routing.epoch == 1
+    # a push that is not newer is refused by the PS, with its kind; the layout stays
+    with pytest.raises(grpc.RpcError) as info:
+        fleet.fence(a, 1, 16, np.zeros(16, bool))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert wire.kind_of(info.value) == wire.ErrorKind.STALE_EPOCH
+    assert two_ps[0].servicer.routing.owned.sum() == 8
+    # epochs handed out later are above every one pushed or seen
+    fleet2 = PsFleet()
+    assert fleet2.learn_epochs([a, b]) == 1 and fleet2.next_epoch() == 2
+    fleet.fence(a, fleet.next_epoch(), 16, np.zeros(16, bool))
+    assert two_ps[0].servicer.routing.epoch == 2 and two_ps[0].servicer.routing.owned.sum() == 0
+    fleet.close()
+    fleet2.close()
+
+
+def test_fleet_caches_one_channel_per_ps_and_closes_those_that_left(two_ps):
+    fleet = PsFleet()
+    a, b = (s.address for s in two_ps)
+    for _ in range(50):
+        fleet.stats(a)
+        fleet.stats(b)
+    assert fleet.open_channels() == 2
+    fleet.retain([a])
+    assert fleet.open_channels() == 1
+    fleet.close()
+    assert fleet.open_channels() == 0
+
+
+class _NoScaler(Scaler):
+    """Starts nothing: the test registers the PS itself."""
+
+    def apply(self, plan: ScalePlan) -> ScaleResult:
+        return ScaleResult(plan, [])
+
+    def leavers(self, role, count):
+        return []
+
+    def nodes(self) -> list[NodeInfo]:
+        return []
+
+    def poll_exits(self) -> list[NodeInfo]:
+        return []
+
+    def restart(self, node_id):
+        raise NotImplementedError
+
+    def kill(self, node_id, sig=9):
+        pass
+
+    def shutdown(self, timeout=10.0):
+        pass
+
+
+def _master(tmp_path, ps: int = 2) -> JobMaster:
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps({"name": "ops", "ps": {"replicas": ps},
+                               "master": {"state_dir": str(tmp_path / "state")}}))
+    cfg = load_job(str(job))
+    m = JobMaster(cfg, scaler_factory=lambda address, c: _NoScaler())
+    m.start()
+    return m
+
+
+def test_ps_registering_together_publish_the_routing_once(tmp_path, two_ps):
+    master = _master(tmp_path)
+    try:
+        for i, s in enumerate(two_ps):  # both registered before either triggers a publish
+            master.registry.register("ps", f"ps-{i}", 1, s.address, f"inc-{i}")
+        gate = threading.Barrier(8)
+
+        def trigger():
+            gate.wait()
+            master.on_ps_registered()
+        threads = [threading.Thread(target=trigger) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        deadline = time.monotonic() + 20
+        while master.phase != JobPhase.RUNNING and time.monotonic() < deadline:
+            time.sleep(0.05)
+        deadline = time.monotonic() + 5
+        while not master.ops.idle() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert master.phase == JobPhase.RUNNING
+        published = [e for e in master.events if e["kind"] == "routing"]
+        assert len(published) == 1, published
+        assert [s.servicer.routing.epoch for s in two_ps] == [master.epoch, master.epoch]
+    finally:
+        master.stop()
+        master.shutdown()
+
+
+def test_a_new_process_under_the_same_id_and_pid_is_a_new_incarnation():
+    reg = Registry(10.0, time.monotonic)
+    first = reg.register("ps", "ps-0", 1, "10.0.0.1:5000", "aaa")
+    again = reg.register("ps", "ps-0", 1, "10.0.0.1:5000", "aaa")  # the same process
+    replaced = reg.register("ps", "ps-0", 1, "10.0.0.2:5000", "bbb")  # a new one, pid 1 too
+    assert JobMaster._cut_key(first) == JobMaster._cut_key(again)
+    assert JobMaster._cut_key(replaced) != JobMaster._cut_key(first)
+    # an old member without an incarnation: a new pid is a new process, as before
+    legacy = reg.register("worker", "worker-0", 7, "", "")
+    assert reg.register("worker", "worker-0", 7, "", "").incarnation == legacy.incarnation
+    assert reg.register("worker", "worker-0", 8, "", "").incarnation != legacy.incarnation
+
+
+def test_incremental_after_a_replacement_under_the_same_pid_holds_every_row(tmp_path, two_ps):
+    """The bug: cuts keyed by ``ps_id@pid`` gave the replacement (same id, same pid 1 in
+    a container) the old process's cut, so its first incremental skipped its rows."""
+    from checkpoint import load
+    from deeprec_ext import PSClient
+    master = _master(tmp_path)
+    try:
+        for i, s in enumerate(two_ps):
+            master.registry.register("ps", f"ps-{i}", 1, s.address, f"first-{i}")
+        master.on_ps_registered()
+        deadline = time.monotonic() + 20
+        while master.phase != JobPhase.RUNNING and time.monotonic() < deadline:
+            time.sleep(0.05)
+        client = PSClient.connect(master.address, timeout=30)
+        client.create_table("t", 2, initializer="zeros",
+                            optimizer={"name": "sgd", "learning_rate": 1.0})
+        ids = np.arange(2000, dtype=np.int64)
+        client.push("t", ids, -np.ones((ids.size, 2), np.float32))
+        master.checkpoint(full=True)
+        client.push("t", ids, -np.ones((ids.size, 2), np.float32))
+        # ps-1 is replaced by a new process: same id, same pid, an empty store that is
+        # then filled (as promotion + migration would) by writes of its own
+        old = two_ps[1]
+        old.stop()
+        fresh = _PS("ps-1")
+        two_ps[1] = fresh
+        master.registry.register("ps", "ps-1", 1, fresh.address, "second-1")
+        routing = master.routing
+        master.routing = RoutingTable(master.fleet.next_epoch(), routing.num_slots, routing.ps_ids,
+                                      (routing.ps_addresses[0], fresh.address), routing.slot_owner)
+        master._push_routing(master.routing)
+        client.refresh_routing()
+        client.create_table("t", 2, initializer="zeros",  # the new process's (empty) table
+                            optimizer={"name": "sgd", "learning_rate": 1.0})
+        client.push("t", ids, -2 * np.ones((ids.size, 2), np.float32))  # new rows on ps-1: 2
+        event = master.checkpoint()
+        assert event["type"] == "incr"
+        tables = load(event["path"]).tables
+        got = dict(zip(tables["t"].ids.tolist(), tables["t"].values[:, 0].tolist()))
+        on_fresh = ids[master.routing.slot_owner[slot_of(ids, routing.num_slots)] == 1]
+        assert on_fresh.size > 0
+        missing = [k for k in on_fresh.tolist() if got.get(k) != 2.0]
+        assert not missing, f"{len(missing)} rows of the replacement are not in the incremental"
+        client.close()
+    finally:
+        master.stop()
+        master.shutdown()
+
+
+class _SlowCheckpointPS(ParameterServerServicer):
+    """A PS whose checkpoint writes take long (a big table), to pre-empt one."""
+
+    def WriteCheckpoint(self, request, context):
+        deadline = time.monotonic() + 20
+        while context.is_active() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return super().WriteCheckpoint(request, context)
+
+
+def test_recovery_preempts_a_checkpoint_and_nothing_is_committed(tmp_path):
+    servers = [_PS("ps-0", _SlowCheckpointPS), _PS("ps-1", _SlowCheckpointPS)]
+    master = _master(tmp_path)
+    try:
+        for i, s in enumerate(servers):
+            master.registry.register("ps", f"ps-{i}", 1, s.address, f"i-{i}")
+        master.on_ps_registered()
+        deadline = time.monotonic() + 20
+        while master.phase != JobPhase.RUNNING and time.monotonic() < deadline:
+            time.sleep(0.05)
+        result = {}
+
+        def take():
+            try:
+                result["event"] = master.checkpoint(full=True)
+            except Exception as exc:  # noqa: BLE001 - inspected below
+                result["error"] = exc
+        t = threading.Thread(target=take)
+        t.start()
+        deadline = time.monotonic() + 10
+        while master.ops.running() != "checkpoint" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        ran = threading.Event()
+        master.ops.submit(OpKind.RECOVER, lambda cancel: ran.set(), key="recover-test")
+        t.join(10)
+        assert ran.wait(5) and time.monotonic() - t0 < 5
+        assert isinstance(result.get("error"), Preempted), result
+        ckpt_dir = master.checkpoint_dir
+        committed = [d for d in os.listdir(ckpt_dir)] if os.path.isdir(ckpt_dir) else []
+        assert not any(os.path.exists(os.path.join(ckpt_dir, d, MANIFEST_NAME))
+                       for d in committed), committed
+        assert any(e["kind"] == "checkpoint_preempted" for e in master.events)
+    finally:
+        master.stop()
+        master.shutdown()
+        for s in servers:
+            s.stop()
