@@ -386,18 +386,31 @@ class JobMaster:
         running = [n for n in nodes if n.state == NodeState.RUNNING]
         if running:
             return
-        failed = [n.id for n in nodes if n.state == NodeState.FAILED]
+        failed = [n for n in nodes if n.state == NodeState.FAILED]
         if self.shards is not None and not self.shards.finished():
             c = self.shards.counts()
             self._set_phase(JobPhase.FAILED,
-                            f"all workers exited with {c['todo'] + c['doing']} shards unprocessed"
-                            + (f"; failed: {failed}" if failed else ""))
+                            f"all workers exited with {c['todo'] + c['doing']} shards "
+                            f"unprocessed: {self._describe_exits(nodes)}")
         elif failed:
-            self._set_phase(JobPhase.FAILED, f"workers failed: {failed}")
+            self._set_phase(JobPhase.FAILED, f"workers failed: {self._describe_exits(nodes)}")
         else:
             if not self._keep_model():
                 return
             self._set_phase(JobPhase.SUCCEEDED, "all shards done" if self.shards else "workers finished")
+
+    def _describe_exits(self, nodes) -> str:
+        """How every worker ended, not only those that exited non-zero: a job that failed
+        because workers ended early (exit 0 with shards left) says so too."""
+        parts = []
+        for n in sorted(nodes, key=lambda n: n.id):
+            code = n.exit_code
+            how = ("still running" if code is None else "exited 0" if code == 0
+                   else f"killed by signal {-code}" if code < 0 else f"exited {code}")
+            if n.restarts:
+                how += f" after {n.restarts} restart(s)"
+            parts.append(f"{n.id} {how}")
+        return "; ".join(parts) + f" (logs: {os.path.join(self.config.state_dir, 'logs')})"
 
     def _keep_model(self) -> bool:
         """The job trained to the end: take the final checkpoint, then the export, before

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -18,7 +19,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import grpc
-import numpy as np
 
 from deeprec_ext.batching import StepBatcher
 from deeprec_ext.client import PSClient
@@ -351,6 +351,23 @@ def _on_sigterm(*_):
     _context.request_stop()
 
 
+def _exit_on_uncaught(exc_type, exc, tb) -> None:
+    """A training script that dies of an exception exits now, with the traceback printed:
+    TensorFlow's interpreter teardown (tf.data and gRPC threads) can otherwise hold a
+    crashed worker for tens of seconds, heartbeating and holding its shards, before the
+    AIMaster learns of the failure and hands its data to another worker."""
+    _previous_excepthook(exc_type, exc, tb)
+    for stream in (sys.stderr, sys.stdout):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    os._exit(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
+
+
+_previous_excepthook = sys.excepthook
+
+
 def get_context() -> WorkerContext:
     """This process's WorkerContext, created on first use from the environment
     (DEEPREC_MASTER_ADDR, DEEPREC_MEMBER_ID) that the AIMaster's launcher sets."""
@@ -360,6 +377,8 @@ def get_context() -> WorkerContext:
             _context = WorkerContext()
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, _on_sigterm)
+                if sys.excepthook is sys.__excepthook__:  # not if the user installed one
+                    sys.excepthook = _exit_on_uncaught
         return _context
 
 
