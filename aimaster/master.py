@@ -587,6 +587,8 @@ class JobMaster:
                 self._drain_main_calls()
                 if deadline is not None and self.clock() > deadline:
                     raise
+                if self._signalled or self._stop.is_set():  # shutdown is bounded
+                    raise NotRunning("the AIMaster is stopping") from None
 
     def _run_op(self, kind: OpKind, fn, key: str | None = None, timeout: float | None = None):
         return self.ops.run(kind, fn, key, timeout, waiter=self._await)
