@@ -130,6 +130,9 @@ def inspect_target(target: str, fn_kwargs: dict | None = None) -> Inventory:
                 raise eager_error from None
             raise
         if isinstance(result, keras.Model):
+            if eager_error is not None:
+                # the model failed to build eagerly: that is its own error, not a mode problem
+                raise eager_error from None
             raise EstimateError(f"{target} builds a Keras model only in graph mode; build "
                                 f"it eagerly (TF2 default)")
         if not graph.get_operations():

@@ -40,6 +40,17 @@ def deepfm_tf1(dim: int = 8):
     return logits
 
 
+def broken_model():
+    """A Keras model whose code fails (eagerly, as TF2 runs it), though a graph-mode
+    retry of the same builder would return a model."""
+    import tensorflow as tf
+    from tensorflow import keras
+    if tf.executing_eagerly():
+        raise ValueError("feature 'cat' has 27 columns, 26 expected")
+    inp = keras.Input((4,))
+    return keras.Model(inp, keras.layers.Dense(1)(inp))
+
+
 def not_a_model():
     return 42
 
@@ -220,6 +231,8 @@ def test_cli_json_and_text(capsys):
     (["examples.criteo.model:no_such_fn"], "has no attribute 'no_such_fn'"),
     (["examples.criteo.model:NUM_CAT"], "is not callable"),
     (["tests.test_graph_opt:not_a_model"], "not a model"),
+    # the model's own error, not a guess about graph mode
+    (["tests.test_graph_opt:broken_model"], "ValueError: feature 'cat' has 27 columns, 26 expected"),
     (["examples.criteo.train:build_keras", "--arg", "lr=0.1", "--rows", "embedding"],
      "expected NAME=VALUE"),
     (["examples.criteo.train:build_keras", "--arg", "lr=0.1", "--rows", "embedding=lots"],
