@@ -15,6 +15,7 @@ change of job state is written durably before it is acknowledged.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -51,6 +52,8 @@ log = logging.getLogger("aimaster")
 
 
 
+MAX_EVENTS = 1000  # kept in memory
+
 __all__ = ["JobMaster", "JobPhase", "FINAL_PHASES", "Busy", "NotRunning", "OperationRefused",
            "Preempted", "ScaleRefused"]
 
@@ -67,7 +70,9 @@ class JobMaster:
         self.message = ""
         self.routing: RoutingTable | None = None
         self.epoch = 0
-        self.events: list[dict] = []
+        # the recent events (status shows the last 100, the state keeps the last 200): a job
+        # that runs for weeks must not grow its event list without bound
+        self.events: collections.deque[dict] = collections.deque(maxlen=MAX_EVENTS)
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._scaler_factory = scaler_factory or (
@@ -153,7 +158,7 @@ class JobMaster:
                     "slot_owner": self.routing.slot_owner.tolist()},
                 "members": [self._member_dict(m) for m in self.registry.members()],
                 "shards": self.shards.to_state() if self.shards else None,
-                "events": self.events[-200:],
+                "events": list(self.events)[-200:],
                 "global_step": self.global_step(),
                 "model": self.model_spec,
                 "final_checkpoint": self.final_checkpoint,
@@ -1268,7 +1273,7 @@ class JobMaster:
                    for m in self.registry.members()]
         counts = self.shards.counts() if self.shards else {"todo": 0, "doing": 0, "done": 0}
         with self._lock:
-            events = [json.dumps(e, sort_keys=True) for e in self.events[-100:]]
+            events = [json.dumps(e, sort_keys=True) for e in list(self.events)[-100:]]
         response = master_pb2.StatusResponse(
             events_json=events,
             job_name=self.config.name, epoch=self.epoch, phase=self.phase.value, members=members,

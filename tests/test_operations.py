@@ -173,7 +173,7 @@ class _NoScaler(Scaler):
     """Starts nothing: the test registers the PS itself."""
 
     def apply(self, plan: ScalePlan) -> ScaleResult:
-        return ScaleResult(plan, [])
+        return ScaleResult()
 
     def leavers(self, role, count):
         return []
@@ -344,3 +344,16 @@ def test_recovery_preempts_a_checkpoint_and_nothing_is_committed(tmp_path):
         master.shutdown()
         for s in servers:
             s.stop()
+
+
+def test_the_event_log_stays_bounded(tmp_path):
+    from aimaster.master import MAX_EVENTS
+    master = _master(tmp_path)
+    try:
+        for i in range(3 * MAX_EVENTS):
+            master.record_event("tick", i=i)
+        assert len(master.events) == MAX_EVENTS and master.events[-1]["i"] == 3 * MAX_EVENTS - 1
+        assert len(master.status().events_json) == 100
+    finally:
+        master.stop()
+        master.shutdown()
