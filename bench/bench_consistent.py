@@ -112,7 +112,8 @@ class Job:
             raise RuntimeError(f"job timed out; see {self.log.name}")
         finally:
             self.log.close()
-        state = json.load(open(os.path.join(self.state_dir, "job_state.json")))
+        from aimaster.state import load_state
+        state = load_state(self.state_dir)
         if state["phase"] != "succeeded":
             raise RuntimeError(f"job {state['phase']}: {state['message']}")
         files = sorted(os.listdir(self.state_dir))

@@ -30,7 +30,7 @@ throughput during the event, ``steps completed in [event start, event end] / dur
 measured just before the event.
 
 The event's window is placed on this process's clock with its wall-clock ``time`` (same
-machine). Its phases come from ``job_state.json`` events: new PS registered (scale-out),
+machine). Its phases come from the job state's events: new PS registered (scale-out),
 ``routing`` published (the fence window is the ``fence_ms`` before it), clean-up
 (``DropSlots``, stopping leaving PS), and the ``2.5 * heartbeat_seconds`` the AIMaster
 sleeps at the end of every PS scale to collect worker stall reports. Throughput and the
@@ -155,8 +155,11 @@ class PsJob:
             return f.read()[-n:].decode(errors="replace")
 
     def state(self) -> dict:
-        with open(os.path.join(self.state_dir, "job_state.json")) as f:
-            return json.load(f)
+        from aimaster.state import load_state
+        state = load_state(self.state_dir)
+        if state is None:
+            raise FileNotFoundError(f"no job state in {self.state_dir}")
+        return state
 
     def remember_pids(self) -> None:
         try:
@@ -425,7 +428,7 @@ def fence_breakdown(state_dir: str, event: dict, publish_wall: float | None) -> 
         return None
     old, new = times[:n_old], times[n_old:n_old + n_new]
     ms = lambda a, b: round((b - a) * 1000, 1)  # noqa: E731
-    # fence_ms ends after publish() saved job_state.json (fsync) while the routing event is
+    # fence_ms ends after publish() saved the job state (fsync) while the routing event is
     # stamped before that save, so this first part also holds the save's duration
     return {"to_first_setrouting_plus_state_save_ms": ms(publish_wall - event["fence_ms"] / 1000,
                                                          old[0]),

@@ -139,8 +139,8 @@ def deepfm_job(data: dict, on_success: bool, state_dir: str) -> dict:
     wall = time.perf_counter() - start
     if r.returncode != 0:
         raise RuntimeError(r.stdout[-2000:] + r.stderr[-2000:])
-    with open(os.path.join(state_dir, "job_state.json")) as f:
-        state = json.load(f)
+    from aimaster.state import load_state
+    state = load_state(state_dir)
     ck = [e for e in state["events"] if e["kind"] == "checkpoint"]
     return {"wall_seconds": round(wall, 2), "final_checkpoint_ms": ck[-1]["duration_ms"] if ck
             else None, "final_checkpoint_bytes": ck[-1]["bytes"] if ck else None}

@@ -27,7 +27,7 @@ For each table size (one table ``emb``, dim 16, Adagrad, ids spread over the int
 7. (b)/(c) In this process, with the machine otherwise idle: ``checkpoint.restore(dir,
    EmbeddingStore(), slot_mask=<slots of ps-1>)`` of the full checkpoint alone (``upto=full,
    exact=True``) and of the full + incremental chain. The mask is ``routing.slot_owner ==
-   index of ps-1 in routing.ps_ids`` from ``job_state.json`` before the kill (the
+   index of ps-1 in routing.ps_ids`` from the job state before the kill (the
    checkpoints were taken with that routing). Best of ``--restore-reps``. A restore of the
    whole table (no mask) from the full checkpoint is timed once for the TF comparison.
    The checkpoint files were just written, so they are read from the page cache: the

@@ -491,12 +491,12 @@ def _start_py_spy(state_dir: str, ps: int, workers: int, timeout: float) -> list
         print("  (py-spy not installed: skipping sampling profiles)", flush=True)
         return []
     deadline = time.time() + min(timeout, 120)
+    from aimaster.state import load_state
     members = []
     while time.time() < deadline:
         try:
-            with open(os.path.join(state_dir, "job_state.json")) as f:
-                members = json.load(f).get("members", [])
-        except (OSError, ValueError):
+            members = (load_state(state_dir) or {}).get("members", [])
+        except (OSError, ValueError, RuntimeError):
             members = []
         if sum(1 for m in members if m["role"] == "ps") >= ps and \
                 sum(1 for m in members if m["role"] == "worker") >= workers:

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from aimaster.state import load_state
+
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -67,7 +69,10 @@ class Job:
         return Path(self.log.name).read_text(errors="replace")
 
     def state(self) -> dict:
-        return json.loads((self.state_dir / "job_state.json").read_text())
+        state = load_state(str(self.state_dir))
+        if state is None:
+            raise FileNotFoundError(f"no job state in {self.state_dir}")
+        return state
 
     def status(self) -> dict:
         out = subprocess.run([sys.executable, "-m", "aimaster.cli", "status", "--master",

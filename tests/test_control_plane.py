@@ -119,10 +119,11 @@ def test_registry_leases_expire_with_fake_clock():
         reg.register("ps", "worker-0", 1, "a:1")
 
 
-def test_state_store_atomic_replace(tmp_path):
+def test_state_store_save_load(tmp_path):
     store = StateStore(str(tmp_path))
     assert store.load() is None
     store.save({"epoch": 1})
     store.save({"epoch": 2, "x": [1, 2]})
     assert store.load() == {"epoch": 2, "x": [1, 2]}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["job_state.json"]
+    # no temp files; load() folded the WAL into the database
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job_state.db"]
