@@ -21,6 +21,7 @@ import time
 import grpc
 
 from aimaster.config import ConfigError, load_job, with_overrides
+from aimaster.state import StateStoreError
 
 log = logging.getLogger("aimaster")
 
@@ -148,6 +149,8 @@ def cmd_run(args) -> int:
             factory = master_scaler_factory(lambda: master)
         master = JobMaster(config, scaler_factory=factory)
     except ConfigError as exc:
+        return _fail(str(exc))
+    except StateStoreError as exc:  # a damaged state dir: name the file, no traceback
         return _fail(str(exc))
     try:
         address = master.start()

@@ -74,6 +74,7 @@ class JobMaster:
         # that runs for weeks must not grow its event list without bound
         self.events: collections.deque[dict] = collections.deque(maxlen=MAX_EVENTS)
         self._lock = threading.RLock()
+        self._save_lock = threading.Lock()
         self._stop = threading.Event()
         self._scaler_factory = scaler_factory or (
             lambda address, cfg: create_scaler("local", master_address=address, config=cfg,
@@ -136,7 +137,7 @@ class JobMaster:
             else:
                 # without a checkpoint the model of the interrupted run is gone; resuming its
                 # data position without its model would skip data: keep it aside, start over
-                os.replace(self.store.path, self.store.path + ".interrupted")
+                self.store.set_aside(".interrupted")
                 log.warning("previous run of %s did not finish and left no checkpoint; its "
                             "state is kept in %s.interrupted", self.config.name, self.store.path)
         if not files:
@@ -147,6 +148,12 @@ class JobMaster:
         return ShardQueue(shards)
 
     def _save(self) -> None:
+        # one save at a time, in the order the states were built: two RPC threads must not
+        # make an older state the durable one after a newer change was acknowledged
+        with self._save_lock:
+            self._save_locked()
+
+    def _save_locked(self) -> None:
         with self._lock:
             state = {
                 "job_name": self.config.name, "phase": self.phase.value, "message": self.message,

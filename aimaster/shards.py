@@ -67,6 +67,7 @@ class ShardQueue:
         self._doing: dict[int, str] = {}
         self._done: set[int] = set()
         self._resume: dict[int, int] = {}  # shard id -> first untrained record
+        self._shard_dicts: list[dict] | None = None  # to_state's shard list (never mutated)
 
     def _handout(self, sid: int) -> Shard:
         s = self._shards[sid]
@@ -153,7 +154,9 @@ class ShardQueue:
 
     def to_state(self) -> dict:
         with self._lock:
-            return {"shards": [asdict(s) for s in self._shards.values()],
+            if self._shard_dicts is None:  # the shard list never changes: built once
+                self._shard_dicts = [asdict(s) for s in self._shards.values()]
+            return {"shards": list(self._shard_dicts),
                     "todo": list(self._todo), "doing": dict(self._doing), "done": sorted(self._done),
                     "resume": {str(k): v for k, v in self._resume.items()}}
 

@@ -501,3 +501,18 @@ def test_cli_prints_the_state_as_json(tmp_path):
     out = subprocess.run([sys.executable, "-m", "aimaster.state", str(tmp_path / "none")],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "no job state" in out.stderr
+
+
+def test_aimaster_run_on_a_damaged_state_dir_names_the_file(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / DB_NAME).write_bytes(b"this is not a database" * 100)
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps({"name": "damaged", "ps": {"replicas": 1},
+                               "master": {"state_dir": str(state)}}))
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-m", "aimaster.cli", "run", str(job), "--workers", "0"],
+                         cwd=root, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(root)))
+    assert out.returncode != 0
+    assert str(state / DB_NAME) in out.stderr and "Traceback" not in out.stderr, out.stderr
