@@ -32,8 +32,8 @@ bytes are caught before and after decompression. An END chunk closes each file.
 
 Keyed by slot
 -------------
-Rows are sorted by routing slot (``deeprec_ext.hashing.slot_of``, one radix argsort)
-before chunking (~64k rows or ~8 MB per chunk), and each chunk records its inclusive
+Rows are sorted by routing slot (``deeprec_ext.hashing.slot_of``) before chunking (~64k
+rows or ~4 MB per chunk; readers take any chunk size), and each chunk records its inclusive
 slot range, in the header and in the manifest's chunk index. A restore with a slot mask
 (what one PS of a new layout owns) reads only chunks whose range intersects the mask,
 and hashes keys only for chunks partly inside it. The AIMaster's routing gives each PS
@@ -45,13 +45,22 @@ depends only on it and ``num_slots``).
 Full and incremental
 --------------------
 ``write_table`` reads the table's sequence counter (``cut_seq``) **before** exporting,
-then exports in slices of 256k arena rows (``export_slots``, so the table lock is held
-briefly, not for the whole table), and, for incrementals, ``tombstones_since``. The
+and, for incrementals, ``tombstones_since``. It then streams, holding no copy of the
+table: a plan of the rows to write sorted by slot (``EmbeddingTable.plan_export``: 8
+bytes per row, the table scanned in slices of 256k rows under short lock holds, or read
+from its change log for an incremental), then chunk by chunk the rows themselves
+(``gather_planned``, 8k rows per lock hold), compressed on a small thread pool while
+the next chunk is read. Peak extra memory is the plan plus a few chunks (about 3% of a
+4M-row Adagrad table), and lookups and pushes are served between the lock holds. A row
+rewritten after the plan is written with its newer value; one deleted (or its row
+reused by another slot's key) after it is skipped: both changes are after the cut. The
 incremental of the next checkpoint uses ``since_seq = cut_seq``: rows written at or
 before the cut are in this checkpoint or an earlier one of the chain; writes after it
-may appear twice, harmlessly (upserts). The export filter is one vectorized comparison,
-and every later step (sort, gather, compress, checksum, write) is proportional to the
-changed rows, so an incremental costs in proportion to the rows it holds.
+may appear twice, harmlessly (upserts). Every step of an incremental (change log,
+sort, gather, compress, checksum, write) is proportional to the changed rows.
+``tombstones_since`` raises ``LogTrimmed`` when the table's tombstone log no longer
+reaches back to ``since_seq`` (a consumer far behind, see ``deeprec_ext.store.table``):
+then only a full checkpoint is exact.
 ``since_seq`` is required for incrementals and has no default from the parent's
 watermark: after a restart or a restore the PS's sequence counter starts again, and
 an old watermark would silently skip rows. ``write_table`` also rejects a
@@ -110,11 +119,12 @@ from checkpoint.format import CheckpointError, NoValidCheckpoint
 from checkpoint.load import Loaded, Table, load
 from checkpoint.reader import (Chain, Checkpoint, RestoreInfo, apply_retention, list_chains,
                                load_manifest, restore, scan, verify)
-from checkpoint.writer import CheckpointWriter
+from checkpoint.writer import CheckpointCancelled, CheckpointWriter
 
 __all__ = [
     "Chain",
     "Checkpoint",
+    "CheckpointCancelled",
     "CheckpointError",
     "CheckpointWriter",
     "Loaded",

@@ -26,11 +26,15 @@ from checkpoint.format import (CHUNK_FIELDS, FORMAT_VERSION, KIND_ARRAY, KIND_EN
 log = logging.getLogger("checkpoint")
 
 ROWS_PER_CHUNK = 1 << 16          # ~64k rows per chunk ...
-CHUNK_RAW_BYTES = 8 << 20         # ... but at most ~8 MB uncompressed (wide rows)
+CHUNK_RAW_BYTES = 4 << 20         # ... but at most ~4 MB uncompressed (wide rows)
 TOMBSTONES_PER_CHUNK = 1 << 20    # tombstone chunks hold keys only
-EXPORT_SLICE_ROWS = 1 << 18       # arena rows scanned per table-lock hold while exporting
 ZSTD_LEVEL = 1                    # float rows barely compress; level 1 is ~2x faster than 3
-_WINDOW_PER_THREAD = 2            # chunks in flight per compression thread
+_EXTRA_IN_FLIGHT = 1              # chunks being compressed: one per thread, plus this
+
+
+class CheckpointCancelled(Exception):
+    """The caller gave up on the checkpoint (e.g. its RPC was cancelled) while it was
+    being written."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -64,6 +68,11 @@ def _table_info(table: EmbeddingTable) -> dict:
 def _config_of(info: dict) -> dict:
     """A table's config for comparisons along a chain (how rows are stored may differ)."""
     return {k: v for k, v in info.items() if k != "counts"}
+
+
+def _check_cancelled(cancelled) -> None:
+    if cancelled is not None and cancelled():
+        raise CheckpointCancelled("cancelled while writing")
 
 
 def _slot_order(slots: np.ndarray, num_slots: int) -> np.ndarray:
@@ -190,7 +199,7 @@ class CheckpointWriter:
             raise RuntimeError(f"checkpoint {self.dir} is already committed")
 
     def write_table(self, writer_id: str, table: EmbeddingTable, since_seq: int | None = None,
-                    slot_mask: np.ndarray | None = None) -> dict:
+                    slot_mask: np.ndarray | None = None, cancelled=None) -> dict:
         """Write the rows of ``table`` held by ``writer_id`` to ``<writer>.<table>.rows``.
 
         Full checkpoint: every live row (``since_seq`` must be None). Incremental: the rows
@@ -198,10 +207,19 @@ class CheckpointWriter:
         writer reported for the previous checkpoint of the chain). ``slot_mask`` (bool
         [num_slots]) restricts the rows and deletions to the slots this writer owns.
 
-        The table is exported in slices (the table lock is held per slice only); the
-        sequence watermark ``cut_seq`` is read first, so every write with a sequence
-        number <= cut_seq is in this checkpoint (or an earlier one of the chain), and
-        writes after it may appear twice, harmlessly. Returns stats: writer, table, file,
+        Streaming, in bounded memory: the sequence watermark ``cut_seq`` is read first,
+        then a plan of the rows to write sorted by slot (8 bytes per row, no row copied;
+        ``EmbeddingTable.plan_export``), then the rows are read chunk by chunk, each under
+        one short table-lock hold (``gather_planned``), and compressed and written while
+        the next chunk is read. The table keeps serving lookups and pushes throughout;
+        no copy of the table is ever held. Every write with a sequence number <= cut_seq
+        is in this checkpoint (or an earlier one of the chain): a row rewritten after
+        the plan is written with its newer value, a row deleted or reused after it is
+        skipped (its change is after the cut, so the next incremental has it). Writes
+        after the cut may appear twice, harmlessly.
+
+        ``cancelled``: a callable polled between chunks; when it returns True the write
+        stops with :class:`CheckpointCancelled`. Returns stats: writer, table, file,
         rows, tombstones, bytes, raw_bytes, chunks, seconds, since_seq, cut_seq.
         """
         self._check_open()
@@ -244,37 +262,22 @@ class CheckpointWriter:
             self._files[fname] = {}  # reserve
 
         try:
-            # Rows: sliced export (short lock holds), then one slot sort.
-            kparts, rparts = [], []
-            start = 0
-            while True:
-                k, r, _, nxt = table.export_slots(export_mask, since_seq, start,
-                                                  EXPORT_SLICE_ROWS, with_counts=True)
-                if k.size:
-                    kparts.append(k)
-                    rparts.append(r)
-                if nxt is None:
-                    break
-                start = nxt
-            w = info["row_width"] + 1  # + the update count
-            keys = np.concatenate(kparts) if kparts else np.empty(0, np.int64)
-            rows = (np.concatenate(rparts) if len(rparts) > 1 else
-                    rparts[0] if rparts else np.empty((0, w), np.float32))
-            del kparts, rparts
             tomb = (table.tombstones_since(since_seq) if self.kind == "incr"
                     else np.empty(0, np.int64))
             if tomb.size and slot_mask is not None:
                 tomb = tomb[slot_mask[slot_of(tomb, self.num_slots)]]
-
+            codes, row_bits = table.plan_export(export_mask, since_seq)
+            written = [0]
+            chunks = self._tombstone_chunks(tomb)
+            rows_chunks = self._row_chunks(table, info, codes, row_bits, written, cancelled)
             path = self.dir / fname
-            entry = self._write_data_file(path, name, [(KIND_TOMBSTONES, tomb, None),
-                                                       (KIND_ROWS, keys, rows)])
+            entry = self._write_data_file(path, name, (*chunks, rows_chunks))
         except BaseException:
             with self._lock:
                 self._files.pop(fname, None)
             raise
         entry.update({"path": fname, "type": "rows", "writer": writer_id, "table": name,
-                      "rows": int(keys.size), "tombstones": int(tomb.size),
+                      "rows": written[0], "tombstones": int(tomb.size),
                       "since_seq": since_seq, "cut_seq": cut})
         with self._lock:
             self._files[fname] = entry
@@ -285,9 +288,43 @@ class CheckpointWriter:
                 "raw_bytes": entry["raw_bytes"], "chunks": len(entry["chunks"]),
                 "seconds": time.perf_counter() - t0, "since_seq": since_seq, "cut_seq": cut}
 
+    def _tombstone_chunks(self, keys: np.ndarray):
+        """Tombstone chunks (kind, keys, None, slot_lo, slot_hi), sorted by slot."""
+        m = int(keys.size)
+        if m == 0:
+            return ()
+        slots = slot_of(keys, self.num_slots)
+        order = _slot_order(slots, self.num_slots)
+        keys, slots = keys.take(order), slots.take(order)
+        per = min(TOMBSTONES_PER_CHUNK, max(4096, -(-m // self.threads)))
+        return ([(KIND_TOMBSTONES, keys[s:s + per], None, int(slots[s]),
+                  int(slots[min(s + per, m) - 1]))] for s in range(0, m, per))
+
+    def _row_chunks(self, table: EmbeddingTable, info: dict, codes: np.ndarray, row_bits: int,
+                    written: list, cancelled):
+        """Row chunks (kind, keys, rows, slot_lo, slot_hi) of a plan, each read under one
+        table-lock hold when it is about to be written (a generator: one chunk at a time)."""
+        with_counts = bool(info.get("counts"))
+        w = info["row_width"] + (1 if with_counts else 0)
+        m = int(codes.size)
+        per = max(1024, min(ROWS_PER_CHUNK, CHUNK_RAW_BYTES // (8 + 4 * w)))
+        # small exports (incrementals): still one chunk per compression thread
+        per = min(per, max(4096, -(-m // self.threads)))
+        for s in range(0, m, per):
+            _check_cancelled(cancelled)
+            keys, rows, slots = table.gather_planned(codes[s:s + per], row_bits, self.num_slots,
+                                                     with_counts=with_counts)
+            if rows.shape[1] != w:
+                raise ValueError(f"table '{table.name}' was reconfigured while being written")
+            if keys.size:
+                written[0] += int(keys.size)
+                yield KIND_ROWS, keys, rows, int(slots[0]), int(slots[-1])
+
     def _write_data_file(self, path: Path, name: str, parts) -> dict:
-        """Write chunks of (kind, keys, rows) groups, each sorted by slot; returns the
-        file's manifest entry (size, sha256, raw_bytes, chunk index)."""
+        """Write chunks given by ``parts`` (iterables of (kind, keys, rows, slot_lo,
+        slot_hi), in slot order), compressing up to one chunk per thread (plus one) while
+        the next is read; returns the file's manifest entry (size, sha256, raw_bytes,
+        chunk index)."""
         bname = name.encode("utf-8")
         pool = self._get_pool()
         window = deque()
@@ -311,48 +348,39 @@ class CheckpointWriter:
             raw_total += raw_len
 
         self._created_files.append(path)
-        with open(path, "wb") as f:
-            for kind, keys, rows in parts:
-                m = int(keys.size)
-                if m == 0:
-                    continue
-                w = 0 if rows is None else int(rows.shape[1])
-                slots = slot_of(keys, self.num_slots)
-                order = _slot_order(slots, self.num_slots)
-                slots = slots.take(order)
-                keys = np.ascontiguousarray(keys, dtype="<i8")
-                rows_v = None
-                if rows is not None:
-                    rows = np.ascontiguousarray(rows, dtype="<f4")
-                    rows_v = rows.view(np.dtype((np.void, 4 * w))).reshape(-1)
-                per = (max(1024, min(ROWS_PER_CHUNK, CHUNK_RAW_BYTES // (8 + 4 * w)))
-                       if rows is not None else TOMBSTONES_PER_CHUNK)
-                # small exports (incrementals): still one chunk per compression thread
-                per = min(per, max(4096, -(-m // self.threads)))
-                for s in range(0, m, per):
-                    idx = order[s:s + per]
-                    fut = pool.submit(self._payload, keys, rows_v, idx, w)
-                    window.append((kind, int(idx.size), int(slots[s]),
-                                   int(slots[min(s + per, m) - 1]), w, fut))
-                    while len(window) > _WINDOW_PER_THREAD * self.threads:
-                        drain_one(f)
-            while window:
-                drain_one(f)
-            end = encode_header(KIND_END, bname, self.num_slots, 0, 0, len(index), 0, pos, 0, 0)
-            f.write(end)
-            sha.update(end)
-            pos += len(end)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(path, "wb") as f:
+                for part in parts:
+                    for kind, keys, rows, lo, hi in part:
+                        w = 0 if rows is None else int(rows.shape[1])
+                        while len(window) >= self.threads + _EXTRA_IN_FLIGHT:
+                            drain_one(f)
+                        window.append((kind, int(keys.size), lo, hi, w,
+                                       pool.submit(self._payload, keys, rows)))
+                        del keys, rows
+                while window:
+                    drain_one(f)
+                end = encode_header(KIND_END, bname, self.num_slots, 0, 0, len(index), 0, pos,
+                                    0, 0)
+                f.write(end)
+                sha.update(end)
+                pos += len(end)
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            for *_, fut in window:  # an error: do not leave compressions running
+                fut.cancel()
         return {"size": pos, "sha256": sha.hexdigest(), "raw_bytes": raw_total,
                 "chunks": index}
 
-    def _payload(self, keys, rows_v, idx, w):
-        n = idx.size
-        buf = np.empty(n * (8 + 4 * w), dtype=np.uint8)
-        np.take(keys, idx, out=buf[:8 * n].view("<i8"))
-        if w:
-            np.take(rows_v, idx, out=buf[8 * n:].view(rows_v.dtype))
+    def _payload(self, keys, rows):
+        """One chunk's compressed payload: ``keys int64 LE || rows float32 LE``."""
+        n = int(keys.size)
+        nbytes = 8 * n + (0 if rows is None else 4 * rows.size)
+        buf = np.empty(nbytes, dtype=np.uint8)
+        buf[:8 * n].view("<i8")[:] = keys
+        if rows is not None:
+            buf[8 * n:].view("<f4").reshape(rows.shape)[:] = rows
         comp = self._compressor().compress(buf)
         return comp, buf.nbytes, crc32(comp)
 

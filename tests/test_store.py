@@ -8,8 +8,8 @@ import threading
 import numpy as np
 import pytest
 
-from deeprec_ext.store import (EmbeddingStore, EmbeddingTable, HashIndex, SequenceCounter,
-                               make_initializer, make_optimizer)
+from deeprec_ext.store import (EmbeddingStore, EmbeddingTable, HashIndex, LogTrimmed,
+                               SequenceCounter, make_initializer, make_optimizer)
 
 I64 = np.iinfo(np.int64)
 EXTREMES = np.array([0, -1, 1, I64.min, I64.max, I64.min + 1, I64.max - 1], dtype=np.int64)
@@ -485,7 +485,10 @@ class TestEmbeddingTable:
         assert 10 in t.export_rows(since_seq=s1)[0].tolist()
         assert 10 in t.tombstones_since(s1).tolist()
         assert t.truncate_tombstones(t.sequence.value) == 1
-        assert t.tombstones_since(0).size == 0
+        # a consumer older than what was trimmed cannot get a delta: it needs a full copy
+        with pytest.raises(LogTrimmed):
+            t.tombstones_since(0)
+        assert t.tombstones_since(t.sequence.value).size == 0
 
     def test_free_rows_are_reused(self):
         t = EmbeddingTable("t", 4, optimizer="adagrad", initial_capacity=16)
@@ -609,3 +612,134 @@ class TestStore:
         assert set(s.tables()) == {"b"}
         with pytest.raises(KeyError):
             s.drop_table("a")
+
+
+# --------------------------------------------------------------------------- change log
+class TestChangeLog:
+    def _scan(self, t, since):
+        """What "rows changed since" is by definition: every live row with a newer seq."""
+        keys, rows, seqs = t.export_rows()
+        sel = seqs > since
+        order = np.argsort(keys[sel])
+        return keys[sel][order], rows[sel][order]
+
+    def test_rows_changed_since_match_a_scan_under_churn(self):
+        rng = np.random.default_rng(4)
+        t = EmbeddingTable("t", 3, optimizer="adagrad", initial_capacity=16)
+        marks = [0]
+        for step in range(60):
+            op = rng.integers(0, 5)
+            keys = rng.integers(0, 3000, size=int(rng.integers(1, 400)))
+            if op == 0:
+                t.lookup(keys)
+            elif op == 1:
+                t.apply_gradients(keys, rng.normal(size=(keys.size, 3)).astype(np.float32))
+            elif op == 2:
+                t.delete(keys)
+            elif op == 3:
+                t.insert(keys, rng.normal(size=(keys.size, 3)).astype(np.float32))
+            else:
+                k, r, _ = t.export_rows()
+                t.import_rows(k[: k.size // 3], r[: k.size // 3])
+            marks.append(t.sequence.value)
+            for since in (marks[-1], marks[-2], marks[len(marks) // 2], 0):
+                keys_l, rows_l, seqs_l = t.export_rows(since_seq=since)
+                order = np.argsort(keys_l)
+                want_k, want_r = self._scan(t, since)
+                np.testing.assert_array_equal(keys_l[order], want_k)
+                np.testing.assert_array_equal(rows_l[order], want_r)
+                assert (seqs_l > since).all()
+
+    def test_export_since_costs_the_changed_rows_not_the_table(self):
+        import time
+        t = EmbeddingTable("t", 16, optimizer="adagrad")
+        t.lookup(np.arange(1_000_000, dtype=np.int64))
+        since = t.sequence.value
+        t.apply_gradients(np.arange(0, 1_000_000, 1000), np.ones((1000, 16), np.float32))
+        assert t._changed_rows(since).size == 1000  # the change log answers, no scan
+        best = {}
+        for how, s in (("log", since), ("scan", None)):
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                k = t.export_rows(since_seq=s)[0] if s is not None else \
+                    np.flatnonzero(t._row_seq[:t._hwm] > since)
+                times.append(time.perf_counter() - t0)
+            best[how] = min(times)
+            assert len(k) == 1000
+        assert best["log"] < best["scan"], best
+
+    def test_logs_are_bounded_and_trimmed_by_consumers(self):
+        s = EmbeddingStore()
+        t = s.create_table("t", 2, initial_capacity=1024)
+        t.lookup(np.arange(1000))
+        s.set_consumer("replica", t.sequence.value)
+        for i in range(300):  # 300k row writes of 1000 rows: the change log stays bounded
+            t.apply_gradients(np.arange(1000), np.ones((1000, 2), np.float32))
+        assert t.log_sizes["changes"] <= 1 << 16
+        cut = t.sequence.value
+        s.set_consumer("replica", cut)
+        assert t.log_sizes["changes"] == 0
+        t.delete(np.arange(10))
+        assert t.tombstones_since(cut).tolist() == list(range(10))
+        s.set_consumer("checkpoint", cut)
+        s.set_consumer("replica", t.sequence.value)  # the checkpoint still needs them
+        assert t.tombstones_since(cut).tolist() == list(range(10))
+        s.set_consumer("checkpoint", t.sequence.value)
+        assert t.log_sizes["tombstones"] == 0
+        with pytest.raises(LogTrimmed):
+            t.tombstones_since(cut)
+        # the hard cap: a consumer that never comes back does not hold memory forever
+        s.set_consumer("checkpoint", 0)
+        lagging = t.sequence.value
+        for i in range(200):
+            keys = np.arange(1000) + 10_000 * (i + 1)
+            t.lookup(keys)
+            t.delete(keys)
+        assert t.log_sizes["tombstones"] <= 1 << 16
+        with pytest.raises(LogTrimmed):
+            t.tombstones_since(lagging)
+
+    def test_moved_rows_are_tombstoned_for_the_replica_only(self):
+        t = EmbeddingTable("t", 2)
+        t.lookup(np.arange(100))
+        s0 = t.sequence.value
+        t.delete(np.arange(10), log_tombstone=False, moved=True)  # migration clean-up
+        t.delete(np.arange(90, 100))                              # a deletion
+        assert t.tombstones_since(s0).tolist() == list(range(90, 100))
+        assert t.tombstones_since(s0, include_moved=True).tolist() == \
+            list(range(10)) + list(range(90, 100))
+        # replicas keep no logs at all
+        r = EmbeddingStore(track_changes=False).create_table("t", 2)
+        r.lookup(np.arange(100))
+        r.delete(np.arange(10))
+        assert r.log_sizes == {"changes": 0, "tombstones": 0, "tombstone_batches": 0}
+
+    def test_plan_and_gather_match_a_slot_export_and_skip_rows_changed_meanwhile(self):
+        from deeprec_ext.hashing import slot_of
+        rng = np.random.default_rng(2)
+        t = EmbeddingTable("t", 4, optimizer="adagrad")
+        keys = rand_keys(rng, 50_000)
+        t.apply_gradients(keys, rng.normal(size=(keys.size, 4)).astype(np.float32))
+        mask = rng.random(64) < 0.5
+        codes, bits = t.plan_export(mask)
+        k, r, _, _ = t.export_slots(mask, None, 0, 1 << 30, with_counts=True)
+        assert codes.size == k.size and (np.diff(codes >> bits) >= 0).all()
+        # rows deleted and re-created (other keys) after the plan are not written
+        gone = k[:1000]
+        t.delete(gone)
+        new = rand_keys(rng, 1000)
+        t.lookup(new)  # they reuse the freed rows; those in the planned slot may be written
+        got_k, got_r, slots = t.gather_planned(codes, bits, 64, with_counts=True)
+        assert not np.isin(got_k, gone).any()
+        np.testing.assert_array_equal(slots, slot_of(got_k, 64))
+        assert (np.diff(slots) >= 0).all()
+        old = np.isin(got_k, k)
+        assert np.isin(got_k[~old], new).all() and old.sum() == k.size - 1000
+        want = dict(zip(k.tolist(), range(k.size)))
+        np.testing.assert_array_equal(got_r[old], r[[want[x] for x in got_k[old].tolist()]])
+        # incremental: only rows written after since, through the change log
+        since = t.sequence.value
+        t.apply_gradients(keys[:500], np.ones((500, 4), np.float32))
+        codes, bits = t.plan_export(mask, since)
+        assert codes.size == int(mask[slot_of(keys[:500], 64)].sum())

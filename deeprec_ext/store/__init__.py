@@ -8,13 +8,14 @@
 from deeprec_ext.store.hash_index import HashIndex
 from deeprec_ext.store.initializers import Initializer, make_initializer
 from deeprec_ext.store.optimizers import Optimizer, make_optimizer
-from deeprec_ext.store.table import EmbeddingStore, EmbeddingTable, SequenceCounter
+from deeprec_ext.store.table import EmbeddingStore, EmbeddingTable, LogTrimmed, SequenceCounter
 
 __all__ = [
     "EmbeddingStore",
     "EmbeddingTable",
     "HashIndex",
     "Initializer",
+    "LogTrimmed",
     "Optimizer",
     "SequenceCounter",
     "make_initializer",

@@ -38,12 +38,36 @@ which never misses a write (batches with seq <= cut finished under the lock befo
 export could take it); writes after ``cut`` may be sent twice, harmlessly (upserts).
 Consumers apply the tombstones first, then the rows.
 
+Change log and bounded logs
+---------------------------
+Every mutating batch also appends the row ids it stamped to a change log (one vectorized
+copy per batch), so "rows changed since V" costs O(rows written since V), not a scan of
+the table: an idle or lightly-touched table costs its consumers (replication every
+interval, incremental checkpoints, migration catch-up) almost nothing. The change log is
+only an accelerator: once it no longer reaches back to V (trimmed), the same answer comes
+from the full scan.
+
+Tombstones are not optional: a consumer that missed some cannot rebuild them. Both logs
+are trimmed with :meth:`EmbeddingTable.trim_logs` once every consumer has passed a
+sequence number (the PS keeps the list of consumers, see ``EmbeddingStore.consumers``),
+and each has a hard cap past which its oldest entries go anyway: the change log keeps
+about one entry per 16 arena rows (beyond that a scan costs as much), the tombstone log
+about one key per arena row. ``tombstones_since(V)`` for a V older than what is left
+raises :class:`LogTrimmed`: that consumer fell too far behind and needs a full copy
+instead of a delta.
+
+Migration clean-up (``DropSlots``) does not delete anything from the model: the rows moved
+to another PS. It logs "moved" tombstones, which only this PS's replica consumes (its copy
+must lose those rows too, or a later promotion brings them back); incremental checkpoints
+and migrations do not see them.
+
 Threading: one ``threading.RLock`` per table around every public method.
 """
 from __future__ import annotations
 
 import numbers
 import threading
+import time
 
 import numpy as np
 
@@ -54,6 +78,110 @@ from deeprec_ext.store.initializers import Initializer, make_initializer
 from deeprec_ext.store.optimizers import Optimizer, make_optimizer
 
 _CHUNK_FLOATS = 1 << 19  # optimizer works on ~2 MB of rows at a time
+_SCAN_SLICE_ROWS = 1 << 18  # arena rows scanned per table-lock hold by sliced scans
+_GATHER_ROWS_PER_HOLD = 1 << 13  # planned rows read per table-lock hold (about 1 ms)
+_LOG_MIN_CAP = 1 << 16  # change-log entries / tombstone keys kept at least (hard cap floor)
+
+
+def _yield() -> None:
+    """Let a thread waiting for a table lock just released take it: a lock is not fair,
+    and a loop re-acquiring it at once would keep a waiting lookup out for many holds."""
+    time.sleep(0)
+
+
+class LogTrimmed(LookupError):
+    """The tombstone log no longer reaches back to the requested sequence number: that
+    consumer fell too far behind and needs a full copy instead of a delta."""
+
+
+class _ChangeLog:
+    """Row ids written per mutating batch, in sequence order (one table, under its lock).
+
+    Entries ``rows[start:end]``; batch ``b`` (``bstart <= b < bend``) wrote the entries from
+    ``pos[b]`` on, with sequence number ``seq[b]`` (increasing: batches of one table take
+    their numbers under its lock). ``floor``: batches with seq <= floor were trimmed, so
+    ``since(v)`` is exact for ``v >= floor`` only.
+    """
+
+    def __init__(self):
+        self.rows = np.empty(1024, dtype=np.int64)
+        self.start = self.end = 0
+        self.seq = np.empty(64, dtype=np.int64)
+        self.pos = np.empty(64, dtype=np.int64)
+        self.bstart = self.bend = 0
+        self.floor = 0
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes + self.seq.nbytes + self.pos.nbytes
+
+    def append(self, seq: int, rows: np.ndarray) -> None:
+        n = int(rows.size)
+        if n == 0:
+            return
+        if self.end + n > self.rows.size:
+            live = self.end - self.start
+            if self.start and live + n <= self.rows.size // 2:  # compact in place
+                self.rows[:live] = self.rows[self.start:self.end]
+            else:
+                grown = np.empty(max(2 * self.rows.size, live + n), dtype=np.int64)
+                grown[:live] = self.rows[self.start:self.end]
+                self.rows = grown
+            self.pos[self.bstart:self.bend] -= self.start
+            self.start, self.end = 0, live
+        if not (self.bend > self.bstart and self.seq[self.bend - 1] == seq):
+            if self.bend == self.seq.size:
+                nb = self.bend - self.bstart
+                if self.bstart and nb < self.seq.size // 2:
+                    self.seq[:nb] = self.seq[self.bstart:self.bend]
+                    self.pos[:nb] = self.pos[self.bstart:self.bend]
+                else:
+                    seq_a = np.empty(2 * self.seq.size, dtype=np.int64)
+                    pos_a = np.empty(2 * self.seq.size, dtype=np.int64)
+                    seq_a[:nb] = self.seq[self.bstart:self.bend]
+                    pos_a[:nb] = self.pos[self.bstart:self.bend]
+                    self.seq, self.pos = seq_a, pos_a
+                self.bstart, self.bend = 0, nb
+            self.seq[self.bend] = seq
+            self.pos[self.bend] = self.end
+            self.bend += 1
+        self.rows[self.end:self.end + n] = rows
+        self.end += n
+
+    def since(self, v: int) -> np.ndarray | None:
+        """Row ids written by batches with seq > v (repeats included), or None when the
+        log no longer reaches back to ``v``."""
+        if v < self.floor:
+            return None
+        b = self.bstart + int(np.searchsorted(self.seq[self.bstart:self.bend], v, side="right"))
+        if b >= self.bend:
+            return self.rows[:0]
+        return self.rows[self.pos[b]:self.end]
+
+    def trim(self, upto: int) -> None:
+        """Forget batches with seq <= ``upto``."""
+        b = self.bstart + int(np.searchsorted(self.seq[self.bstart:self.bend], upto, side="right"))
+        if b == self.bstart:
+            return
+        self.floor = max(self.floor, int(self.seq[b - 1]))
+        if b >= self.bend:
+            self.start = self.end = self.bstart = self.bend = 0
+        else:
+            self.start, self.bstart = int(self.pos[b]), b
+
+    def cap(self, limit: int) -> None:
+        """Keep at most about ``limit`` entries: the oldest batches go first (down to half)."""
+        if self.end - self.start <= limit:
+            return
+        keep_from = self.end - limit // 2
+        b = self.bstart + int(np.searchsorted(self.pos[self.bstart:self.bend], keep_from, side="left"))
+        if b > self.bstart:
+            self.trim(int(self.seq[b - 1]))
+        if self.end - self.start > limit:  # one huge batch: drop it all
+            self.trim(int(self.seq[self.bend - 1]))
 
 
 class SequenceCounter:
@@ -127,7 +255,8 @@ class EmbeddingTable:
     """One sparse embedding table: ``HashIndex`` (key -> row) + row arena."""
 
     def __init__(self, name: str, dim: int, initializer="zeros", optimizer="sgd",
-                 sequence: SequenceCounter | None = None, initial_capacity: int = 1024):
+                 sequence: SequenceCounter | None = None, initial_capacity: int = 1024,
+                 track_changes: bool = True):
         if not isinstance(name, str) or not name:
             raise ValueError(f"table name must be a non-empty string, got {name!r}")
         if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim <= 0:
@@ -157,7 +286,12 @@ class EmbeddingTable:
         self._hwm = 0  # rows [0, hwm) have been handed out at least once
         self._free = np.empty(0, dtype=np.int64)  # stack of free row ids
         self._nfree = 0
-        self._tombstones: list[tuple[int, np.ndarray]] = []
+        # change log and tombstone log (off for copies nobody exports from: replicas)
+        self._track = bool(track_changes)
+        self._changes = _ChangeLog()
+        self._tombstones: list[tuple[int, np.ndarray, bool]] = []  # (seq, keys, moved)
+        self._tomb_keys = 0
+        self._tomb_floor = 0
 
     # -- properties ---------------------------------------------------------------------
     @property
@@ -186,6 +320,11 @@ class EmbeddingTable:
         return (self._arena.nbytes + self._row_seq.nbytes + self._row_key.nbytes
                 + self._row_count.nbytes
                 + self._mark.nbytes + self._free.nbytes + self._index.nbytes)
+
+    @property
+    def log_nbytes(self) -> int:
+        """Bytes held by the change log and the tombstone log (bounded, see trim_logs)."""
+        return self._changes.nbytes + 8 * self._tomb_keys
 
     @property
     def config(self) -> dict:
@@ -272,7 +411,8 @@ class EmbeddingTable:
         self._row_seq[rows] = seq
         self._row_count[rows] = 0
 
-    def _create_missing(self, keys: np.ndarray, rows: np.ndarray, seq_holder: list) -> None:
+    def _create_missing(self, keys: np.ndarray, rows: np.ndarray, seq_holder: list,
+                        log: bool = True) -> None:
         """Fill ``rows`` (-1 entries) by inserting the missing keys with initial values.
         Takes a sequence number (stored in ``seq_holder``) if it has to write."""
         miss = np.flatnonzero(rows < 0)
@@ -282,7 +422,16 @@ class EmbeddingTable:
             seq_holder.append(self.sequence.next())
         got, new_keys, new_rows = self._index.insert_new(keys.take(miss), self._allocate)
         self._init_rows(new_rows, new_keys, seq_holder[0])
+        if log:
+            self._log_write(seq_holder[0], new_rows)
         rows[miss] = got
+
+    def _log_write(self, seq: int, rows: np.ndarray) -> None:
+        """Record the rows a batch stamped with ``seq`` (under the table lock)."""
+        if self._track:
+            self._changes.append(seq, rows)
+            # beyond about 1/16 of the rows a scan is as cheap as the log (_changed_rows)
+            self._changes.cap(max(_LOG_MIN_CAP, self._arena.shape[0] // 16))
 
     def _with_fresh_slots(self, values: np.ndarray) -> np.ndarray:
         """float32 [n, row_width] rows: ``values`` followed by initial slots."""
@@ -400,7 +549,7 @@ class EmbeddingTable:
         with self._lock:
             rows = self._index.find(keys)
             seq = []
-            self._create_missing(keys, rows, seq)
+            self._create_missing(keys, rows, seq, log=False)
             seq = seq[0] if seq else self.sequence.next()
             rep = self._find_duplicates(rows)
             if rep is not None:
@@ -408,6 +557,7 @@ class EmbeddingTable:
             self._apply_optimizer(rows, grads)
             self._row_seq[rows] = seq
             self._row_count[rows] += np.uint32(1)  # rows are unique here
+            self._log_write(seq, rows)
             return seq
 
     def insert(self, keys, values, only_if_absent: bool = False) -> int:
@@ -483,11 +633,14 @@ class EmbeddingTable:
             self._row_seq[rows] = seq
             if counts is not None:
                 self._row_count[rows] = counts
+            self._log_write(seq, rows)
             return seq
 
-    def delete(self, keys, log_tombstone: bool = True) -> int:
-        """Remove keys; returns how many were present. Logs a tombstone unless the rows
-        are only leaving this PS (moved to another one), which is not a deletion."""
+    def delete(self, keys, log_tombstone: bool = True, moved: bool = False) -> int:
+        """Remove keys; returns how many were present. Logs a tombstone (``log_tombstone``),
+        or with ``moved`` a "moved" tombstone: the rows only left this PS (migration
+        clean-up), which is not a deletion from the model; only the replica of this PS
+        consumes those (``tombstones_since(..., include_moved=True)``)."""
         keys = _check_keys(keys)
         if keys.size == 0:
             return 0
@@ -500,27 +653,66 @@ class EmbeddingTable:
             removed_keys = keys[found][first]
             seq = self.sequence.next()
             self._release(removed_rows)
-            if log_tombstone:
-                self._tombstones.append((seq, removed_keys))
+            if self._track and (moved or log_tombstone):
+                self._tombstones.append((seq, removed_keys, bool(moved)))
+                self._tomb_keys += int(removed_keys.size)
+                self._cap_tombstones()
             return int(removed_rows.size)
 
-    def tombstones_since(self, seq: int) -> np.ndarray:
+    def _cap_tombstones(self) -> None:
+        limit = max(_LOG_MIN_CAP, self._arena.shape[0])
+        if self._tomb_keys <= limit:
+            return
+        drop = 0
+        while drop < len(self._tombstones) and self._tomb_keys > limit // 2:
+            s, k, _ = self._tombstones[drop]
+            self._tomb_keys -= int(k.size)
+            self._tomb_floor = max(self._tomb_floor, s)
+            drop += 1
+        del self._tombstones[:drop]
+
+    def tombstones_since(self, seq: int, include_moved: bool = False) -> np.ndarray:
         """Distinct keys deleted by a batch with sequence number > ``seq`` (sorted).
         A key deleted and re-inserted afterwards is listed here *and* exported by
-        ``export_rows``: apply tombstones first, then rows."""
+        ``export_rows``: apply tombstones first, then rows. ``include_moved``: also the
+        keys of rows that moved to another PS (what a replica of this PS must drop).
+
+        Raises :class:`LogTrimmed` when the log no longer reaches back to ``seq``."""
         with self._lock:
-            parts = [k for s, k in self._tombstones if s > seq]
+            if seq < self._tomb_floor:
+                raise LogTrimmed(f"table '{self.name}': tombstones up to sequence "
+                                 f"{self._tomb_floor} were trimmed; {seq} is older")
+            parts = [k for s, k, m in self._tombstones if s > seq and (include_moved or not m)]
         if not parts:
             return np.empty(0, dtype=np.int64)
         return np.unique(np.concatenate(parts))
+
+    def trim_logs(self, upto_seq: int) -> None:
+        """Every consumer has passed ``upto_seq``: forget the change-log entries and the
+        tombstones of batches with sequence numbers <= it."""
+        with self._lock:
+            self._changes.trim(int(upto_seq))
+            keep = [t for t in self._tombstones if t[0] > upto_seq]
+            if len(keep) != len(self._tombstones):
+                self._tomb_floor = max(self._tomb_floor, int(upto_seq))
+                self._tombstones = keep
+                self._tomb_keys = sum(int(k.size) for _, k, _ in keep)
 
     def truncate_tombstones(self, upto_seq: int) -> int:
         """Forget tombstones with sequence number <= ``upto_seq`` (all consumers have them);
         returns how many batches were dropped."""
         with self._lock:
             before = len(self._tombstones)
-            self._tombstones = [(s, k) for s, k in self._tombstones if s > upto_seq]
+        self.trim_logs(upto_seq)
+        with self._lock:
             return before - len(self._tombstones)
+
+    @property
+    def log_sizes(self) -> dict:
+        """Entries held by the change log and the tombstone log (keys)."""
+        with self._lock:
+            return {"changes": len(self._changes), "tombstones": self._tomb_keys,
+                    "tombstone_batches": len(self._tombstones)}
 
     def _counted(self, rows: np.ndarray, block: np.ndarray) -> np.ndarray:
         """``block`` (gathered ``rows``) with each row's update count as a last column."""
@@ -539,16 +731,31 @@ class EmbeddingTable:
             out[hit] = self._row_count.take(rows[hit])
             return out
 
+    def _changed_rows(self, since: int) -> np.ndarray | None:
+        """Sorted distinct ids of live rows written after ``since``, read from the change
+        log (cost: the entries since then); None when the log does not reach back that
+        far, or a scan would be about as cheap. Under the table lock."""
+        if not self._track:
+            return None
+        logged = self._changes.since(since)
+        if logged is None or 16 * logged.size > self._hwm + 4096:
+            return None
+        sel = np.unique(logged)
+        return sel[self._row_seq.take(sel) > since]
+
     def export_rows(self, since_seq: int | None = None, with_counts: bool = False):
         """``(keys, rows, row_seq)`` of live rows, ordered by row id.
 
         ``since_seq=None``: every live row. Otherwise only rows whose last write has a
-        sequence number > ``since_seq``. ``rows`` is float32 [m, row_width] (value then
-        slots), ``row_seq`` int64 [m]. Arrays are copies.
+        sequence number > ``since_seq``: O(rows written since then) through the change
+        log while it reaches back that far, else one scan. ``rows`` is float32
+        [m, row_width] (value then slots), ``row_seq`` int64 [m]. Arrays are copies.
         """
         threshold = 0 if since_seq is None else max(int(since_seq), 0)
         with self._lock:
-            sel = np.flatnonzero(self._row_seq[:self._hwm] > threshold)
+            sel = self._changed_rows(threshold) if since_seq is not None else None
+            if sel is None:
+                sel = np.flatnonzero(self._row_seq[:self._hwm] > threshold)
             block = self._gather_rows(sel)
             if with_counts:
                 block = self._counted(sel, block)
@@ -566,6 +773,15 @@ class EmbeddingTable:
         threshold = 0 if since_seq is None else max(int(since_seq), 0)
         num_slots = int(slot_mask.size)
         with self._lock:
+            if since_seq is not None and row_start == 0:  # the change log, if it answers
+                sel = self._changed_rows(threshold)
+                if sel is not None and sel.size <= max_rows:
+                    keys = self._row_key.take(sel)
+                    sel = sel[slot_mask[slot_of(keys, num_slots)]]
+                    block = self._gather_rows(sel)
+                    if with_counts:
+                        block = self._counted(sel, block)
+                    return self._row_key.take(sel), block, self._row_seq.take(sel), None
             stop = min(self._hwm, row_start + max_rows)
             seqs = self._row_seq[row_start:stop]
             sel = np.flatnonzero(seqs > threshold)
@@ -578,6 +794,93 @@ class EmbeddingTable:
                 block = self._counted(sel, block)
             out = (self._row_key.take(sel), block, self._row_seq.take(sel))
             return (*out, stop if stop < self._hwm else None)
+
+    # -- streaming exports (checkpoints) ------------------------------------------------
+    def plan_export(self, slot_mask: np.ndarray, since_seq: int | None = None
+                    ) -> tuple[np.ndarray, int]:
+        """What a streaming export writes, sorted by routing slot without copying any row:
+        ``(codes, row_bits)``, int64 ``codes = slot << row_bits | row id`` of the live rows
+        whose slot is set in ``slot_mask`` (bool [num_slots]) and, with ``since_seq``,
+        whose last write is newer. 8 bytes per selected row; the table lock is held per
+        slice of the scan (or once, for the change log). Read the rows with
+        :meth:`gather_planned`, chunk by chunk."""
+        slot_mask = np.asarray(slot_mask, dtype=bool)
+        num_slots = int(slot_mask.size)
+        threshold = 0 if since_seq is None else max(int(since_seq), 0)
+        slot_bits = max(num_slots - 1, 1).bit_length()
+        with self._lock:
+            changed = self._changed_rows(threshold) if since_seq is not None else None
+            if changed is not None:
+                keys = self._row_key.take(changed)
+            bound = max(self.size, 16)  # live rows now; more may come while scanning
+        row_bits = max(63 - slot_bits, 1)
+        if changed is not None:
+            slots = slot_of(keys, num_slots)
+            keep = slot_mask[slots]
+            codes = (slots[keep].astype(np.int64) << row_bits) | changed[keep]
+            codes.sort()
+            return codes, row_bits
+        codes = np.empty(bound + bound // 16 + 1024, dtype=np.int64)
+        n = start = 0
+        while True:
+            with self._lock:
+                hwm = self._hwm
+                if start >= hwm:
+                    break
+                stop = min(hwm, start + _SCAN_SLICE_ROWS)
+                sel = np.flatnonzero(self._row_seq[start:stop] > threshold)
+                keys = self._row_key[start:stop].take(sel)
+            if hwm >= 1 << row_bits:
+                raise ValueError(f"table '{self.name}': {hwm} rows do not fit {row_bits} bits "
+                                 f"beside {num_slots} slots")
+            slots = slot_of(keys, num_slots)
+            keep = np.flatnonzero(slot_mask[slots])
+            m = keep.size
+            if n + m > codes.size:  # rows inserted during the scan
+                grown = np.empty(max(2 * codes.size, n + m), dtype=np.int64)
+                grown[:n] = codes[:n]
+                codes = grown
+            out = codes[n:n + m]
+            np.left_shift(slots.take(keep).astype(np.int64), row_bits, out=out)
+            out |= sel.take(keep) + start
+            n += m
+            start = stop
+            _yield()
+        codes = codes[:n]
+        codes.sort()
+        return codes, row_bits
+
+    def gather_planned(self, codes: np.ndarray, row_bits: int, num_slots: int,
+                       with_counts: bool = False):
+        """Rows of a slice of a :meth:`plan_export` plan, read under one table-lock hold:
+        ``(keys, rows, slots)`` of the planned rows that still hold a key of the planned
+        slot (a row freed, or reused by another slot's key, since the plan is skipped: it
+        was deleted or rewritten after the plan, i.e. after the caller's cut). ``rows`` is
+        float32 [n, row_width (+1 count)]; each row is self-consistent."""
+        rows = codes & np.int64((1 << row_bits) - 1)
+        n = int(rows.size)
+        width = self._width
+        keys = np.empty(n, dtype=np.int64)
+        block = np.empty((n, width + (1 if with_counts else 0)), dtype=np.float32)
+        live = np.empty(n, dtype=bool)
+        step = _GATHER_ROWS_PER_HOLD
+        for s in range(0, n, step):  # short lock holds: lookups and pushes go in between
+            r = rows[s:s + step]
+            with self._lock:
+                if self._width != width:
+                    raise ValueError(f"table '{self.name}' was reconfigured during an export")
+                live[s:s + step] = self._row_seq.take(r) > 0
+                keys[s:s + step] = self._row_key.take(r)
+                block[s:s + step, :width] = self._gather_rows(r)
+                if with_counts:
+                    block[s:s + step, width] = self._row_count.take(r)
+            _yield()  # a waiting lookup gets the lock now, not after the whole chunk
+        slots = slot_of(keys, num_slots)
+        ok = live & (slots == (codes >> row_bits))
+        if not ok.all():
+            keep = np.flatnonzero(ok)
+            keys, block, slots = keys.take(keep), block.take(keep, axis=0), slots.take(keep)
+        return keys, block, slots
 
     def export_keys(self, keys, with_counts: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Full rows (value + slots [+ count]) of those ``keys`` that exist: ``(keys, rows)``."""
@@ -612,16 +915,25 @@ class EmbeddingTable:
             self._row_count.fill(0)
             self._hwm = 0
             self._nfree = 0
-            self._tombstones = []
+            floor = max(self._tomb_floor, self.sequence.value)
+            self._tombstones, self._tomb_keys, self._tomb_floor = [], 0, floor
+            self._changes = _ChangeLog()
+            self._changes.floor = floor
 
 
 class EmbeddingStore:
     """The tables of one PS, sharing one :class:`SequenceCounter`."""
 
-    def __init__(self, sequence: SequenceCounter | None = None):
+    def __init__(self, sequence: SequenceCounter | None = None, track_changes: bool = True):
         self.sequence = sequence if sequence is not None else SequenceCounter()
         self._tables: dict[str, EmbeddingTable] = {}
         self._lock = threading.Lock()
+        # change and tombstone logs: off for copies nobody exports deltas from (replicas)
+        self.track_changes = bool(track_changes)
+        # consumer name -> sequence number it has read up to: the logs are trimmed to the
+        # oldest of them (trim_logs). A consumer that fell too far behind the hard caps
+        # gets LogTrimmed from tombstones_since and starts over with a full copy.
+        self._consumers: dict[str, int] = {}
 
     def create_table(self, name: str, dim: int, initializer="zeros", optimizer="sgd",
                      initial_capacity: int = 1024) -> EmbeddingTable:
@@ -631,7 +943,8 @@ class EmbeddingStore:
             existing = self._tables.get(name)
             if existing is None:
                 table = EmbeddingTable(name, dim, initializer, optimizer, sequence=self.sequence,
-                                       initial_capacity=initial_capacity)
+                                       initial_capacity=initial_capacity,
+                                       track_changes=self.track_changes)
                 self._tables[name] = table
                 return table
         # Validate the requested config the same way a new table would.
@@ -692,6 +1005,33 @@ class EmbeddingStore:
         """Snapshot ``{name: table}``."""
         with self._lock:
             return dict(self._tables)
+
+    # -- log consumers ------------------------------------------------------------------
+    def set_consumer(self, name: str, seq: int | None) -> None:
+        """Record how far consumer ``name`` has read (None: it is gone), then trim the logs
+        to the oldest consumer."""
+        with self._lock:
+            if seq is None:
+                self._consumers.pop(name, None)
+            else:
+                self._consumers[name] = int(seq)
+        self.trim_logs()
+
+    def consumers(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._consumers)
+
+    def trim_logs(self) -> int:
+        """Trim every table's change and tombstone logs up to the oldest consumer's
+        position; returns it (-1: no consumer is registered, nothing is trimmed beyond
+        the hard caps)."""
+        with self._lock:
+            if not self._consumers:
+                return -1
+            upto = min(self._consumers.values())
+        for table in self.tables().values():
+            table.trim_logs(upto)
+        return upto
 
     def stats(self) -> dict[str, dict]:
         """``{name: {"rows", "bytes", "dim", "capacity", "optimizer"}}``."""
