@@ -179,3 +179,140 @@ def test_update_counts_follow_rows_through_migration_promotion_and_checkpoint(st
     np.testing.assert_array_equal(t.ids, np.sort(keys))
     np.testing.assert_array_equal(t.counts, 4)
     client.close()
+
+
+# ----------------------------------------------- request ids when replication of a push fails
+class _BreakAfter:
+    """The replicator's stub, with shipments whose stream breaks after ``n`` more RowBatch
+    messages (what a PS dying, or its connection dropping, in the middle of a shipment
+    does to the peer)."""
+
+    def __init__(self, stub, n: int):
+        self._stub, self.left = stub, n
+
+    def __getattr__(self, name):
+        return getattr(self._stub, name)
+
+    @property
+    def Replicate(self):
+        def call(batches, **kw):
+            def stream():
+                for b in batches:
+                    if self.left <= 0:
+                        raise ConnectionError("connection lost in the middle of a shipment")
+                    self.left -= 1
+                    yield b
+            return self._stub.Replicate(stream(), **kw)
+        return call
+
+
+def _serve(name: str):
+    from deeprec_ext.grpc_util import create_server
+    from deeprec_ext.ps.server import ParameterServerServicer
+    svc = ParameterServerServicer(name)
+    server, port = create_server("127.0.0.1:0", max_workers=8)
+    ps_pb2_grpc.add_ParameterServerServicer_to_server(svc, server)
+    server.start()
+    address = f"127.0.0.1:{port}"
+    return svc, server, ps_pb2_grpc.ParameterServerStub(insecure_channel(address)), address
+
+
+def _sync_pair():
+    """Origin A (sync replication to B, no background shipping) and its peer B, in this
+    process on real gRPC servers; two tables, each a counter (SGD, lr 1, gradient -1)."""
+    a, a_server, a_stub, _ = _serve("ps-a")
+    b, b_server, b_stub, b_addr = _serve("ps-b")
+    mask = np.ones(16, np.uint8).tobytes()
+    a_stub.SetRouting(ps_pb2.SetRoutingRequest(
+        epoch=1, owned_slots=mask, num_slots=16, replica_peer=b_addr, ps_id="ps-a",
+        replication_interval_ms=3_600_000.0, sync_replication=True), timeout=30)
+    b_stub.SetRouting(ps_pb2.SetRoutingRequest(
+        epoch=1, owned_slots=np.zeros(16, np.uint8).tobytes(), num_slots=16, ps_id="ps-b"),
+        timeout=30)
+    for t in ("t1", "t2"):
+        a_stub.CreateTable(ps_pb2.CreateTableRequest(config=ps_pb2.TableConfig(
+            name=t, dim=1, initializer_json='"zeros"',
+            optimizer_json='{"name": "sgd", "learning_rate": 1.0}')), timeout=30)
+    return (a, a_server, a_stub), (b, b_server, b_stub)
+
+
+def _push_both(stub, keys, rid):
+    grads = codec.floats_to_bytes(-np.ones((keys.size, 1), np.float32))
+    return stub.Push(ps_pb2.PushRequest(request_id=rid, tables=[
+        ps_pb2.TableUpdate(table=t, ids=codec.ids_to_bytes(keys), values=grads)
+        for t in ("t1", "t2")]), timeout=30)
+
+
+def _fail_over(a, a_server, b_stub, slots: int = 16):
+    """A dies: its peer B promotes A's rows and owns every slot."""
+    a.replicator.close()
+    a_server.stop(0)
+    b_stub.Promote(ps_pb2.PromoteRequest(origin="ps-a", slots=np.ones(slots, np.uint8).tobytes(),
+                                         num_slots=slots), timeout=60)
+    b_stub.SetRouting(ps_pb2.SetRoutingRequest(epoch=2, owned_slots=np.ones(slots, np.uint8).tobytes(),
+                                               num_slots=slots, ps_id="ps-b"), timeout=30)
+
+
+def _values(stub, keys):
+    r = stub.Lookup(ps_pb2.LookupRequest(tables=[
+        ps_pb2.TableIds(table=t, ids=codec.ids_to_bytes(keys)) for t in ("t1", "t2")],
+        insert_missing=False), timeout=30)
+    return [np.frombuffer(v, np.float32) for v in r.values]
+
+
+def test_sync_push_whose_replication_broke_midway_applies_once_after_failover():
+    """A push of two tables; the shipment to the peer breaks after the first table's rows.
+    The client gets UNAVAILABLE, A dies, and the client resends the push to B. B must not
+    hold one table's update without the push's id (it would apply that table twice)."""
+    import grpc
+    import pytest
+    (a, a_server, a_stub), (b, b_server, b_stub) = _sync_pair()
+    try:
+        keys = np.arange(1000, dtype=np.int64)
+        _push_both(a_stub, np.array([10**9]), "warm-up")  # the peer has its full copy
+        a.replicator._stub = _BreakAfter(a.replicator._stub, 1)
+        with pytest.raises(grpc.RpcError) as info:
+            _push_both(a_stub, keys, "p1")
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        _fail_over(a, a_server, b_stub)
+        _push_both(b_stub, keys, "p1")  # the client's resend after the failover
+        t1, t2 = _values(b_stub, keys)
+        assert (t1 == 1).all() and (t2 == 1).all(), \
+            f"t1 applied {np.unique(t1)} times, t2 {np.unique(t2)} times"
+    finally:
+        a.replicator.close()
+        b.replicator.close()
+        a_server.stop(0)
+        b_server.stop(0)
+
+
+def test_sync_resend_to_the_same_ps_is_acknowledged_only_once_the_peer_has_it():
+    """The shipment of a sync push fails (UNAVAILABLE); the client resends it to the same
+    PS, which knows the id. Acknowledging it there must still mean "the peer holds it": the
+    resend ships the rows and the id, so after A dies B has the push, once."""
+    (a, a_server, a_stub), (b, b_server, b_stub) = _sync_pair()
+    try:
+        import grpc
+        import pytest
+        keys = np.arange(1000, dtype=np.int64)
+        _push_both(a_stub, np.array([10**9]), "warm-up")
+        real = a.replicator._stub
+        a.replicator._stub = _BreakAfter(real, 0)
+        with pytest.raises(grpc.RpcError) as info:
+            _push_both(a_stub, keys, "p1")
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        a.replicator._stub = real  # the peer is reachable again
+        _push_both(a_stub, keys, "p1")  # resend: acknowledged, not applied again
+        t1, t2 = _values(a_stub, keys)
+        assert (t1 == 1).all() and (t2 == 1).all()
+        _fail_over(a, a_server, b_stub)
+        t1, t2 = _values(b_stub, keys)
+        assert (t1 == 1).all() and (t2 == 1).all(), "an acknowledged sync push is not on the peer"
+        _push_both(b_stub, keys, "p1")  # and a further resend is still recognised
+        t1, t2 = _values(b_stub, keys)
+        assert (t1 == 1).all() and (t2 == 1).all()
+    finally:
+        a.replicator.close()
+        b.replicator.close()
+        a_server.stop(0)
+        b_server.stop(0)

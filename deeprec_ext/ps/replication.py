@@ -1,10 +1,34 @@
 """Peer replication: each PS keeps its ring peer's copy of its rows current.
 
 The primary ships "rows changed since the last shipped sequence number" plus tombstones,
-read with the same per-row sequence numbers that serve migration and incremental
-checkpoints. Asynchronously every ``interval_ms`` (the updates at risk if this PS dies are
-those of the last interval), or synchronously: a push is answered only after the peer
-has the rows it changed. A new peer first gets a full copy (``reset``).
+read with the same per-row sequence numbers (and change log) that serve migration and
+incremental checkpoints. Asynchronously every ``interval_ms`` (the updates at risk if this
+PS dies are those of the last interval), or synchronously: a push is answered only after
+the peer has the rows it changed.
+
+Streams (``Replicate``; the kind travels in the call's metadata, ``x-replica-kind``):
+
+* ``full-new`` / ``full-refresh``: a full copy, streamed in slices of the arena (bounded
+  memory on both sides), then a catch-up tail (rows and tombstones since the copy began)
+  and every remembered request id. The peer builds it into a separate store and swaps it
+  in only once the whole stream arrived, so a copy is never half-built where ``Promote``
+  can see it. ``new`` (a new peer) drops the peer's earlier copy at once: it is stale.
+  ``refresh`` (the same peer, whose copy fell behind the tombstone log) keeps it usable
+  until the new one is complete.
+* ``delta`` (``x-replica-base``: the sequence number the delta starts from): the peer
+  buffers the stream and applies it whole, under the copy's lock, or not at all; it
+  refuses a delta whose base it does not hold (FAILED_PRECONDITION: the primary then
+  sends a full copy).
+* ``rows``: a synchronous push's rows, all tables and the push's request id in one
+  stream, applied whole.
+* ``drop``: the primary replicates to another peer now; this copy is no longer kept
+  current, so it is dropped (it must never be promoted).
+
+Rows and request ids always match: a push applies its rows and records its request id
+under the shared side of the primary's apply gate, and a shipment reads the rows and ids
+it sends under the exclusive side (briefly: a delta costs the rows changed since the last
+one). So a peer that holds a push's rows knows its id, and the other way round, and a push
+resent after a failover applies exactly once.
 """
 from __future__ import annotations
 
@@ -13,6 +37,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
+from contextlib import contextmanager
 
 import grpc
 import numpy as np
@@ -20,11 +45,16 @@ import numpy as np
 from deeprec_ext import codec
 from deeprec_ext.grpc_util import insecure_channel
 from deeprec_ext.proto import ps_pb2, ps_pb2_grpc
-from deeprec_ext.store import EmbeddingStore
+from deeprec_ext.store import EmbeddingStore, LogTrimmed
 
 log = logging.getLogger(__name__)
 
-CHUNK_ROWS = 1 << 16
+CHUNK_ROWS = 1 << 14  # rows per message of a full copy (~2 MB at dim 16, Adagrad)
+REQUEST_ID_WINDOW = 200_000
+KIND_KEY = "x-replica-kind"
+BASE_KEY = "x-replica-base"
+FULL_TIMEOUT = 3600.0       # a full copy of a large table takes a while
+PROMOTE_WAIT_SECONDS = 60.0  # Promote waits this long for a copy still streaming in
 
 
 def table_config(store_configs: dict, name: str, table) -> ps_pb2.TableConfig:
@@ -33,14 +63,57 @@ def table_config(store_configs: dict, name: str, table) -> ps_pb2.TableConfig:
         optimizer_json=json.dumps(table.optimizer.config))
 
 
+class ApplyGate:
+    """Writers that record request ids (pushes, promotions) hold the shared side while they
+    apply rows and record the id; a shipment holds the exclusive side while it reads rows
+    and ids, so what it sends is one consistent cut. Writer-preferring: a waiting shipment
+    holds back new pushes, so it waits at most for the pushes already applying."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+
+    @contextmanager
+    def shared(self):
+        with self._cond:
+            while self._writer or self._writers_waiting:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if not self._readers:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self):
+        with self._cond:
+            self._writers_waiting += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._writers_waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
 class AppliedRequests:
     """Ids of recently applied pushes (bounded), plus a log of ids not yet replicated."""
 
-    def __init__(self, capacity: int = 200_000):
+    def __init__(self, capacity: int = REQUEST_ID_WINDOW):
         self._lock = threading.Lock()
         self._ids: OrderedDict[str, None] = OrderedDict()
         self._capacity = capacity
         self._unshipped: deque[str] = deque(maxlen=capacity)
+        self._overflowed = False  # unshipped ids were lost: the next shipment is a full copy
 
     def seen(self, rid: str) -> bool:
         with self._lock:
@@ -50,21 +123,37 @@ class AppliedRequests:
         if not rid:
             return
         with self._lock:
-            self._ids[rid] = None
-            if ship:
-                self._unshipped.append(rid)
-            while len(self._ids) > self._capacity:  # forget the oldest, O(1) each
-                self._ids.popitem(last=False)
+            self._add(rid, ship)
 
-    def take_unshipped(self) -> list[str]:
+    def add_many(self, rids, ship: bool = True) -> None:
+        with self._lock:
+            for rid in rids:
+                if rid:
+                    self._add(rid, ship)
+
+    def _add(self, rid: str, ship: bool) -> None:
+        self._ids[rid] = None
+        if ship:
+            if len(self._unshipped) == self._unshipped.maxlen:
+                self._overflowed = True
+            self._unshipped.append(rid)
+        while len(self._ids) > self._capacity:  # forget the oldest, O(1) each
+            self._ids.popitem(last=False)
+
+    def take_unshipped(self) -> tuple[list[str], bool]:
+        """The ids not yet shipped, and whether some were lost (more than the window
+        between two shipments): then only a full copy (every id) is exact."""
         with self._lock:
             out = list(self._unshipped)
             self._unshipped.clear()
-            return out
+            lost, self._overflowed = self._overflowed, False
+            return out, lost
 
     def requeue(self, rids: list[str]) -> None:
         """Ids taken for a shipment that failed: they go out with the next one."""
         with self._lock:
+            if len(self._unshipped) + len(rids) > self._unshipped.maxlen:
+                self._overflowed = True
             self._unshipped.extendleft(reversed(rids))
 
     def snapshot(self) -> list[str]:
@@ -73,18 +162,31 @@ class AppliedRequests:
             return list(self._ids)
 
 
+class _NeedsFull(Exception):
+    """A delta cannot be exact: ship a full copy (``mode``: new or refresh)."""
+
+    def __init__(self, mode: str, why: str):
+        super().__init__(why)
+        self.mode = mode
+
+
 class Replicator:
     """Primary side: ships this PS's changes to its peer."""
 
-    def __init__(self, store: EmbeddingStore, configs: dict, applied: AppliedRequests | None = None):
+    def __init__(self, store: EmbeddingStore, configs: dict, applied: AppliedRequests | None = None,
+                 gate: ApplyGate | None = None):
         self.store = store
         self.configs = configs
         self.applied = applied or AppliedRequests()
+        self.gate = gate or ApplyGate()
         self.origin = ""
         self.peer = ""
         self.interval = 0.2
         self.sync = False
-        self._since = -1  # -1: the peer has nothing yet (full copy next)
+        self._since = -1  # the peer's copy is current to this sequence number; -1: none yet
+        self._full_mode = "new"
+        self._known_tables: set[str] = set()  # tables the peer's copy has (config sent)
+        self._drop_peers: list[str] = []  # former peers to tell to drop their copy
         self._lock = threading.Lock()  # one shipment at a time, in sequence order
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -92,6 +194,7 @@ class Replicator:
         self._channel = None
         self.last_shipped = 0.0
         self.shipped_rows = 0
+        self.full_copies = 0
         self.errors = 0
         self._thread = threading.Thread(target=self._loop, name="replication", daemon=True)
         self._thread.start()
@@ -101,91 +204,181 @@ class Replicator:
             if peer != self.peer:
                 if self._channel is not None:
                     self._channel.close()
+                if self.peer and self.origin:
+                    self._drop_peers.append(self.peer)
                 self._channel = insecure_channel(peer) if peer else None
                 self._stub = ps_pb2_grpc.ParameterServerStub(self._channel) if peer else None
                 self._since = -1  # new peer: full copy
+                self._full_mode = "new"
+                self.store.set_consumer("replica", None if not peer else 0)
                 log.info("%s: replicating to %s", origin, peer or "(no peer)")
             self.origin, self.peer = origin, peer
             self.interval = max(interval_ms, 1.0) / 1000.0
             self.sync = sync
         self._wake.set()
 
-    def _batches(self, since: int):
-        """Changed rows since ``since``; ``since < 0``: a full copy, in slices, whose first
-        batch tells the peer to drop what it held of this origin."""
-        if since < 0:
-            yield ps_pb2.RowBatch(origin=self.origin, reset=True)
-        everything = np.ones(1, dtype=bool)  # with one slot every key maps to slot 0
+    def _meta(self, kind: str, base: int | None = None):
+        meta = [(KIND_KEY, kind)]
+        if base is not None:
+            meta.append((BASE_KEY, str(int(base))))
+        return tuple(meta)
+
+    def _send_drops(self) -> None:
+        """Tell former peers that their copy of this PS is no longer kept current (best
+        effort: a peer that is gone has nothing to drop)."""
+        while self._drop_peers:
+            address = self._drop_peers.pop()
+            try:
+                with insecure_channel(address) as ch:
+                    ps_pb2_grpc.ParameterServerStub(ch).Replicate(
+                        iter([ps_pb2.RowBatch(origin=self.origin)]), timeout=5,
+                        metadata=self._meta("drop"))
+            except grpc.RpcError as exc:
+                log.info("%s: could not tell %s to drop its copy: %s", self.origin, address,
+                         exc.code().name)
+
+    def _delta_batches(self, since: int) -> list:
+        """Rows and tombstones (moved rows included) since ``since``, one batch per table
+        with changes, plus the config of tables the peer has not seen. Under the gate."""
+        out = []
         for name, table in sorted(self.store.tables().items()):
             cfg = table_config(self.configs, name, table)
-            if since < 0:
-                row = 0
-                yield ps_pb2.RowBatch(config=cfg, origin=self.origin)  # creates empty tables too
-                while row is not None:
-                    keys, rows, _, row = table.export_slots(everything, None, row, CHUNK_ROWS,
-                                                                with_counts=True)
-                    if keys.size:
-                        yield ps_pb2.RowBatch(config=cfg, origin=self.origin,
-                                              ids=codec.ids_to_bytes(keys),
-                                              rows=codec.floats_to_bytes(rows))
-                continue
-            deleted = table.tombstones_since(since)
+            deleted = table.tombstones_since(since, include_moved=True)
             keys, rows, _ = table.export_rows(since, with_counts=True)
-            if keys.size or deleted.size:
-                yield ps_pb2.RowBatch(config=cfg, origin=self.origin, ids=codec.ids_to_bytes(keys),
-                                      rows=codec.floats_to_bytes(rows),
-                                      deleted_ids=codec.ids_to_bytes(deleted))
+            if keys.size or deleted.size or name not in self._known_tables:
+                out.append(ps_pb2.RowBatch(config=cfg, origin=self.origin,
+                                           ids=codec.ids_to_bytes(keys),
+                                           rows=codec.floats_to_bytes(rows),
+                                           deleted_ids=codec.ids_to_bytes(deleted)))
+        return out
 
     def ship(self, timeout: float = 60.0) -> int:
         """Send everything changed since the last shipment; returns rows sent."""
         with self._lock:
+            self._send_drops()
             if self._stub is None:
                 return 0
-            # request ids first: every push they name is applied by the watermark below. A
-            # new peer (full copy) learns every remembered id, not only the unshipped ones:
-            # a push resent to it after a failover must be recognised
-            applied = self.applied.take_unshipped()
-            full = self._since < 0
-            if full:
-                applied = self.applied.snapshot()
+            if self._since >= 0:
+                try:
+                    return self._ship_delta(timeout)
+                except _NeedsFull as exc:
+                    log.info("%s: full copy to %s: %s", self.origin, self.peer, exc)
+                    self._since, self._full_mode = -1, exc.mode
+            return self._ship_full(timeout)
+
+    def _ship_delta(self, timeout: float) -> int:
+        since = self._since
+        with self.gate.exclusive():
+            ids, lost = self.applied.take_unshipped()
+            if lost:
+                raise _NeedsFull("refresh", "more pushes than the request-id window since "
+                                            "the last shipment")
             watermark = self.store.sequence.value
-            if watermark == self._since and not applied:
+            if watermark == since and not ids and self._known_tables >= set(self.store.tables()):
                 self.last_shipped = time.monotonic()
                 return 0
-            batches = list(self._batches(self._since)) or [ps_pb2.RowBatch(origin=self.origin)]
-            for b in batches:
-                b.origin_sequence = watermark
-            batches[-1].applied_request_ids.extend(applied)
             try:
-                resp = self._stub.Replicate(iter(batches), timeout=timeout)
-            except Exception:
-                if not full:  # (a full copy is sent again whole, ids included)
-                    self.applied.requeue(applied)
-                raise
-            self._since = watermark
-            self.last_shipped = time.monotonic()
-            self.shipped_rows += resp.rows
-            return resp.rows
+                batches = self._delta_batches(since)
+            except LogTrimmed as exc:
+                self.applied.requeue(ids)
+                raise _NeedsFull("refresh", str(exc)) from None
+        if not batches:
+            batches = [ps_pb2.RowBatch(origin=self.origin)]
+        for b in batches:
+            b.origin_sequence = watermark
+        batches[0].applied_request_ids.extend(ids)
+        try:
+            resp = self._stub.Replicate(iter(batches), timeout=timeout,
+                                        metadata=self._meta("delta", since))
+        except grpc.RpcError as exc:
+            self.applied.requeue(ids)
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the peer lacks the base
+                raise _NeedsFull("new", f"the peer refused the delta: {exc.details()}") from None
+            raise
+        self._known_tables.update(b.config.name for b in batches if b.config.name)
+        self._since = watermark
+        self.store.set_consumer("replica", watermark)
+        self.last_shipped = time.monotonic()
+        self.shipped_rows += resp.rows
+        return resp.rows
 
-    def ship_rows(self, table_name: str, keys: np.ndarray, request_id: str = "") -> None:
-        """Synchronous mode: send the current rows of ``keys`` (just pushed) now."""
+    def _ship_full(self, timeout: float) -> int:
+        """A full copy in slices (no table is copied whole), then, under the apply gate, the
+        rows and tombstones written meanwhile and every remembered request id."""
+        start = self.store.sequence.value
+        self.store.set_consumer("replica", start)  # the logs must reach back to the start
+        done: dict = {}
+
+        def stream():
+            yield ps_pb2.RowBatch(origin=self.origin, reset=True)
+            everything = np.ones(1, dtype=bool)  # with one slot every key maps to slot 0
+            for name, table in sorted(self.store.tables().items()):
+                cfg = table_config(self.configs, name, table)
+                yield ps_pb2.RowBatch(config=cfg, origin=self.origin)  # empty tables too
+                row = 0
+                while row is not None:
+                    keys, rows, _, row = table.export_slots(everything, None, row, CHUNK_ROWS,
+                                                            with_counts=True)
+                    if keys.size:
+                        yield ps_pb2.RowBatch(config=cfg, origin=self.origin,
+                                              ids=codec.ids_to_bytes(keys),
+                                              rows=codec.floats_to_bytes(rows))
+            with self.gate.exclusive():
+                self.applied.take_unshipped()  # all of them are in the snapshot
+                ids = self.applied.snapshot()
+                watermark = self.store.sequence.value
+                tail = self._delta_batches(start)  # LogTrimmed: this copy fails, try again
+            done["watermark"] = watermark
+            done["tables"] = {b.config.name for b in tail if b.config.name}
+            done["tables"].update(self.store.tables())
+            for b in tail:
+                yield b
+            yield ps_pb2.RowBatch(origin=self.origin, origin_sequence=watermark,
+                                  applied_request_ids=ids)
+
+        self._known_tables = set(self.store.tables())  # the copy sends every config
+        resp = self._stub.Replicate(stream(), timeout=max(timeout, FULL_TIMEOUT),
+                                    metadata=self._meta(f"full-{self._full_mode}"))
+        self._known_tables = done["tables"]
+        self._since = done["watermark"]
+        self._full_mode = "refresh"
+        self.store.set_consumer("replica", self._since)
+        self.last_shipped = time.monotonic()
+        self.shipped_rows += resp.rows
+        self.full_copies += 1
+        return resp.rows
+
+    def ship_push(self, tables, request_id: str = "") -> None:
+        """Synchronous mode: send the current rows of the keys a push just wrote, every
+        table in one stream with the push's request id (the peer applies it whole or not
+        at all). ``tables``: [(table name, keys)]. Not under the apply gate: pushes are
+        serialized in sync mode, and a background shipment sending the same rows and id
+        first is harmless."""
         with self._lock:
+            self._send_drops()
             if self._stub is None:
                 return
             if self._since < 0:  # the peer has no base copy yet: send everything
-                self._lock.release()
-                try:
-                    self.ship()
-                finally:
-                    self._lock.acquire()
+                self._ship_full(60.0)
                 return
-            table = self.store.get(table_name)
-            found, rows = table.export_keys(keys, with_counts=True)
-            self._stub.Replicate(iter([ps_pb2.RowBatch(
-                config=table_config(self.configs, table_name, table), origin=self.origin,
-                ids=codec.ids_to_bytes(found), rows=codec.floats_to_bytes(rows),
-                origin_sequence=self.store.sequence.value,
-                applied_request_ids=[request_id] if request_id else [])]), timeout=60)
+            batches = []
+            for name, keys in tables:
+                table = self.store.get(name)
+                found, rows = table.export_keys(keys, with_counts=True)
+                batches.append(ps_pb2.RowBatch(
+                    config=table_config(self.configs, name, table), origin=self.origin,
+                    ids=codec.ids_to_bytes(found), rows=codec.floats_to_bytes(rows),
+                    origin_sequence=self.store.sequence.value))
+            if not batches:
+                batches = [ps_pb2.RowBatch(origin=self.origin)]
+            if request_id:
+                batches[0].applied_request_ids.append(request_id)
+            try:
+                self._stub.Replicate(iter(batches), timeout=60, metadata=self._meta("rows"))
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # no copy there
+                    self._since, self._full_mode = -1, "new"
+                raise
 
     def lag(self) -> dict:
         """Gazer: how far the peer's copy trails this PS (sequence numbers not yet shipped,
@@ -201,13 +394,19 @@ class Replicator:
         while not self._stop.is_set():
             self._wake.wait(self.interval)
             self._wake.clear()
+            if self._stop.is_set():
+                break
             try:
                 self.ship()
             except grpc.RpcError as exc:
+                # the peer is unreachable or slow: the next delta starts from the same base
+                # (the peer applies a delta whole or not at all), a full copy only if the
+                # peer lost its copy or this PS's logs no longer reach back that far
                 self.errors += 1
                 log.warning("replication to %s failed: %s", self.peer, exc.code().name)
-                with self._lock:
-                    self._since = -1  # resend everything once the peer is reachable
+            except Exception:  # noqa: BLE001 - never let the shipping thread die
+                self.errors += 1
+                log.exception("replication to %s failed", self.peer)
 
     def close(self) -> None:
         """Stop shipping and cancel any stream in flight: two PS stopping together would
@@ -224,62 +423,199 @@ class Replicator:
                 self._lock.release()
 
 
+class ReplicaUnavailable(Exception):
+    """Promote cannot hand over a copy of ``origin``: ``kind`` "resyncing" (a full copy is
+    still streaming in: ask again later) or "no_replica" (none here, or the full copy broke
+    off with its origin and left nothing usable: restore from a checkpoint)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+class ReplicaRefused(Exception):
+    """A delta or push's rows for a copy this PS does not hold (at that base)."""
+
+
+class ReplicaCopy:
+    """One origin's complete copy: its rows, how current it is, the request ids in it."""
+
+    def __init__(self, store: EmbeddingStore, sequence: int, applied):
+        self.store = store
+        self.sequence = sequence
+        self.updated = time.monotonic()
+        self.applied: deque[str] = deque(applied, maxlen=REQUEST_ID_WINDOW)
+        self.lock = threading.Lock()
+
+
+def _apply_batch(store: EmbeddingStore, b, decoded=None) -> int:
+    cfg = b.config
+    if not cfg.name:
+        return 0
+    init = json.loads(cfg.initializer_json) if cfg.initializer_json else "zeros"
+    opt = json.loads(cfg.optimizer_json) if cfg.optimizer_json else "sgd"
+    table = store.ensure_table(cfg.name, cfg.dim, init, opt)
+    if decoded is None:
+        decoded = _decode(b, table.row_width)
+    deleted, ids, rows = decoded
+    if deleted.size:
+        table.delete(deleted, log_tombstone=False)
+    if ids.size:
+        table.import_rows(ids, rows)
+    return int(ids.size)
+
+
+def _decode(b, row_width: int):
+    deleted = codec.ids_from_bytes(b.deleted_ids, "deleted_ids")
+    ids = codec.ids_from_bytes(b.ids)
+    rows = codec.rows_from_bytes(b.rows, ids.size, row_width) if ids.size else None
+    return deleted, ids, rows
+
+
 class ReplicaSet:
     """Peer side: copies of other PS's rows, one store per origin PS."""
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self.stores: dict[str, EmbeddingStore] = {}
-        self.sequence: dict[str, int] = {}
-        self.updated: dict[str, float] = {}
-        self.applied: dict[str, list[str]] = {}
-        self.complete: dict[str, bool] = {}  # False while a full copy is still streaming in
+        self._cond = threading.Condition()
+        self.copies: dict[str, ReplicaCopy] = {}
+        self._streams: dict[str, int] = {}   # streams of an origin being received
+        self._gen: dict[str, int] = {}       # fences full copies in flight
+        self._broken: dict[str, str] = {}    # origin -> why its last full copy broke off
 
-    def apply(self, batches) -> int:
-        n = 0
-        reset_origin = None
-        for b in batches:
-            if b.reset:
-                reset_origin = b.origin
-                with self._lock:
-                    self.complete[b.origin] = False
-            with self._lock:
-                if b.reset or b.origin not in self.stores:
-                    self.stores[b.origin] = EmbeddingStore()
-                    if b.reset:
-                        self.applied[b.origin] = []
-                store = self.stores[b.origin]
-                if b.applied_request_ids:
-                    ids_log = self.applied.setdefault(b.origin, [])
-                    ids_log.extend(b.applied_request_ids)
-                    del ids_log[:-200_000]
-            if b.config.name:
-                init = json.loads(b.config.initializer_json) if b.config.initializer_json else "zeros"
-                opt = json.loads(b.config.optimizer_json) if b.config.optimizer_json else "sgd"
-                table = store.ensure_table(b.config.name, b.config.dim, init, opt)
-                deleted = codec.ids_from_bytes(b.deleted_ids, "deleted_ids")
-                if deleted.size:
-                    table.delete(deleted)
-                ids = codec.ids_from_bytes(b.ids)
-                if ids.size:
-                    table.import_rows(ids, codec.rows_from_bytes(b.rows, ids.size, table.row_width))
-                    n += int(ids.size)
-            with self._lock:
-                self.sequence[b.origin] = max(self.sequence.get(b.origin, 0), b.origin_sequence)
-                self.updated[b.origin] = time.monotonic()
-        if reset_origin is not None:  # the whole stream arrived: the copy is usable
-            with self._lock:
-                self.complete[reset_origin] = True
+    # -- receiving ---------------------------------------------------------------------
+    def apply(self, batches, kind: str = "", base: int = -1) -> int:
+        """Apply one ``Replicate`` stream; returns rows received. ``kind`` from the call's
+        metadata (empty: an older primary; inferred from the first batch)."""
+        it = iter(batches)
+        first = next(it, None)
+        if first is None:
+            return 0
+        origin = first.origin
+        if not kind:
+            kind = "full-new" if first.reset else "rows"
+        with self._cond:
+            self._streams[origin] = self._streams.get(origin, 0) + 1
+        try:
+            if kind == "drop":
+                self.drop(origin)
+                return 0
+            if kind.startswith("full"):
+                return self._apply_full(origin, first, it, keep_old=kind == "full-refresh")
+            return self._apply_delta(origin, first, it, base if kind == "delta" else None)
+        finally:
+            with self._cond:
+                self._streams[origin] -= 1
+                if not self._streams[origin]:
+                    del self._streams[origin]
+                self._cond.notify_all()
+
+    def _apply_full(self, origin: str, first, it, keep_old: bool) -> int:
+        with self._cond:
+            gen = self._gen[origin] = self._gen.get(origin, 0) + 1
+            self._broken.pop(origin, None)
+            if not keep_old:  # a new peer relationship: an older copy here is stale
+                self.copies.pop(origin, None)
+        staging = EmbeddingStore(track_changes=False)
+        ids: list[str] = []
+        seq = n = 0
+        try:
+            for b in [first] if not first.reset else []:
+                n += _apply_batch(staging, b)
+            for b in it:
+                n += _apply_batch(staging, b)
+                ids.extend(b.applied_request_ids)
+                seq = max(seq, b.origin_sequence)
+        except BaseException as exc:
+            with self._cond:
+                if self._gen.get(origin) == gen:
+                    self._broken[origin] = f"its full copy broke off after {n} rows ({type(exc).__name__})"
+            raise
+        with self._cond:
+            if self._gen.get(origin) == gen:  # not fenced by a promotion or a newer copy
+                self.copies[origin] = ReplicaCopy(staging, seq, ids)
         return n
 
+    def _apply_delta(self, origin: str, first, it, base: int | None) -> int:
+        # buffer the whole stream first: a delta is applied whole or not at all
+        batches = [first, *it]
+        with self._cond:
+            copy = self.copies.get(origin)
+        if copy is None:
+            raise ReplicaRefused(f"this PS holds no complete copy of {origin!r}")
+        with copy.lock:
+            with self._cond:
+                if self.copies.get(origin) is not copy:  # promoted or replaced meanwhile
+                    raise ReplicaRefused(f"the copy of {origin!r} was promoted or replaced")
+            if base is not None and copy.sequence < base:
+                raise ReplicaRefused(f"the copy of {origin!r} is current to {copy.sequence}, "
+                                     f"the delta starts from {base}")
+            # decode (and check every size) before changing anything
+            decoded = [_decode(b, self._row_width(b)) if b.config.name else None
+                       for b in batches]
+            n = 0
+            for b, d in zip(batches, decoded):
+                n += _apply_batch(copy.store, b, d)
+                copy.applied.extend(b.applied_request_ids)
+                if base is not None:
+                    copy.sequence = max(copy.sequence, b.origin_sequence)
+            copy.updated = time.monotonic()
+        return n
+
+    @staticmethod
+    def _row_width(b) -> int:
+        """Floats per row of ``b``'s table as it will be after ``ensure_table``."""
+        from deeprec_ext.store import make_optimizer
+        if b.config.dim <= 0:
+            raise ValueError(f"table '{b.config.name}': dim must be positive, got {b.config.dim}")
+        opt = json.loads(b.config.optimizer_json) if b.config.optimizer_json else "sgd"
+        return b.config.dim * (1 + make_optimizer(opt).num_slots)
+
+    def drop(self, origin: str) -> bool:
+        with self._cond:
+            self._gen[origin] = self._gen.get(origin, 0) + 1
+            self._broken.pop(origin, None)
+            return self.copies.pop(origin, None) is not None
+
+    # -- promotion ---------------------------------------------------------------------
+    def take(self, origin: str, wait: float = PROMOTE_WAIT_SECONDS) -> ReplicaCopy:
+        """Hand over the copy of ``origin`` for promotion, waiting up to ``wait`` seconds
+        for a stream of it being received (a full copy completes, or breaks off). The copy
+        is removed, and streams of ``origin`` still in flight are fenced (they change
+        nothing any more). Raises :class:`ReplicaUnavailable` when there is no complete
+        copy to promote."""
+        deadline = time.monotonic() + max(wait, 0.0)
+        with self._cond:
+            while self._streams.get(origin) and time.monotonic() < deadline:
+                self._cond.wait(min(0.5, max(deadline - time.monotonic(), 0.001)))
+            copy = self.copies.get(origin)
+            if copy is None:
+                if self._streams.get(origin):
+                    raise ReplicaUnavailable(
+                        "resyncing", f"the copy of {origin!r} is still being rebuilt (full "
+                        f"copy streaming in after {wait:.0f}s); promoting it would lose rows")
+                if origin in self._broken:  # it will not complete: its origin is gone
+                    raise ReplicaUnavailable(
+                        "no_replica", f"the copy of {origin!r} is incomplete: "
+                        f"{self._broken[origin]}; promoting it would lose rows")
+                raise ReplicaUnavailable("no_replica", f"this PS holds no copy of {origin!r}")
+            self._gen[origin] = self._gen.get(origin, 0) + 1
+            del self.copies[origin]
+        copy.lock.acquire()  # a delta still being applied finishes first
+        copy.lock.release()
+        return copy
+
+    def put_back(self, origin: str, copy: ReplicaCopy) -> None:
+        """A promotion that failed: the copy is promotable again."""
+        with self._cond:
+            self.copies.setdefault(origin, copy)
+
+    # -- introspection -----------------------------------------------------------------
     def is_complete(self, origin: str) -> bool:
-        with self._lock:
-            return self.complete.get(origin, False)
+        with self._cond:
+            return origin in self.copies
 
-    def take_applied(self, origin: str) -> list[str]:
-        with self._lock:
-            return self.applied.pop(origin, [])
-
-    def take(self, origin: str) -> EmbeddingStore | None:
-        with self._lock:
-            return self.stores.pop(origin, None)
+    def origins(self) -> dict[str, dict]:
+        with self._cond:
+            return {o: {"sequence": c.sequence, "rows": sum(t.size for t in c.store.tables().values()),
+                        "age_ms": (time.monotonic() - c.updated) * 1000}
+                    for o, c in self.copies.items()}

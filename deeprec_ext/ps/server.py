@@ -21,9 +21,11 @@ from deeprec_ext.errors import InvalidRequestError
 from deeprec_ext.grpc_util import ROUTING_EPOCH_KEY
 from deeprec_ext.hashing import DEFAULT_NUM_SLOTS, slot_of
 from deeprec_ext.proto import gazer_pb2, ps_pb2, ps_pb2_grpc
-from deeprec_ext.ps.replication import AppliedRequests, ReplicaSet, Replicator
+from deeprec_ext.ps.replication import (BASE_KEY, KIND_KEY, PROMOTE_WAIT_SECONDS, AppliedRequests,
+                                        ApplyGate, ReplicaRefused, ReplicaSet, ReplicaUnavailable,
+                                        Replicator)
 from deeprec_ext.stats import MemberCollector, RpcStats
-from deeprec_ext.store import EmbeddingStore
+from deeprec_ext.store import EmbeddingStore, LogTrimmed
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +138,16 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._warm: dict[str, str] = {}
         self._create_lock = threading.Lock()
         self.applied = AppliedRequests()
-        self.replicator = Replicator(self.store, self._configs, self.applied)
+        # pushes apply rows and record their request id under the shared side; a shipment
+        # to the peer reads rows and ids under the exclusive side (they always match)
+        self.apply_gate = ApplyGate()
+        self.replicator = Replicator(self.store, self._configs, self.applied, self.apply_gate)
         self.replicas = ReplicaSet()
+        # incremental checkpoints read the logs from the cut of this PS's previous part:
+        # keep them from the start until this PS wrote one (bounded by the hard caps)
+        self.store.set_consumer("checkpoint", 0)
+        self._ckpt_cuts: list[int] = []
+        self._migrations: dict[str, float] = {}  # destination -> last catch-up round
         self._sync_lock = threading.Lock()
         # Gazer: RPC histograms (filled by deeprec_ext.stats.StatsInterceptor on the
         # server), tables and replication lag, sent with every heartbeat and in Stats
@@ -269,28 +279,40 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         rid = request.request_id
         only = set(request.return_tables)
         returns = [request.return_values and (not only or t.table in only) for t in request.tables]
+        sync = self.replicator.sync and self.replicator.peer
         if rid and self.applied.seen(rid):  # a resend of a push already applied here
+            if sync:
+                # acknowledged only once the peer holds it: the first attempt's shipment
+                # may have failed (it was answered UNAVAILABLE), so ship rows and id again
+                with self._sync_lock:
+                    self._ship_sync(work, rid, context)
             return ps_pb2.PushResponse(
                 values=[codec.floats_to_bytes(t.lookup(i, insert_missing=False)) if r else b""
                         for (t, i, _), r in zip(work, returns)]
                 if request.return_values else [], sequence=self.store.sequence.value)
-        if self.replicator.sync and self.replicator.peer:
+        if sync:
             # synchronous replication: answer only once the peer holds these rows; one
             # push at a time so the peer sees the rows in the order they were written
             with self._sync_lock:
+                with self.apply_gate.shared():
+                    out = self._apply(work, returns)
+                    self.applied.add(rid)
+                self._ship_sync(work, rid, context)
+        else:
+            with self.apply_gate.shared():  # rows and request id reach the peer together
                 out = self._apply(work, returns)
                 self.applied.add(rid)
-                try:
-                    for k, (table, ids, _) in enumerate(work):
-                        self.replicator.ship_rows(table.name, ids, rid if k == len(work) - 1 else "")
-                except grpc.RpcError as exc:
-                    context.abort(grpc.StatusCode.UNAVAILABLE,
-                                  f"applied, but replica {self.replicator.peer} unreachable: "
-                                  f"{exc.code().name}")
-        else:
-            out = self._apply(work, returns)
-            self.applied.add(rid)
         return ps_pb2.PushResponse(values=out, sequence=self.store.sequence.value)
+
+    def _ship_sync(self, work, rid: str, context) -> None:
+        """Send a push's rows (every table) and its request id to the peer in one stream,
+        which the peer applies whole or not at all."""
+        try:
+            self.replicator.ship_push([(table.name, ids) for table, ids, _ in work], rid)
+        except grpc.RpcError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"applied, but replica {self.replicator.peer} unreachable: "
+                          f"{exc.code().name}")
 
     @staticmethod
     def _apply(work, returns: list[bool]) -> list[bytes]:
@@ -371,7 +393,28 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 ps_pb2_grpc.ParameterServerStub(ch).ImportRows(batches(), timeout=600)
             except grpc.RpcError as exc:
                 context.abort(exc.code(), f"sending rows to {request.dst_address}: {exc.details()}")
+        self._migration_consumer(request.dst_address, watermark)
         return ps_pb2.MigrateSlotsResponse(watermark=watermark, **totals)
+
+    MIGRATION_CONSUMER_SECONDS = 600.0
+
+    def _migration_consumer(self, dst: str | None, watermark: int = 0) -> None:
+        """The next catch-up round to ``dst`` reads the logs from ``watermark``: keep them
+        (None: the migrations are over). Forgotten after 10 minutes without a round."""
+        now = time.monotonic()
+        with self._counter_lock:
+            if dst is None:
+                gone, self._migrations = list(self._migrations), {}
+            else:
+                gone = [d for d, t in self._migrations.items()
+                        if now - t > self.MIGRATION_CONSUMER_SECONDS]
+                for d in gone:
+                    del self._migrations[d]
+                self._migrations[dst] = now
+        for d in gone:
+            self.store.set_consumer(f"migrate:{d}", None)
+        if dst is not None:
+            self.store.set_consumer(f"migrate:{dst}", watermark)
 
     def ImportRows(self, request_iterator, context):
         n = 0
@@ -409,10 +452,16 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         for table in self.store.tables().values():
             keys = table.keys_in_slots(mask)
             # in slices, releasing the table lock between them: one big delete stalled
-            # every request to this PS for hundreds of ms
+            # every request to this PS for hundreds of ms. The rows moved, they were not
+            # deleted from the model: no tombstone for checkpoints or migrations, but a
+            # "moved" one for this PS's replica, which must lose them too (or a later
+            # promotion would bring the old rows back)
             for i in range(0, keys.size, self.MIGRATE_CHUNK_ROWS):
-                n += table.delete(keys[i:i + self.MIGRATE_CHUNK_ROWS], log_tombstone=False)
+                n += table.delete(keys[i:i + self.MIGRATE_CHUNK_ROWS], log_tombstone=False,
+                                  moved=True)
+        self._migration_consumer(None)  # the migration is over
         return ps_pb2.DropSlotsResponse(rows=n)
+
 
     def hand_off(self, timeout: float = 10.0) -> bool:
         """Leaving on a preemption notice: stop taking writes (fence every slot; clients
@@ -433,47 +482,68 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     # -- peer replication -------------------------------------------------------------------
     def Replicate(self, request_iterator, context):
+        meta = dict(context.invocation_metadata())
         try:
-            return ps_pb2.ReplicateResponse(rows=self.replicas.apply(request_iterator))
+            base = int(meta.get(BASE_KEY, "-1"))
+        except ValueError:
+            base = -1
+        try:
+            return ps_pb2.ReplicateResponse(
+                rows=self.replicas.apply(request_iterator, meta.get(KIND_KEY, ""), base))
+        except ReplicaRefused as exc:  # a delta without its base here: the origin sends a full copy
+            self._reject(context, grpc.StatusCode.FAILED_PRECONDITION, f"replicate: {exc}")
         except (ValueError, TypeError) as exc:
             self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, f"replicate: {exc}")
 
     def Promote(self, request, context):
         """Take over a dead PS's slots from the replica this PS holds of it: its rows move
-        into this PS's own tables (no bulk copy over the network)."""
+        into this PS's own tables (no bulk copy over the network).
+
+        A copy still streaming in (a full resync after the ring re-formed, or a delta being
+        applied) is waited for, up to PROMOTE_WAIT_SECONDS within the caller's deadline.
+        Without a complete copy the answer is FAILED_PRECONDITION with the kind RESYNCING
+        (still being rebuilt after the wait: ask again) or NO_REPLICA (none, or its
+        rebuild broke off with the origin): the caller restores those slots from a
+        checkpoint instead. Nothing partial is ever promoted."""
         mask = self._slot_mask(request.slots, request.num_slots, context)
-        age = (time.monotonic() - self.replicas.updated.get(request.origin, time.monotonic())) * 1000
-        seq = self.replicas.sequence.get(request.origin, 0)
-        if not self.replicas.is_complete(request.origin):
-            self._reject(context, grpc.StatusCode.FAILED_PRECONDITION,
-                         f"the replica of {request.origin!r} is incomplete (its first full copy "
-                         "did not finish); promoting it would lose rows")
-        for rid in self.replicas.take_applied(request.origin):
-            self.applied.add(rid, ship=True)
-        replica = self.replicas.take(request.origin)
-        if replica is None:
-            self._reject(context, grpc.StatusCode.FAILED_PRECONDITION,
-                         f"this PS holds no replica of {request.origin!r}")
+        wait = PROMOTE_WAIT_SECONDS
+        remaining = context.time_remaining()
+        if remaining is not None:
+            wait = max(0.0, min(wait, remaining - 5.0))
+        try:
+            copy = self.replicas.take(request.origin, wait=wait)
+        except ReplicaUnavailable as exc:
+            self._count("rejected")
+            kind = errors.ErrorKind.RESYNCING if exc.kind == "resyncing" else errors.ErrorKind.NO_REPLICA
+            errors.abort(context, grpc.StatusCode.FAILED_PRECONDITION, kind, str(exc))
+        age = (time.monotonic() - copy.updated) * 1000
         n = 0
-        for name, rtable in replica.tables().items():
-            cfg = rtable.config
-            table = self.store.create_table(name, rtable.dim, cfg["initializer"], cfg["optimizer"])
-            self._configs.setdefault(name, ps_pb2.TableConfig(
-                name=name, dim=rtable.dim, initializer_json=json.dumps(cfg["initializer"]),
-                optimizer_json=json.dumps(cfg["optimizer"])))
-            keys = rtable.keys_in_slots(mask)
-            # in slices: one import of a million rows held the table lock for seconds
-            for i in range(0, keys.size, self.MIGRATE_CHUNK_ROWS):
-                found, rows = rtable.export_keys(keys[i:i + self.MIGRATE_CHUNK_ROWS], with_counts=True)
-                table.import_rows(found, rows)
-                n += int(found.size)
+        try:
+            for name, rtable in copy.store.tables().items():
+                cfg = rtable.config
+                table = self.store.create_table(name, rtable.dim, cfg["initializer"], cfg["optimizer"])
+                self._configs.setdefault(name, ps_pb2.TableConfig(
+                    name=name, dim=rtable.dim, initializer_json=json.dumps(cfg["initializer"]),
+                    optimizer_json=json.dumps(cfg["optimizer"])))
+                keys = rtable.keys_in_slots(mask)
+                # in slices: one import of a million rows held the table lock for seconds
+                for i in range(0, keys.size, self.MIGRATE_CHUNK_ROWS):
+                    found, rows = rtable.export_keys(keys[i:i + self.MIGRATE_CHUNK_ROWS],
+                                                     with_counts=True)
+                    table.import_rows(found, rows)
+                    n += int(found.size)
+        except Exception:
+            self.replicas.put_back(request.origin, copy)  # a retry finds it again
+            raise
+        with self.apply_gate.shared():  # the pushes in these rows, for this PS's peer too
+            self.applied.add_many(copy.applied, ship=True)
         log.info("%s: promoted %d rows of %s (replica %.0f ms old)", self.ps_id, n,
                  request.origin, age)
-        return ps_pb2.PromoteResponse(rows=n, origin_sequence=seq, replica_age_ms=age)
+        return ps_pb2.PromoteResponse(rows=n, origin_sequence=copy.sequence, replica_age_ms=age)
 
     def WriteCheckpoint(self, request, context):
         """Write this PS's rows (the slots it owns) into a checkpoint; the AIMaster commits."""
-        from checkpoint import CheckpointWriter  # the PS is the writer of the format
+        from checkpoint import CheckpointCancelled, CheckpointWriter  # the PS writes the format
         if request.kind not in ("full", "incr"):
             self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
                          f"kind must be 'full' or 'incr', got {request.kind!r}")
@@ -484,24 +554,35 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                       num_slots=self.routing.num_slots)
         except Exception as exc:  # noqa: BLE001 - bad root/parent/kind: answer, keep serving
             self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, f"checkpoint: {exc}")
+        # The slots owned now are what this part holds. No gate is held while writing: the
+        # rows stream out in chunks under short table-lock holds, and a routing change
+        # (which takes the gate's exclusive side) must not wait for, and hold up every
+        # lookup behind, a checkpoint of a large table.
         owned = self.routing.owned
         rows = nbytes = 0
         cut = {}
-        self.routing.gate.acquire_shared()
         try:
             for name, table in sorted(self.store.tables().items()):
                 stats = writer.write_table(
                     request.writer_id or self.ps_id, table,
                     since_seq=(since.get(name, 0) if request.kind == "incr" else None),
-                    slot_mask=owned)
+                    slot_mask=owned, cancelled=lambda: not context.is_active())
                 rows += stats["rows"]
                 nbytes += stats["bytes"]
                 cut[name] = stats["cut_seq"]
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError, LogTrimmed, CheckpointCancelled) as exc:
             writer.abort()
+            if isinstance(exc, LogTrimmed):  # deletions since `since` are forgotten
+                self._count("rejected")
+                errors.abort(context, grpc.StatusCode.FAILED_PRECONDITION, errors.ErrorKind.REFUSED,
+                             f"checkpoint: an incremental is impossible, take a full one: {exc}")
+            if isinstance(exc, CheckpointCancelled):
+                self._reject(context, grpc.StatusCode.CANCELLED, f"checkpoint: {exc}")
             self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, f"checkpoint: {exc}")
-        finally:
-            self.routing.gate.release_shared()
+        # the next incremental of this PS starts from this cut (or, if this checkpoint is
+        # not committed, from the previous one): the logs are kept from the older of both
+        self._ckpt_cuts = (self._ckpt_cuts + [min(cut.values(), default=self.store.sequence.value)])[-2:]
+        self.store.set_consumer("checkpoint", min(self._ckpt_cuts))
         return ps_pb2.WriteCheckpointResponse(files_json=json.dumps(writer.file_entries()),
                                               cut_json=json.dumps(cut), rows=rows, bytes=nbytes)
 

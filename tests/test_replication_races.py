@@ -1,0 +1,374 @@
+"""Races of the replication data plane, with real PS processes driven the way the
+AIMaster drives them (SetRouting, MigrateSlots, DropSlots, Promote): a promotion during
+a full resync, and rows of slots a PS gave away coming back from its replica."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from deeprec_ext import codec, errors
+from deeprec_ext.grpc_util import insecure_channel
+from deeprec_ext.hashing import slot_of
+from deeprec_ext.proto import gazer_pb2, ps_pb2, ps_pb2_grpc
+from tests.conftest import ROOT, wait_for
+
+NUM_SLOTS = 64
+
+
+class Ps:
+    """One standalone PS process (``python -m deeprec_ext.ps``) that the test routes."""
+
+    def __init__(self, tmp_path, name: str):
+        self.name = name
+        port_file = tmp_path / f"{name}.port"
+        self.log = open(tmp_path / f"{name}.log", "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "deeprec_ext.ps", "--id", name, "--port-file", str(port_file)],
+            cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=self.log,
+            stderr=subprocess.STDOUT)
+        port = wait_for(lambda: port_file.exists() and port_file.read_text(), 30, f"{name} port")
+        self.address = f"127.0.0.1:{port}"
+        self.channel = insecure_channel(self.address)
+        self.stub = ps_pb2_grpc.ParameterServerStub(self.channel)
+        self.epoch = 0
+
+    def route(self, owned: np.ndarray, peer: "Ps | None", interval_ms: float = 50.0,
+              sync: bool = False) -> None:
+        self.epoch += 1
+        self.routing = (owned, peer, interval_ms, sync)
+        self.stub.SetRouting(ps_pb2.SetRoutingRequest(
+            epoch=self.epoch, owned_slots=owned.astype(np.uint8).tobytes(), num_slots=NUM_SLOTS,
+            replica_peer=peer.address if peer else "", replication_interval_ms=interval_ms,
+            sync_replication=sync, ps_id=self.name), timeout=30)
+
+    def ship(self) -> None:
+        """A routing change (the same layout at a new epoch) wakes the shipping thread;
+        wait until the peer's copy is current."""
+        self.route(*self.routing)
+        self.wait_shipped()
+
+    def replication(self):
+        raw = self.stub.Stats(ps_pb2.StatsRequest(), timeout=30).gazer_stats
+        return gazer_pb2.MemberStats.FromString(raw).replication
+
+    def wait_shipped(self, timeout: float = 120) -> None:
+        """Until the peer's copy is current (nothing written since the last shipment)."""
+        wait_for(lambda: self.replication().behind_sequence == 0, timeout,
+                 f"{self.name}'s replica to catch up")
+
+    def lookup(self, table: str, ids: np.ndarray, dim: int) -> np.ndarray:
+        r = self.stub.Lookup(ps_pb2.LookupRequest(
+            tables=[ps_pb2.TableIds(table=table, ids=codec.ids_to_bytes(ids))],
+            insert_missing=False), timeout=60)
+        return np.frombuffer(r.values[0], np.float32).reshape(ids.size, dim)
+
+    def rows(self, table: str) -> int:
+        return sum(t.rows for t in self.stub.Stats(ps_pb2.StatsRequest(), timeout=30).tables
+                   if t.name == table)
+
+    def promote(self, origin: "Ps", mask: np.ndarray, timeout: float = 120):
+        return self.stub.Promote(ps_pb2.PromoteRequest(
+            origin=origin.name, slots=mask.astype(np.uint8).tobytes(), num_slots=NUM_SLOTS),
+            timeout=timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.log.close()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    started: list[Ps] = []
+
+    def start(*names: str) -> list[Ps]:
+        out = [Ps(tmp_path, n) for n in names]
+        started.extend(out)
+        return out
+
+    yield start
+    for p in started:
+        p.stop()
+
+
+ALL = np.ones(NUM_SLOTS, dtype=bool)
+NONE = np.zeros(NUM_SLOTS, dtype=bool)
+
+
+def _create(ps: Ps, name: str, dim: int, init, opt) -> None:
+    ps.stub.CreateTable(ps_pb2.CreateTableRequest(config=ps_pb2.TableConfig(
+        name=name, dim=dim, initializer_json=json.dumps(init),
+        optimizer_json=json.dumps(opt))), timeout=30)
+
+
+def _fill(ps: Ps, table: str, n: int, batch: int = 200_000) -> np.ndarray:
+    keys = np.arange(n, dtype=np.int64) * 7 + 3
+    for i in range(0, n, batch):
+        ps.stub.Lookup(ps_pb2.LookupRequest(tables=[ps_pb2.TableIds(
+            table=table, ids=codec.ids_to_bytes(keys[i:i + batch]))], insert_missing=True),
+            timeout=120)
+    return keys
+
+
+def _push(ps: Ps, table: str, keys: np.ndarray, grad: float, rid: str = "") -> None:
+    ps.stub.Push(ps_pb2.PushRequest(request_id=rid, tables=[ps_pb2.TableUpdate(
+        table=table, ids=codec.ids_to_bytes(keys),
+        values=codec.floats_to_bytes(np.full((keys.size, 1), grad, np.float32)))]), timeout=60)
+
+
+# ------------------------------------------------------------ 1. promote during a full resync
+def test_promote_during_full_resync_waits_for_it_and_loses_nothing(cluster):
+    """The ring re-forms: A's new peer B starts a full copy of A's rows. A Promote of A on
+    B arriving meanwhile waits for that copy and promotes every row (it used to fail at
+    once, "the replica is incomplete", and the AIMaster failed the job)."""
+    a, b = cluster("ps-a", "ps-b")
+    a.route(ALL, None)
+    b.route(NONE, None)
+    _create(a, "emb", 16, {"name": "normal", "stddev": 0.1, "seed": 5}, "adagrad")
+    keys = _fill(a, "emb", 600_000)
+    want = a.lookup("emb", keys, 16)
+    a.route(ALL, b)  # the ring re-forms: a full copy of A's 600k rows to B starts now
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    resp = b.promote(a, ALL)
+    waited = time.monotonic() - t0
+    assert resp.rows == keys.size, f"promoted {resp.rows} of {keys.size} rows"
+    b.route(ALL, None)
+    np.testing.assert_array_equal(b.lookup("emb", keys, 16), want)
+    print(f"promote waited {waited:.2f}s for the resync; promoted {resp.rows} rows")
+
+
+def test_promote_of_a_replica_whose_resync_broke_is_a_typed_refusal(cluster):
+    """The origin dies in the middle of its full copy: the copy can never complete. Promote
+    answers FAILED_PRECONDITION with a kind the AIMaster acts on (restore those slots from
+    a checkpoint) and promotes nothing partial."""
+    a, b = cluster("ps-a", "ps-b")
+    a.route(ALL, None)
+    b.route(NONE, None)
+    _create(a, "emb", 16, {"name": "normal", "stddev": 0.1, "seed": 5}, "adagrad")
+    _fill(a, "emb", 600_000)
+    a.route(ALL, b)
+    time.sleep(0.3)
+    a.kill()
+    with pytest.raises(grpc.RpcError) as info:
+        b.promote(a, ALL)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # its rebuild broke off with A (or never began): nothing to wait for, restore instead
+    assert errors.kind_of(info.value) is errors.ErrorKind.NO_REPLICA
+    assert b.rows("emb") == 0  # nothing partial was promoted
+
+
+def test_replica_is_replaced_atomically_and_deltas_continue_after_a_resync(cluster):
+    """Deltas after a full copy, a second full copy (a new peer), and a promotion: every
+    counter exact, with pushes running all along."""
+    a, b, c = cluster("ps-a", "ps-b", "ps-c")
+    a.route(ALL, b)
+    b.route(NONE, None)
+    c.route(NONE, None)
+    _create(a, "c", 1, "zeros", {"name": "sgd", "learning_rate": 1.0})
+    keys = np.arange(20_000, dtype=np.int64)
+    for _ in range(3):
+        _push(a, "c", keys, -1.0)
+    a.wait_shipped()
+    a.route(ALL, c)  # new peer: full copy to C, B's copy is dropped
+    for _ in range(2):
+        _push(a, "c", keys, -1.0)
+    a.wait_shipped()
+    a.kill()
+    resp = c.promote(a, ALL)
+    assert resp.rows == keys.size
+    c.route(ALL, None)
+    np.testing.assert_array_equal(c.lookup("c", keys, 1)[:, 0], 5)
+    # B no longer holds a copy of A: promoting it there is refused, not stale rows
+    with pytest.raises(grpc.RpcError) as info:
+        b.promote(a, ALL, timeout=30)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert errors.kind_of(info.value) is errors.ErrorKind.NO_REPLICA
+
+
+# ------------------------------------------------- 3. slots migrated away leave the replica
+def test_slots_migrated_away_do_not_come_back_from_the_replica(cluster):
+    """A gives slots S to N (MigrateSlots, fence, DropSlots). N dies and A, N's ring peer,
+    promotes S back; A dies before its next shipment. B promotes A's slots, S included:
+    B's copy of A must not hand back the rows S had before it left A (stale values). The
+    rows A dropped are tombstoned on its replica."""
+    a, b, n = cluster("ps-a", "ps-b", "ps-n")
+    slow = 3_600_000.0  # A ships only when its routing changes (each SetRouting wakes it)
+    a.route(ALL, b, interval_ms=slow)
+    b.route(NONE, a)
+    n.route(NONE, None)
+    _create(a, "c", 1, "zeros", {"name": "sgd", "learning_rate": 1.0})
+    keys = np.arange(50_000, dtype=np.int64)
+    _push(a, "c", keys, -1.0)  # every key: 1
+    a.ship()
+    moving = np.zeros(NUM_SLOTS, dtype=bool)
+    moving[: NUM_SLOTS // 2] = True
+    in_s = moving[slot_of(keys, NUM_SLOTS)]
+
+    # scale event: S moves A -> N (snapshot, fence, last delta, hand-over, clean-up)
+    req = dict(slots=moving.astype(np.uint8).tobytes(), num_slots=NUM_SLOTS,
+               dst_address=n.address)
+    w = a.stub.MigrateSlots(ps_pb2.MigrateSlotsRequest(since_seq=-1, **req), timeout=120).watermark
+    a.route(~moving, b, interval_ms=slow)  # fence
+    a.stub.MigrateSlots(ps_pb2.MigrateSlotsRequest(since_seq=w, send_request_ids=True, **req),
+                        timeout=120)
+    n.route(moving, a)  # N replicates to A (ring a -> b, n -> a)
+    a.stub.DropSlots(ps_pb2.DropSlotsRequest(slots=req["slots"], num_slots=NUM_SLOTS), timeout=60)
+    assert a.rows("c") == int((~in_s).sum())
+    a.ship()  # A's drop reaches its replica on B
+    _push(n, "c", keys[in_s], -1.0)  # S's keys: 2, on N
+    n.wait_shipped()
+
+    # N dies: A promotes S from its copy of N (S's keys: 2, new sequence numbers on A)
+    n.kill()
+    assert a.promote(n, moving).rows == int(in_s.sum())
+    # ... and A dies before shipping them: B promotes A's slots, S included
+    a.kill()
+    b.promote(a, ALL)
+    b.route(ALL, None)
+    got = b.lookup("c", keys, 1)[:, 0]
+    np.testing.assert_array_equal(got[~in_s], 1)
+    stale = int((got[in_s] == 1).sum())
+    assert stale == 0, f"{stale} rows of slots A gave away came back with their old values"
+    # S's rows were A's updates at risk (never shipped): absent, not stale
+    assert set(np.unique(got[in_s]).tolist()) <= {0.0, 2.0}
+
+
+# ------------------------------------------------------ 5. a full resync in bounded memory
+def test_full_copy_streams_from_the_primary_in_bounded_memory():
+    """A full copy (a new peer, or a resync) is read and sent slice by slice: the primary
+    never holds a copy of its table (it used to build every message of the copy first)."""
+    import threading
+
+    from deeprec_ext.ps.replication import Replicator
+    from deeprec_ext.store import EmbeddingStore
+    store = EmbeddingStore()
+    t = store.create_table("emb", 16, initializer={"name": "normal", "stddev": 0.05},
+                           optimizer="adagrad")
+    keys = np.arange(1_000_000, dtype=np.int64)
+    t.lookup(keys)
+    received = {"rows": 0}
+
+    class Peer:  # consumes the stream message by message, as gRPC does
+        def Replicate(self, batches, **kw):
+            for b in batches:
+                received["rows"] += len(b.ids) // 8
+            return ps_pb2.ReplicateResponse(rows=received["rows"])
+
+    rep = Replicator(store, {})
+    rep.close()  # no background shipping: this test ships
+    rep.origin, rep.peer, rep._since, rep._stub = "ps-a", "peer", -1, Peer()
+
+    def rss():  # protobuf messages live outside Python's allocator: measure the process
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    top, done = [rss()], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            top[0] = max(top[0], rss())
+            time.sleep(0.002)
+
+    base = top[0]
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        rep.ship()
+    finally:
+        done.set()
+        sampler.join()
+    peak = top[0] - base
+    assert received["rows"] == keys.size
+    print(f"full copy of {t.nbytes / 2**20:.0f} MB: peak extra {peak / 2**20:.1f} MB")
+    assert peak < 0.10 * t.nbytes, f"{peak / 2**20:.0f} MB held for a {t.nbytes / 2**20:.0f} MB table"
+
+
+# ------------------------------------------------------------- the replica set, in process
+def _batch(origin, table="t", keys=(), value=0.0, **kw):
+    keys = np.asarray(keys, dtype=np.int64)
+    rows = np.full((keys.size, 2), value, np.float32)  # sgd, dim 1: value + count column
+    return ps_pb2.RowBatch(config=ps_pb2.TableConfig(name=table, dim=1, optimizer_json='"sgd"'),
+                           origin=origin, ids=codec.ids_to_bytes(keys),
+                           rows=codec.floats_to_bytes(rows), **kw)
+
+
+def _broken(batches):
+    yield from batches
+    raise grpc.RpcError("the origin died")
+
+
+def test_replica_set_swaps_copies_whole_and_keeps_a_refreshed_copy_usable():
+    from deeprec_ext.ps.replication import ReplicaRefused, ReplicaSet, ReplicaUnavailable
+    rs = ReplicaSet()
+    reset = ps_pb2.RowBatch(origin="a", reset=True)
+    rs.apply([reset, _batch("a", keys=range(10), value=1.0, origin_sequence=5,
+                            applied_request_ids=["r1"])], "full-new")
+    # a delta from a base this copy does not have is refused (the origin sends a full copy)
+    with pytest.raises(ReplicaRefused):
+        rs.apply([_batch("a", keys=[1], value=9.0, origin_sequence=9)], "delta", base=7)
+    # a delta that breaks off changes nothing
+    with pytest.raises(grpc.RpcError):
+        rs.apply(_broken([_batch("a", keys=[1], value=2.0, origin_sequence=6),
+                          _batch("a", table="u", keys=[1], value=2.0)]), "delta", base=5)
+    # a refresh that breaks off leaves the previous copy promotable, unchanged
+    with pytest.raises(grpc.RpcError):
+        rs.apply(_broken([reset, _batch("a", keys=range(3), value=3.0)]), "full-refresh")
+    copy = rs.take("a", wait=0)
+    assert set(copy.store.tables()) == {"t"} and list(copy.applied) == ["r1"]
+    np.testing.assert_array_equal(copy.store["t"].lookup(np.arange(10), False)[:, 0], 1.0)
+    # taken: a later delta of that origin is refused, promoting it again finds nothing
+    with pytest.raises(ReplicaRefused):
+        rs.apply([_batch("a", keys=[1], value=9.0)], "delta", base=5)
+    with pytest.raises(ReplicaUnavailable) as info:
+        rs.take("a", wait=0)
+    assert info.value.kind == "no_replica"
+    # a new peer's copy that breaks off: nothing to promote, and it says why
+    with pytest.raises(grpc.RpcError):
+        rs.apply(_broken([reset, _batch("a", keys=range(3), value=3.0)]), "full-new")
+    with pytest.raises(ReplicaUnavailable, match="broke off"):
+        rs.take("a", wait=0)
+
+
+def test_promote_waits_for_a_delta_being_applied():
+    """A delta still being received when Promote arrives is applied first, whole."""
+    import threading
+
+    from deeprec_ext.ps.replication import ReplicaSet
+    rs = ReplicaSet()
+    rs.apply([ps_pb2.RowBatch(origin="a", reset=True), _batch("a", keys=range(10), value=1.0,
+                                                              origin_sequence=5)], "full-new")
+    release = threading.Event()
+
+    def slow():
+        yield _batch("a", keys=range(10), value=2.0, origin_sequence=8)
+        release.wait(10)
+        yield _batch("a", table="u", keys=range(5), value=2.0, origin_sequence=8,
+                     applied_request_ids=["r2"])
+
+    th = threading.Thread(target=rs.apply, args=(slow(), "delta", 5))
+    th.start()
+    time.sleep(0.2)
+    threading.Timer(0.3, release.set).start()
+    copy = rs.take("a", wait=10)
+    th.join()
+    assert set(copy.store.tables()) == {"t", "u"} and list(copy.applied) == ["r2"]
+    np.testing.assert_array_equal(copy.store["t"].lookup(np.arange(10), False)[:, 0], 2.0)
