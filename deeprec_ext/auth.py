@@ -205,8 +205,9 @@ def _refusing_handler(handler, message: str):
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover
 
-    kw = dict(request_deserializer=handler.request_deserializer,
-              response_serializer=handler.response_serializer)
+    # the request is not parsed: a caller without the token gets UNAUTHENTICATED whatever
+    # it sends (parsing first answered undecodable bytes INTERNAL, before the token check)
+    kw = dict(request_deserializer=None, response_serializer=handler.response_serializer)
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(refuse_stream, **kw)
     if handler.request_streaming:

@@ -16,6 +16,7 @@ from deeprec_ext.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, create_server
 from deeprec_ext.member import MASTER_ENV, MEMBER_ID_ENV, MasterSession
 from deeprec_ext.proto import ps_pb2_grpc, sync_pb2_grpc
 from deeprec_ext.ps.server import ParameterServerServicer
+from deeprec_ext.ps.validation import DecodeGuard
 from deeprec_ext.stats import StatsInterceptor
 from deeprec_ext.ps.sync_service import SyncServicer
 
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     server, port = create_server(f"{args.host}:{args.port}", max_workers=args.threads,
                                  max_message_bytes=args.max_message_mb * 1024 * 1024,
                                  # Gazer first: it also times the calls auth refuses
-                                 interceptors=[StatsInterceptor(servicer.rpc_stats), *interceptors])
+                                 interceptors=[StatsInterceptor(servicer.rpc_stats), *interceptors,
+                                               DecodeGuard()])
     ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, server)
     # sync-mode step aggregation (idle, and off every async path, unless a job uses it)
     sync_pb2_grpc.add_SyncParameterServerServicer_to_server(SyncServicer(servicer), server)
@@ -104,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     servicer.replicator.close()
     if session is not None:
         session.close("preempted" if handed_off else "stopped")
-    server.stop(grace=2).wait()
+    # bounded: a call gRPC never completes must not keep the process alive after SIGTERM
+    if not server.stop(grace=2).wait(10):
+        log.warning("PS %s: the gRPC server did not finish stopping; exiting anyway", servicer.ps_id)
     return 0
 
 

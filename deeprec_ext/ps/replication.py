@@ -45,6 +45,7 @@ import numpy as np
 from deeprec_ext import codec
 from deeprec_ext.grpc_util import insecure_channel
 from deeprec_ext.proto import ps_pb2, ps_pb2_grpc
+from deeprec_ext.ps import validation
 from deeprec_ext.store import EmbeddingStore, LogTrimmed
 
 log = logging.getLogger(__name__)
@@ -210,7 +211,7 @@ class Replicator:
                 self._stub = ps_pb2_grpc.ParameterServerStub(self._channel) if peer else None
                 self._since = -1  # new peer: full copy
                 self._full_mode = "new"
-                self.store.set_consumer("replica", None if not peer else 0)
+                self.store.set_consumer("replica", None if not peer else 0, moved=True)
                 log.info("%s: replicating to %s", origin, peer or "(no peer)")
             self.origin, self.peer = origin, peer
             self.interval = max(interval_ms, 1.0) / 1000.0
@@ -297,7 +298,7 @@ class Replicator:
             raise
         self._known_tables.update(b.config.name for b in batches if b.config.name)
         self._since = watermark
-        self.store.set_consumer("replica", watermark)
+        self.store.set_consumer("replica", watermark, moved=True)
         self.last_shipped = time.monotonic()
         self.shipped_rows += resp.rows
         return resp.rows
@@ -306,7 +307,7 @@ class Replicator:
         """A full copy in slices (no table is copied whole), then, under the apply gate, the
         rows and tombstones written meanwhile and every remembered request id."""
         start = self.store.sequence.value
-        self.store.set_consumer("replica", start)  # the logs must reach back to the start
+        self.store.set_consumer("replica", start, moved=True)  # logs from the start on
         done: dict = {}
 
         def stream():
@@ -342,7 +343,7 @@ class Replicator:
         self._known_tables = done["tables"]
         self._since = done["watermark"]
         self._full_mode = "refresh"
-        self.store.set_consumer("replica", self._since)
+        self.store.set_consumer("replica", self._since, moved=True)
         self.last_shipped = time.monotonic()
         self.shipped_rows += resp.rows
         self.full_copies += 1
@@ -391,13 +392,19 @@ class Replicator:
                 "shipped_rows": self.shipped_rows, "errors": self.errors}
 
     def _loop(self) -> None:
+        failed = 0  # shipments failed in a row
         while not self._stop.is_set():
-            self._wake.wait(self.interval)
+            # a failing peer is retried after a growing pause (up to 5 s), not every
+            # interval: with a 1 ms interval an unreachable peer spun a core and the log
+            pause = self.interval * 2 ** min(failed, 16) if failed else self.interval
+            self._wake.wait(max(self.interval, min(pause, 5.0)))
             self._wake.clear()
             if self._stop.is_set():
                 break
+            failed += 1  # unless ship() returns
             try:
                 self.ship()
+                failed = 0
             except grpc.RpcError as exc:
                 # the peer is unreachable or slow: the next delta starts from the same base
                 # (the peer applies a delta whole or not at all), a full copy only if the
@@ -452,8 +459,7 @@ def _apply_batch(store: EmbeddingStore, b, decoded=None) -> int:
     cfg = b.config
     if not cfg.name:
         return 0
-    init = json.loads(cfg.initializer_json) if cfg.initializer_json else "zeros"
-    opt = json.loads(cfg.optimizer_json) if cfg.optimizer_json else "sgd"
+    init, opt = validation.table_config(cfg)  # name, dim, JSON (nesting) checked
     table = store.ensure_table(cfg.name, cfg.dim, init, opt)
     if decoded is None:
         decoded = _decode(b, table.row_width)
@@ -565,9 +571,7 @@ class ReplicaSet:
     def _row_width(b) -> int:
         """Floats per row of ``b``'s table as it will be after ``ensure_table``."""
         from deeprec_ext.store import make_optimizer
-        if b.config.dim <= 0:
-            raise ValueError(f"table '{b.config.name}': dim must be positive, got {b.config.dim}")
-        opt = json.loads(b.config.optimizer_json) if b.config.optimizer_json else "sgd"
+        _, opt = validation.table_config(b.config)
         return b.config.dim * (1 + make_optimizer(opt).num_slots)
 
     def drop(self, origin: str) -> bool:

@@ -21,6 +21,7 @@ from deeprec_ext.errors import InvalidRequestError
 from deeprec_ext.grpc_util import ROUTING_EPOCH_KEY
 from deeprec_ext.hashing import DEFAULT_NUM_SLOTS, slot_of
 from deeprec_ext.proto import gazer_pb2, ps_pb2, ps_pb2_grpc
+from deeprec_ext.ps import validation
 from deeprec_ext.ps.replication import (BASE_KEY, KIND_KEY, PROMOTE_WAIT_SECONDS, AppliedRequests,
                                         ApplyGate, ReplicaRefused, ReplicaSet, ReplicaUnavailable,
                                         Replicator)
@@ -123,6 +124,7 @@ class Routing:
                           f"stale routing: key {bad} is not owned by this PS at epoch {epoch}")
 
 
+@validation.answers_refusals(ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"])
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, ps_id: str = "ps", store: EmbeddingStore | None = None,
                  memory_limit_bytes: int = 0):
@@ -173,15 +175,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def CreateTable(self, request, context):
         cfg = request.config
         try:
-            if not cfg.name:
-                raise InvalidRequestError("table name must not be empty")
-            if cfg.dim <= 0:
-                raise InvalidRequestError(f"table '{cfg.name}': dim must be positive, got {cfg.dim}")
-            try:
-                init = json.loads(cfg.initializer_json) if cfg.initializer_json else "zeros"
-                opt = json.loads(cfg.optimizer_json) if cfg.optimizer_json else "sgd"
-            except json.JSONDecodeError as exc:
-                raise InvalidRequestError(f"table '{cfg.name}': malformed JSON config: {exc}") from exc
+            init, opt = validation.table_config(cfg)
             init_ids = codec.ids_from_bytes(request.init_ids, "init_ids")
             init_values = codec.floats_from_bytes(request.init_values, init_ids.size, cfg.dim,
                                                   "init_values")
@@ -323,10 +317,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return out if any(returns) else []
 
     def SetRouting(self, request, context):
-        owned = np.frombuffer(request.owned_slots, dtype=np.uint8)
-        if request.num_slots <= 0 or owned.size != request.num_slots:
-            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
-                         f"owned_slots has {owned.size} entries, num_slots is {request.num_slots}")
+        owned = validation.slot_mask(request.owned_slots, request.num_slots, field="owned_slots")
+        if request.ps_id:  # with a ps_id the replication settings apply: checked first
+            # (a NaN interval made the replication thread spin, an infinite one killed it)
+            validation.seconds(request.replication_interval_ms, "replication_interval_ms",
+                               0.0, 3_600_000.0)
+            if request.replica_peer:
+                validation.address(request.replica_peer, "replica_peer")
         if not self.routing.advance(request.epoch, request.num_slots, owned.astype(bool)):
             # a push that lost a race with a newer one (or a restarted master that does not
             # know the PS's epoch): applying it would move routing backwards
@@ -345,12 +342,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     # -- live migration -------------------------------------------------------------------
     MIGRATE_CHUNK_ROWS = 1 << 14  # rows per streamed batch / per table-lock hold
 
-    def _slot_mask(self, raw: bytes, num_slots: int, context) -> np.ndarray:
-        mask = np.frombuffer(raw, dtype=np.uint8)
-        if num_slots <= 0 or mask.size != num_slots:
-            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
-                         f"slot mask has {mask.size} entries, num_slots is {num_slots}")
-        return mask.astype(bool)
+    def _slot_mask(self, raw: bytes, num_slots: int, context, routed: bool = False) -> np.ndarray:
+        """A request's slot mask; ``routed``: it must be over this PS's routing slots (once
+        it has routing), else it would name other keys than the caller means."""
+        expected = self.routing.num_slots if routed and self.routing.owned is not None else None
+        return validation.slot_mask(raw, num_slots, expected)
 
     def MigrateSlots(self, request, context):
         """Send rows of the given slots written after ``since_seq`` to ``dst_address``.
@@ -358,9 +354,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         The watermark is read before scanning: a row written during the scan has a larger
         sequence number and is sent again by the next round, so no write is missed.
         """
-        mask = self._slot_mask(request.slots, request.num_slots, context)
-        if not request.dst_address:
-            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "dst_address is empty")
+        mask = self._slot_mask(request.slots, request.num_slots, context, routed=True)
+        validation.address(request.dst_address, "dst_address")
         watermark = self.store.sequence.value
         since = None if request.since_seq < 0 else request.since_seq
         totals = {"rows": 0, "bytes": 0, "deleted": 0}
@@ -390,9 +385,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         from deeprec_ext.grpc_util import insecure_channel
         with insecure_channel(request.dst_address) as ch:
             try:
-                ps_pb2_grpc.ParameterServerStub(ch).ImportRows(batches(), timeout=600)
+                # within the caller's deadline: an unreachable destination must not hold
+                # this handler (one of the PS's few threads) after the caller gave up
+                ps_pb2_grpc.ParameterServerStub(ch).ImportRows(
+                    batches(), timeout=validation.within_deadline(context, 600.0))
             except grpc.RpcError as exc:
-                context.abort(exc.code(), f"sending rows to {request.dst_address}: {exc.details()}")
+                context.abort(validation.downstream_code(exc.code()),
+                              f"sending rows to {request.dst_address}: {exc.code().name}: "
+                              f"{exc.details()}")
         self._migration_consumer(request.dst_address, watermark)
         return ps_pb2.MigrateSlotsResponse(watermark=watermark, **totals)
 
@@ -425,8 +425,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             if not cfg.name:
                 continue
             try:
-                init = json.loads(cfg.initializer_json) if cfg.initializer_json else "zeros"
-                opt = json.loads(cfg.optimizer_json) if cfg.optimizer_json else "sgd"
+                init, opt = validation.table_config(cfg)
                 table = self.store.create_table(cfg.name, cfg.dim, init, opt)
                 self._configs.setdefault(cfg.name, cfg)
                 deleted = codec.ids_from_bytes(batch.deleted_ids, "deleted_ids")
@@ -443,7 +442,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def DropSlots(self, request, context):
         """Free the rows of slots this PS no longer owns (after a migration published)."""
-        mask = self._slot_mask(request.slots, request.num_slots, context)
+        mask = self._slot_mask(request.slots, request.num_slots, context, routed=True)
         owned = self.routing.owned
         if owned is not None and (owned & mask).any():
             self._reject(context, grpc.StatusCode.FAILED_PRECONDITION,
@@ -547,8 +546,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if request.kind not in ("full", "incr"):
             self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
                          f"kind must be 'full' or 'incr', got {request.kind!r}")
+        validation.checkpoint_root(request.root)
+        # the writer id is part of every file name the checkpoint gets
+        writer_id = validation.table_name(request.writer_id, "writer_id") if request.writer_id \
+            else self.ps_id
+        since = validation.sequence_map(request.since_json, "since_json")
         try:
-            since = json.loads(request.since_json) if request.since_json else {}
             writer = CheckpointWriter(request.root, request.ckpt_id, request.kind,
                                       parent=request.parent if request.kind == "incr" else None,
                                       num_slots=self.routing.num_slots)
@@ -564,14 +567,18 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         try:
             for name, table in sorted(self.store.tables().items()):
                 stats = writer.write_table(
-                    request.writer_id or self.ps_id, table,
+                    writer_id, table,
                     since_seq=(since.get(name, 0) if request.kind == "incr" else None),
                     slot_mask=owned, cancelled=lambda: not context.is_active())
                 rows += stats["rows"]
                 nbytes += stats["bytes"]
                 cut[name] = stats["cut_seq"]
         except (ValueError, OSError, LogTrimmed, CheckpointCancelled) as exc:
-            writer.abort()
+            try:
+                writer.abort()
+            except OSError as cleanup:  # the answer is about the write, not the clean-up
+                log.warning("%s: checkpoint %d: clean-up failed: %s", self.ps_id,
+                            request.ckpt_id, cleanup)
             if isinstance(exc, LogTrimmed):  # deletions since `since` are forgotten
                 self._count("rejected")
                 errors.abort(context, grpc.StatusCode.FAILED_PRECONDITION, errors.ErrorKind.REFUSED,
@@ -590,6 +597,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         """Load the rows of some slots from a checkpoint into this PS's tables."""
         from checkpoint import restore
         mask = self._slot_mask(request.slots, request.num_slots, context)
+        validation.checkpoint_root(request.root)
         try:
             info = restore(request.root, self.store, slot_mask=mask, upto=request.ckpt_id,
                            exact=True, reset_optimizer=request.reset_optimizer)

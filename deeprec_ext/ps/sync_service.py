@@ -23,6 +23,7 @@ import numpy as np
 from deeprec_ext import codec
 from deeprec_ext.errors import InvalidRequestError
 from deeprec_ext.proto import sync_pb2, sync_pb2_grpc
+from deeprec_ext.ps import validation
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ def sum_in_rank_order(parts: list[tuple[np.ndarray, np.ndarray]], dim: int):
     return union, acc
 
 
+@validation.answers_refusals(sync_pb2.DESCRIPTOR.services_by_name["SyncParameterServer"])
 class SyncServicer(sync_pb2_grpc.SyncParameterServerServicer):
     def __init__(self, ps):
         self.ps = ps  # the ParameterServerServicer whose store, routing and gate we share
@@ -121,13 +123,24 @@ class SyncServicer(sync_pb2_grpc.SyncParameterServerServicer):
         if not pend:
             return ""
         s = pend[0]
-        missing = sorted(set(range(self._num_virtual.get(s, 0))) - set(self._pending[s]))
-        return f"step {s} still waits for virtual ranks {missing}"
+        # the first few missing ranks, found without listing all V (V comes with the request)
+        have, v = self._pending[s], self._num_virtual.get(s, 0)
+        missing = []
+        rank = 0
+        while rank < v and len(missing) < 10:
+            if rank not in have:
+                missing.append(rank)
+            rank += 1
+        more = v - len(have) - len(missing)
+        return (f"step {s} still waits for virtual ranks {missing}"
+                + (f" and {more} more" if more > 0 else ""))
 
     def StepLookup(self, request, context):
         step = request.step
-        wait = request.wait_seconds if request.wait_seconds > 0 else 10.0
-        deadline = time.monotonic() + wait
+        wait = validation.seconds(request.wait_seconds, "wait_seconds", 0.0, 3600.0) or 10.0
+        # answered before the caller's deadline: a waiting handler holds one of the PS's
+        # few threads, and nobody would read a late answer
+        deadline = time.monotonic() + validation.within_deadline(context, wait)
         with self._cond:
             # every earlier step must be applied: the caller already delivered its own
             # contributions to them, so an earlier step pending here is incomplete
