@@ -743,3 +743,26 @@ class TestChangeLog:
         t.apply_gradients(keys[:500], np.ones((500, 4), np.float32))
         codes, bits = t.plan_export(mask, since)
         assert codes.size == int(mask[slot_of(keys[:500], 64)].sum())
+
+    def test_moved_tombstones_never_cost_a_checkpoint_its_incremental(self):
+        """Migration clean-up logs "moved" tombstones for the replica only: without a
+        replica they are dropped at once, and over the cap they go before any deletion,
+        so an incremental checkpoint still gets every deletion since its cut."""
+        s = EmbeddingStore()
+        t = s.create_table("t", 2)
+        t.lookup(np.arange(10_000))
+        s.set_consumer("checkpoint", 0)
+        t.delete(np.arange(100), log_tombstone=False, moved=True)
+        s.trim_logs()
+        assert t.log_sizes["tombstones"] == 0  # nobody reads them
+        t.delete(np.arange(100, 110))  # a deletion the next incremental must see
+        replica = t.sequence.value
+        s.set_consumer("replica", replica, moved=True)
+        for i in range(70):  # many scale events later, the replica never came back
+            keys = np.arange(1000) + 100_000 * (i + 1)
+            t.lookup(keys)
+            t.delete(keys, log_tombstone=False, moved=True)
+        assert t.log_sizes["tombstones"] <= 1 << 16
+        assert t.tombstones_since(0).tolist() == list(range(100, 110))
+        with pytest.raises(LogTrimmed):  # the replica gets a full copy instead
+            t.tombstones_since(replica, include_moved=True)

@@ -291,7 +291,8 @@ class EmbeddingTable:
         self._changes = _ChangeLog()
         self._tombstones: list[tuple[int, np.ndarray, bool]] = []  # (seq, keys, moved)
         self._tomb_keys = 0
-        self._tomb_floor = 0
+        self._tomb_floor = 0   # deletions: tombstones_since(v) is exact for v >= this
+        self._moved_floor = 0  # the same for "moved" tombstones (only replicas read them)
 
     # -- properties ---------------------------------------------------------------------
     @property
@@ -660,16 +661,23 @@ class EmbeddingTable:
             return int(removed_rows.size)
 
     def _cap_tombstones(self) -> None:
+        """Over the cap, the oldest "moved" tombstones go first (only a replica reads
+        them, and it recovers with a full copy), then the oldest deletions."""
         limit = max(_LOG_MIN_CAP, self._arena.shape[0])
         if self._tomb_keys <= limit:
             return
-        drop = 0
-        while drop < len(self._tombstones) and self._tomb_keys > limit // 2:
-            s, k, _ = self._tombstones[drop]
-            self._tomb_keys -= int(k.size)
-            self._tomb_floor = max(self._tomb_floor, s)
-            drop += 1
-        del self._tombstones[:drop]
+        for moved_only in (True, False):
+            keep = []
+            for entry in self._tombstones:
+                s, k, m = entry
+                if self._tomb_keys > limit // 2 and (m or not moved_only):
+                    self._tomb_keys -= int(k.size)
+                    self._moved_floor = max(self._moved_floor, s)
+                    if not m:
+                        self._tomb_floor = max(self._tomb_floor, s)
+                else:
+                    keep.append(entry)
+            self._tombstones = keep
 
     def tombstones_since(self, seq: int, include_moved: bool = False) -> np.ndarray:
         """Distinct keys deleted by a batch with sequence number > ``seq`` (sorted).
@@ -679,22 +687,30 @@ class EmbeddingTable:
 
         Raises :class:`LogTrimmed` when the log no longer reaches back to ``seq``."""
         with self._lock:
-            if seq < self._tomb_floor:
-                raise LogTrimmed(f"table '{self.name}': tombstones up to sequence "
-                                 f"{self._tomb_floor} were trimmed; {seq} is older")
+            floor = max(self._tomb_floor, self._moved_floor) if include_moved else self._tomb_floor
+            if seq < floor:
+                raise LogTrimmed(f"table '{self.name}': tombstones up to sequence {floor} "
+                                 f"were trimmed; {seq} is older")
             parts = [k for s, k, m in self._tombstones if s > seq and (include_moved or not m)]
         if not parts:
             return np.empty(0, dtype=np.int64)
         return np.unique(np.concatenate(parts))
 
-    def trim_logs(self, upto_seq: int) -> None:
+    def trim_logs(self, upto_seq: int, moved_upto: int | None = None) -> None:
         """Every consumer has passed ``upto_seq``: forget the change-log entries and the
-        tombstones of batches with sequence numbers <= it."""
+        tombstones of batches with sequence numbers <= it; "moved" tombstones up to
+        ``moved_upto`` (default: ``upto_seq``), how far the consumers of those (a
+        replica) have read."""
+        upto = int(upto_seq)
+        moved_upto = upto if moved_upto is None else int(moved_upto)
         with self._lock:
-            self._changes.trim(int(upto_seq))
-            keep = [t for t in self._tombstones if t[0] > upto_seq]
+            self._changes.trim(upto)
+            keep = [t for t in self._tombstones if t[0] > (moved_upto if t[2] else upto)]
             if len(keep) != len(self._tombstones):
-                self._tomb_floor = max(self._tomb_floor, int(upto_seq))
+                if any(not m and s <= upto for s, _, m in self._tombstones):
+                    self._tomb_floor = max(self._tomb_floor, upto)
+                if any(m and s <= moved_upto for s, _, m in self._tombstones):
+                    self._moved_floor = max(self._moved_floor, moved_upto)
                 self._tombstones = keep
                 self._tomb_keys = sum(int(k.size) for _, k, _ in keep)
 
@@ -917,6 +933,7 @@ class EmbeddingTable:
             self._nfree = 0
             floor = max(self._tomb_floor, self.sequence.value)
             self._tombstones, self._tomb_keys, self._tomb_floor = [], 0, floor
+            self._moved_floor = max(self._moved_floor, floor)
             self._changes = _ChangeLog()
             self._changes.floor = floor
 
@@ -934,6 +951,7 @@ class EmbeddingStore:
         # oldest of them (trim_logs). A consumer that fell too far behind the hard caps
         # gets LogTrimmed from tombstones_since and starts over with a full copy.
         self._consumers: dict[str, int] = {}
+        self._moved_consumers: set[str] = set()  # those that also read "moved" tombstones
 
     def create_table(self, name: str, dim: int, initializer="zeros", optimizer="sgd",
                      initial_capacity: int = 1024) -> EmbeddingTable:
@@ -1007,14 +1025,20 @@ class EmbeddingStore:
             return dict(self._tables)
 
     # -- log consumers ------------------------------------------------------------------
-    def set_consumer(self, name: str, seq: int | None) -> None:
+    def set_consumer(self, name: str, seq: int | None, moved: bool = False) -> None:
         """Record how far consumer ``name`` has read (None: it is gone), then trim the logs
-        to the oldest consumer."""
+        to the oldest consumer. ``moved``: it also reads "moved" tombstones (a replica);
+        those are kept only for such consumers."""
         with self._lock:
             if seq is None:
                 self._consumers.pop(name, None)
+                self._moved_consumers.discard(name)
             else:
                 self._consumers[name] = int(seq)
+                if moved:
+                    self._moved_consumers.add(name)
+                else:
+                    self._moved_consumers.discard(name)
         self.trim_logs()
 
     def consumers(self) -> dict[str, int]:
@@ -1029,8 +1053,11 @@ class EmbeddingStore:
             if not self._consumers:
                 return -1
             upto = min(self._consumers.values())
+            moved = [self._consumers[n] for n in self._moved_consumers]
+            # "moved" tombstones nobody reads (no replica) are dropped at once
+            moved_upto = min(moved) if moved else self.sequence.value
         for table in self.tables().values():
-            table.trim_logs(upto)
+            table.trim_logs(upto, moved_upto)
         return upto
 
     def stats(self) -> dict[str, dict]:
