@@ -461,7 +461,6 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._migration_consumer(None)  # the migration is over
         return ps_pb2.DropSlotsResponse(rows=n)
 
-
     def hand_off(self, timeout: float = 10.0) -> bool:
         """Leaving on a preemption notice: stop taking writes (fence every slot; clients
         are told "stale routing" and wait for the next epoch), then ship the last delta
