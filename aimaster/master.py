@@ -53,6 +53,7 @@ log = logging.getLogger("aimaster")
 
 
 MAX_EVENTS = 1000  # kept in memory
+MAX_COUNTER = 2**63 - 1  # int64 fields of the status answer
 
 __all__ = ["JobMaster", "JobPhase", "FINAL_PHASES", "Busy", "NotRunning", "OperationRefused",
            "Preempted", "ScaleRefused"]
@@ -917,7 +918,9 @@ class JobMaster:
     def global_step(self) -> int:
         """Training steps of all workers of this job plus those of the checkpoint it
         started from (a resume or a warm start)."""
-        return self._step_base + sum(m.steps for m in self.registry.members("worker"))
+        # int64 on the wire: a member's absurd counter must not break every status answer
+        return min(self._step_base + sum(m.steps for m in self.registry.members("worker")),
+                   MAX_COUNTER)
 
     def placement(self) -> dict:
         """Per PS: the slots it owns (count and contiguous ranges) and its address."""
@@ -942,12 +945,17 @@ class JobMaster:
             spec = json.loads(model_json)
         except json.JSONDecodeError as exc:
             raise ValueError(f"model_json is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ValueError("model_json is nested too deeply") from None
         if not isinstance(spec, dict) or spec.get("kind") not in ("keras", "tables"):
             raise ValueError("model_json: expected an object with kind 'keras' or 'tables'")
+        if not isinstance(spec.get("tables", {}), dict):
+            raise ValueError(f"model_json: 'tables' must be an object of table name -> spec, "
+                             f"got {type(spec['tables']).__name__}")
         with self._lock:
             self.model_spec = spec
         self.record_event("model_recorded", worker=worker_id, model_kind=spec["kind"],
-                    tables=sorted(spec.get("tables", {})))
+                          tables=sorted(spec.get("tables", {})))
         if self._warm_tables is not None:
             fresh = sorted(set(spec.get("tables", {})) - self._warm_tables)
             if fresh:

@@ -17,6 +17,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from aimaster.master import JobMaster
 
 MAX_MODEL_JSON = 16 << 20
+MAX_INDEX = 2**31 - 1   # a member's rank (its id's index) is an int32 on the wire
+MAX_STEPS = 2**53       # counters beyond any real job (sums of them stay within int64)
 
 
 class MasterServicer(master_pb2_grpc.MasterServicer):
@@ -29,6 +31,10 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                           f"role must be 'ps', 'worker' or 'client', got {request.role!r}")
         if request.role == "ps" and not request.address:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a PS must register with its address")
+        suffix = request.id.rsplit("-", 1)[-1]
+        if "-" in request.id and suffix.isdigit() and int(suffix) >= MAX_INDEX:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"member id {request.id[:80]!r}: its index must be below {MAX_INDEX}")
         try:
             member = self.m.register(request.role, request.id, request.pid, request.address,
                                      request.incarnation)
@@ -40,6 +46,10 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                                            epoch=self.m.epoch, rank=member.rank, job_name=cfg.name)
 
     def Heartbeat(self, request, context):
+        if not (0 <= request.steps <= MAX_STEPS and 0 <= request.samples <= MAX_STEPS):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"steps ({request.steps}) and samples ({request.samples}) must be in "
+                          f"[0, {MAX_STEPS}]")
         known, stop = self.m.heartbeat(request.id, request.steps, request.samples,
                                        request.max_stall_ms, request)
         return master_pb2.HeartbeatResponse(epoch=self.m.epoch, known=known, stop=stop)

@@ -82,9 +82,14 @@ class Job:
         return json.loads(out.stdout)
 
     def member_pids(self) -> list[int]:
-        """PIDs of the job's member processes (not this test process, which may have
-        registered members of its own)."""
-        return [m["pid"] for m in self.state()["members"] if m["pid"] and m["pid"] != os.getpid()]
+        """PIDs of the job's member processes: those the AIMaster started (a test may
+        register members of its own, with any pid it likes)."""
+        import psutil
+        try:
+            ours = {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
+        except psutil.Error:
+            ours = set()
+        return [m["pid"] for m in self.state()["members"] if m["pid"] in ours]
 
     def wait(self, timeout: float) -> int:
         try:

@@ -23,9 +23,8 @@ Asserted:
   4. a sentinel table no request names keeps its rows byte for byte (after every method);
   5. without the job token, or with a wrong one, every method refuses every call.
 
-What the fuzz found in the PS and Gazer is fixed and kept as one deterministic case each
-(``test_fixed_finding``); what it found in the AIMaster's MasterServicer is reproduced by
-``test_known_master_failure`` (xfail, strict) until fixed there.
+What the fuzz found is fixed and kept as one deterministic case each: in the PS and
+Gazer ``test_fixed_finding``, in the AIMaster's MasterServicer ``test_master_finding``.
 
 ``FUZZ_SEED`` picks the seed (printed in every failure: rerun with it to reproduce) and
 ``FUZZ_ROUNDS`` multiplies the requests per method (the default is a short CI run).
@@ -529,9 +528,8 @@ def describe(msg, limit: int = 700) -> str:
     return f"{type(msg).__name__}({fields})"[:limit]
 
 
-# -- known failures of the AIMaster's own MasterServicer (aimaster/master.py, being
-# restructured elsewhere): reproduced by test_known_master_failure (xfail, strict) and not
-# counted again by the fuzz test. Remove an entry once its xfail turns into a pass.
+# -- what the fuzz found in the AIMaster's own MasterServicer, fixed there: each kept as a
+# deterministic regression case (test_master_finding). The fuzz sends such requests too.
 def _rank_out_of_int32(member_id: str) -> bool:
     suffix = member_id.rsplit("-", 1)[-1]
     if "-" not in member_id or not suffix.isdigit():
@@ -611,24 +609,6 @@ KNOWN_MASTER_FAILURES = {
 }
 
 
-def known_master_failure(name: str, endpoint: str, msgs: list, cls,
-                         poisoning_only: bool = False) -> str | None:
-    if endpoint != "aimaster":
-        return None
-    for key, failure in KNOWN_MASTER_FAILURES.items():
-        if failure.method != name or (poisoning_only and not failure.poisons):
-            continue
-        for m in msgs:
-            if isinstance(m, (bytes, bytearray)):
-                try:
-                    m = cls.FromString(bytes(m))
-                except Exception:  # noqa: BLE001 - undecodable: no handler ran
-                    continue
-            if failure.matches(m):
-                return key
-    return None
-
-
 # -- the job ------------------------------------------------------------------------------------
 class FuzzJob:
     def __init__(self, job: Job, work_dir: Path):
@@ -645,7 +625,6 @@ class FuzzJob:
         self.spare = None                           # (address, Popen): a PS outside the job
         self.served: dict[str, list[str]] = {}    # service -> endpoint names
         self.learned: list[str] = []               # member ids the AIMaster handed out
-        self.known: list[str] = []                 # known master failures the fuzz hit
         self.fuzz_seconds = 0.0
         self.codes: dict[str, dict[str, int]] = {}  # method -> status code name -> calls
 
@@ -873,8 +852,7 @@ def _one(fj: FuzzJob, fuzzer: Fuzzer, rng: random.Random, name: str, endpoint: s
             payloads = [m.SerializeToString() for m in msgs]
         else:
             msgs = payloads = [fuzzer.raw(cls) for _ in range(n_msgs)]
-        if not known_master_failure(name, endpoint, msgs, cls, poisoning_only=True):
-            break
+        break
     md = fj.md + tuple(METADATA_HINTS[name](rng)) if name in METADATA_HINTS else fj.md
     out = call(fj.channel(fj.endpoints()[endpoint]), f"/{name}", method, payloads, md, rng)
     if worker:  # it leaves again: one live worker at a time keeps barriers short
@@ -884,12 +862,8 @@ def _one(fj: FuzzJob, fuzzer: Fuzzer, rng: random.Random, name: str, endpoint: s
     counts[out.code.name] = counts.get(out.code.name, 0) + 1
     bad = problem(out)
     if bad:
-        known = known_master_failure(name, endpoint, msgs, cls)
-        if known:
-            fj.known.append(f"{known}: {endpoint} {name} {tag}")
-        else:
-            failures.append(f"{endpoint} {name} {tag}: {bad}\n    request: "
-                            + " | ".join(describe(m) for m in msgs))
+        failures.append(f"{endpoint} {name} {tag}: {bad}\n    request: "
+                        + " | ".join(describe(m) for m in msgs))
     if out.code == grpc.StatusCode.OK and name == "deeprec_ext.master.Master/Register" \
             and out.response is not None:
         member_id = master_pb2.RegisterResponse.FromString(out.response).id
@@ -1125,23 +1099,18 @@ def test_after_fuzzing_the_job_is_whole(fuzz_job):
         spare.wait(15)
     except subprocess.TimeoutExpired:
         raise AssertionError(f"{note} the spare PS did not exit within 15s of SIGTERM") from None
-    print(f"\nfuzzing took {fj.fuzz_seconds:.1f}s; known AIMaster failures hit: "
-          f"{len(fj.known)} ({sorted({k.split(':')[0] for k in fj.known})})")
+    print(f"\nfuzzing took {fj.fuzz_seconds:.1f}s")
     for name, counts in sorted(fj.codes.items()):
         print(f"  {name}: " + ", ".join(f"{c} {n}" for c, n in sorted(counts.items())))
 
 
 @pytest.mark.parametrize("key", [
-    pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=f"AIMaster: {v.why}"))
-    for k, v in sorted(KNOWN_MASTER_FAILURES.items(), key=lambda kv: (kv[1].poisons, kv[0]))])
-def test_known_master_failure(fuzz_job, key):
-    """The AIMaster's failures the fuzz found, reproduced one by one (they are fixed in
-    aimaster/master.py, not here: this turns into XPASS, a failure, once they are)."""
+    k for k, v in sorted(KNOWN_MASTER_FAILURES.items(), key=lambda kv: (kv[1].poisons, kv[0]))])
+def test_master_finding(fuzz_job, key):
+    """The AIMaster's failures the fuzz found, each reproduced: a clear status now."""
     failure = KNOWN_MASTER_FAILURES[key]
-    for method, request in failure.steps[:-1]:
-        fuzz_job.unary(fuzz_job.master_address, f"/{method}", request,
-                       GetMessageClass(dict(METHODS)[method].output_type))
-    method, request = failure.steps[-1]
-    out = call(fuzz_job.channel(fuzz_job.master_address), f"/{method}", dict(METHODS)[method],
-               [request.SerializeToString()], fuzz_job.md)
-    assert problem(out) is None, f"{method} {describe(request)}: {problem(out)} -- {failure.why}"
+    for method, request in failure.steps:  # each answered or refused with a clear status
+        out = call(fuzz_job.channel(fuzz_job.master_address), f"/{method}", dict(METHODS)[method],
+                   [request.SerializeToString()], fuzz_job.md)
+        assert problem(out) is None, f"{method} {describe(request)}: {problem(out)} -- {failure.why}"
+    fuzz_job.status()  # and the AIMaster still answers
