@@ -372,3 +372,79 @@ def test_promote_waits_for_a_delta_being_applied():
     th.join()
     assert set(copy.store.tables()) == {"t", "u"} and list(copy.applied) == ["r2"]
     np.testing.assert_array_equal(copy.store["t"].lookup(np.arange(10), False)[:, 0], 2.0)
+
+
+class _LocalPeer:
+    """A peer's ReplicaSet behind the calls the replicator makes (in process); records the
+    kind of every stream, and can fail the next ones like an unreachable peer."""
+
+    class Unavailable(grpc.RpcError):
+        def __init__(self, code=grpc.StatusCode.UNAVAILABLE, details="peer unreachable"):
+            self._code, self._details = code, details
+
+        def code(self):
+            return self._code
+
+        def details(self):
+            return self._details
+
+    def __init__(self):
+        from deeprec_ext.ps.replication import ReplicaSet
+        self.replicas = ReplicaSet()
+        self.kinds: list[str] = []
+        self.fail = 0
+
+    def Replicate(self, batches, timeout=None, metadata=()):
+        from deeprec_ext.ps.replication import BASE_KEY, KIND_KEY, ReplicaRefused
+        meta = dict(metadata)
+        self.kinds.append(meta.get(KIND_KEY, ""))
+        if self.fail:
+            self.fail -= 1
+            raise self.Unavailable()
+        try:
+            n = self.replicas.apply(batches, meta.get(KIND_KEY, ""), int(meta.get(BASE_KEY, "-1")))
+        except ReplicaRefused as exc:
+            raise self.Unavailable(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        return ps_pb2.ReplicateResponse(rows=n)
+
+
+def _same_rows(a, b):
+    ka, ra, _ = a.export_rows(with_counts=True)
+    kb, rb, _ = b.export_rows(with_counts=True)
+    oa, ob = np.argsort(ka), np.argsort(kb)
+    np.testing.assert_array_equal(ka[oa], kb[ob])
+    np.testing.assert_array_equal(ra[oa], rb[ob])
+
+
+def test_failed_deltas_are_retried_from_their_base_and_big_ones_become_full_copies(monkeypatch):
+    """A delta that did not arrive is sent again from the same base (no full copy after
+    every hiccup); a delta larger than DELTA_MAX_ROWS goes as a streamed full copy; the
+    peer's copy equals the primary's table after each."""
+    from deeprec_ext.ps import replication
+    from deeprec_ext.store import EmbeddingStore
+    store = EmbeddingStore()
+    t = store.create_table("c", 4, optimizer="adagrad")
+    t.lookup(np.arange(1000))
+    peer = _LocalPeer()
+    rep = replication.Replicator(store, {})
+    rep.close()
+    rep.origin, rep.peer, rep._since, rep._stub = "ps-a", "peer", -1, peer
+    rep.ship()
+    t.apply_gradients(np.arange(50), np.ones((50, 4), np.float32))
+    peer.fail = 2
+    for _ in range(2):
+        with pytest.raises(grpc.RpcError):
+            rep.ship()
+    rep.ship()
+    assert peer.kinds == ["full-new", "delta", "delta", "delta"]
+    _same_rows(t, peer.replicas.copies["ps-a"].store["c"])
+    monkeypatch.setattr(replication, "DELTA_MAX_ROWS", 100)
+    t.apply_gradients(np.arange(500), np.ones((500, 4), np.float32))
+    t.delete(np.arange(990, 1000))
+    rep.ship()
+    assert peer.kinds[-1] == "full-refresh"
+    _same_rows(t, peer.replicas.copies["ps-a"].store["c"])
+    t.apply_gradients(np.arange(10), np.ones((10, 4), np.float32))
+    rep.ship()
+    assert peer.kinds[-1] == "delta"
+    _same_rows(t, peer.replicas.copies["ps-a"].store["c"])

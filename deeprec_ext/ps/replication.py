@@ -50,7 +50,8 @@ from deeprec_ext.store import EmbeddingStore, LogTrimmed
 
 log = logging.getLogger(__name__)
 
-CHUNK_ROWS = 1 << 14  # rows per message of a full copy (~2 MB at dim 16, Adagrad)
+CHUNK_ROWS = 1 << 14  # rows per message of a full copy or a delta (~2 MB at dim 16, Adagrad)
+DELTA_MAX_ROWS = 1 << 18  # a delta with more changed rows is sent as a (streamed) full copy
 REQUEST_ID_WINDOW = 200_000
 KIND_KEY = "x-replica-kind"
 BASE_KEY = "x-replica-base"
@@ -239,8 +240,9 @@ class Replicator:
                          exc.code().name)
 
     def _delta_batches(self, since: int) -> list:
-        """Rows and tombstones (moved rows included) since ``since``, one batch per table
-        with changes, plus the config of tables the peer has not seen. Under the gate."""
+        """Rows and tombstones (moved rows included) since ``since``, in messages of at
+        most CHUNK_ROWS rows per table with changes, plus the config of tables the peer
+        has not seen. Under the gate."""
         out = []
         for name, table in sorted(self.store.tables().items()):
             cfg = table_config(self.configs, name, table)
@@ -248,9 +250,13 @@ class Replicator:
             keys, rows, _ = table.export_rows(since, with_counts=True)
             if keys.size or deleted.size or name not in self._known_tables:
                 out.append(ps_pb2.RowBatch(config=cfg, origin=self.origin,
-                                           ids=codec.ids_to_bytes(keys),
-                                           rows=codec.floats_to_bytes(rows),
+                                           ids=codec.ids_to_bytes(keys[:CHUNK_ROWS]),
+                                           rows=codec.floats_to_bytes(rows[:CHUNK_ROWS]),
                                            deleted_ids=codec.ids_to_bytes(deleted)))
+                for i in range(CHUNK_ROWS, keys.size, CHUNK_ROWS):
+                    out.append(ps_pb2.RowBatch(config=cfg, origin=self.origin,
+                                               ids=codec.ids_to_bytes(keys[i:i + CHUNK_ROWS]),
+                                               rows=codec.floats_to_bytes(rows[i:i + CHUNK_ROWS])))
         return out
 
     def ship(self, timeout: float = 60.0) -> int:
@@ -269,6 +275,11 @@ class Replicator:
 
     def _ship_delta(self, timeout: float) -> int:
         since = self._since
+        # after a long outage the delta may be most of the table: a full copy streams it
+        # in bounded memory instead of building (and the peer buffering) one huge delta
+        for table in self.store.tables().values():
+            if not table.changed_at_most(since, DELTA_MAX_ROWS):
+                raise _NeedsFull("refresh", f"more than {DELTA_MAX_ROWS} rows changed")
         with self.gate.exclusive():
             ids, lost = self.applied.take_unshipped()
             if lost:

@@ -759,6 +759,19 @@ class EmbeddingTable:
         sel = np.unique(logged)
         return sel[self._row_seq.take(sel) > since]
 
+    def changed_at_most(self, since_seq: int, limit: int) -> bool:
+        """Whether at most ``limit`` live rows were written after ``since_seq`` (cheap
+        while the change log holds few entries since then; exact otherwise)."""
+        since = max(int(since_seq), 0)
+        with self._lock:
+            logged = self._changes.since(since) if self._track else None
+            if logged is not None and logged.size <= limit:
+                return True
+            sel = self._changed_rows(since)
+            if sel is not None:
+                return int(sel.size) <= limit
+            return int(np.count_nonzero(self._row_seq[:self._hwm] > since)) <= limit
+
     def export_rows(self, since_seq: int | None = None, with_counts: bool = False):
         """``(keys, rows, row_seq)`` of live rows, ordered by row id.
 
