@@ -1199,7 +1199,13 @@ class JobMaster:
     # -- members and shards (the servicer's requests) ----------------------------------------
     def register(self, role: str, member_id: str, pid: int, address: str,
                  incarnation: str = "") -> Member:
+        before = self.registry.get(member_id) if member_id else None
         member = self.registry.register(role, member_id, pid, address, incarnation)
+        if before is None or before.incarnation != member.incarnation:
+            # a new process under an id that was scaled in earlier is not leaving (its
+            # predecessor's exit, if not seen yet, is told apart by its pid)
+            with self._lock:
+                self._leaving.discard(member.id)
         self.record_event("register", id=member.id, role=member.role, pid=member.pid,
                           address=member.address)
         self._save()
@@ -1248,7 +1254,9 @@ class JobMaster:
         """Done and handed-back shards of a worker; returns the done ids it did not hold."""
         taken = self.shards.complete(worker_id, done)
         if returned:
-            self.shards.give_back(worker_id, returned, dict(zip(returned, progress)))
+            back = self.shards.give_back(worker_id, returned, dict(zip(returned, progress)))
+            self.record_event("shards_returned", worker=worker_id, shards=back,
+                              progress=[int(p) for p in progress[:len(returned)]])
         self._save()
         return sorted(set(done) - set(taken))
 

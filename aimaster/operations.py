@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Callable
 
-from aimaster.errors import Busy, NotRunning, Preempted
+from aimaster.errors import Busy, NotRunning, OperationRefused
 
 log = logging.getLogger("aimaster.operations")
 
@@ -122,7 +122,7 @@ class OperationRunner:
                 try:
                     op.future.set_result(op.fn(op.cancel))
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                    if not isinstance(exc, (Busy, NotRunning, Preempted)):
+                    if not isinstance(exc, OperationRefused):  # the caller's answer
                         log.exception("operation %s failed", op.key)
                     op.future.set_exception(exc)
             with self._cond:

@@ -28,6 +28,17 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list:
     ]
 
 
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list:
+    return [
+        *channel_options(max_message_bytes),
+        # clients ping every 30 s (keepalive_time_ms); gRPC's server defaults call pings
+        # during a silent call abuse and end it with GOAWAY "too_many_pings" after about
+        # 4 minutes: a long scale, checkpoint or restore must not be cut off
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 20_000),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]
+
+
 def create_server(address: str, max_workers: int = 8,
                   max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                   interceptors: list | tuple = ()) -> tuple[grpc.Server, int]:
@@ -37,7 +48,7 @@ def create_server(address: str, max_workers: int = 8,
     (Gazer) and access control hook in here, never in the servicers.
     """
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         options=channel_options(max_message_bytes),
+                         options=server_options(max_message_bytes),
                          interceptors=list(interceptors))
     from deeprec_ext import auth  # access control: TLS when this process has certificates
     creds = auth.server_credentials()

@@ -23,6 +23,7 @@ import grpc
 from deeprec_ext.batching import StepBatcher
 from deeprec_ext.client import PSClient
 from deeprec_ext.grpc_util import RetryPolicy, call_with_retry
+from deeprec_ext.launcher import launcher_alive, watch_launcher
 from deeprec_ext.member import MEMBER_ID_ENV, MasterSession, master_address_from_env
 from deeprec_ext.proto import master_pb2
 from deeprec_ext.stats import MemberCollector
@@ -340,15 +341,13 @@ def _on_sigterm(*_):
     """Preemption notice: leave cleanly at the next step boundary. A second SIGTERM, or
     one arriving after the local launcher (the AIMaster) died, exits at once: the job is
     gone, or the sender has run out of patience."""
-    parent = os.environ.get("DEEPREC_PARENT_PID")
-    if parent:
-        try:
-            os.kill(int(parent), 0)
-        except (ProcessLookupError, ValueError):
-            os._exit(143)
+    if not launcher_alive():
+        os._exit(143)
     if _context is None or _context.stop_requested.is_set():
         os._exit(143)
     _context.request_stop()
+    # the launcher may be dying right now (the kernel's death signal comes while it exits)
+    watch_launcher(lambda: os._exit(143))
 
 
 def _exit_on_uncaught(exc_type, exc, tb) -> None:

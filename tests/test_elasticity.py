@@ -174,15 +174,20 @@ def test_ps_and_worker_changes_mid_stream_every_record_once(start_job, tmp_path)
 def test_leaving_worker_returns_shard_progress(start_job, tmp_path):
     """Worker scale-in mid-shard: the shard continues elsewhere exactly where it stopped."""
     paths, total = _records(tmp_path, files=2, per_file=10_000)
-    job = _counting_job(start_job, paths, ps=1, records_per_shard=2500)
+    # slow enough that the returned shard is still waiting when the state is read
+    job = _counting_job(start_job, paths, ps=1, records_per_shard=2500, delay="0.08")
     scale(job, "--workers", "2")
     wait_for(lambda: job.status()["shards"]["done"] >= 1, 120, "training to start")
     scale(job, "--workers", "1")
     st = job.status()
     left = [e for e in st["events"] if e["kind"] == "worker_left"]
     assert [e["id"] for e in left] == ["worker-1"] and left[0]["reason"] == "finished"
-    state = job.state()
-    assert state["shards"]["resume"], "the leaving worker returned no partial shard"
+    returned = [e for e in st["events"] if e["kind"] == "shards_returned"]
+    assert [e["worker"] for e in returned] == ["worker-1"] and any(returned[0]["progress"]), \
+        "the leaving worker returned no partial shard"
+    # the id that left can join again (it was kept as "leaving" and told to stop at once)
+    ev = scale(job, "--workers", "2", "--timeout", "60")
+    assert ev["workers"] == [1, 2]
     wait_for(lambda: _all_done(job), 300, "every shard DONE")
     _check_every_record_once(job, total, paths)
 

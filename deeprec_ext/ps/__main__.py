@@ -17,21 +17,11 @@ from deeprec_ext.member import MASTER_ENV, MEMBER_ID_ENV, MasterSession
 from deeprec_ext.proto import ps_pb2_grpc, sync_pb2_grpc
 from deeprec_ext.ps.server import ParameterServerServicer
 from deeprec_ext.ps.validation import DecodeGuard
+from deeprec_ext.launcher import launcher_alive, watch_launcher
 from deeprec_ext.stats import StatsInterceptor
 from deeprec_ext.ps.sync_service import SyncServicer
 
 log = logging.getLogger("deeprec_ext.ps")
-
-
-def _launcher_alive() -> bool:
-    parent = os.environ.get("DEEPREC_PARENT_PID")
-    if not parent:
-        return True  # not started by the local launcher (e.g. a pod): assume the master lives
-    try:
-        os.kill(int(parent), 0)
-        return True
-    except (ProcessLookupError, ValueError):
-        return False
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -102,7 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     log.info("PS %s stopping", servicer.ps_id)
     # a hand-off needs a live AIMaster to promote the peer; when the local launcher died
     # (PR_SET_PDEATHSIG) the whole job is gone: just exit
-    handed_off = servicer.hand_off(timeout=10.0) if _launcher_alive() else False
+    if launcher_alive():
+        # the launcher may be dying right now: then stop the hand-off and exit
+        watch_launcher(lambda: os._exit(143))
+        handed_off = servicer.hand_off(timeout=10.0)
+    else:
+        handed_off = False
     servicer.replicator.close()
     if session is not None:
         session.close("preempted" if handed_off else "stopped")
