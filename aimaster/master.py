@@ -967,7 +967,18 @@ class JobMaster:
         """Take a checkpoint now (an operation: after a running scale, before a pending
         one; a recovery pre-empts it). Busy while another checkpoint is queued or running."""
         self._require_running()
-        return self._run_op(OpKind.CHECKPOINT, lambda cancel: self._checkpoint_op(cancel, full, final))
+        return self._run_op(OpKind.CHECKPOINT, lambda cancel: self._checkpoint_or_full(cancel, full, final))
+
+    def _checkpoint_or_full(self, cancel: threading.Event, full: bool, final: bool) -> dict:
+        """An incremental that a PS cannot cut (its deletion log no longer reaches back to
+        the previous checkpoint) is taken again as a full one, in the same operation."""
+        try:
+            return self._checkpoint_op(cancel, full, final)
+        except grpc.RpcError as exc:
+            if full or wire_errors.kind_of(exc) != wire_errors.ErrorKind.NEEDS_FULL:
+                raise
+            self.record_event("checkpoint_needs_full", reason=exc.details())
+            return self._checkpoint_op(cancel, True, final)
 
     @staticmethod
     def _cut_key(member: Member) -> str:
@@ -1053,7 +1064,7 @@ class JobMaster:
         self._last_ckpt = self.clock()
         try:
             fut = self.ops.submit(OpKind.CHECKPOINT,
-                                  lambda cancel: self._checkpoint_op(cancel, False, False))
+                                  lambda cancel: self._checkpoint_or_full(cancel, False, False))
         except (Busy, NotRunning):
             return
 

@@ -58,6 +58,7 @@ class ErrorKind(str, Enum):
     STALE_EPOCH = "stale_epoch"      # a routing push older than what the PS already has
     RESYNCING = "resyncing"          # the replica is being rebuilt: not promotable yet
     NO_REPLICA = "no_replica"        # the peer holds no copy of the requested origin
+    NEEDS_FULL = "needs_full"        # an incremental checkpoint cannot be cut: take a full one
 
 
 def abort(context, code: grpc.StatusCode, kind: ErrorKind, message: str,

@@ -357,3 +357,36 @@ def test_the_event_log_stays_bounded(tmp_path):
     finally:
         master.stop()
         master.shutdown()
+
+
+class _NoIncrementalPS(ParameterServerServicer):
+    """A PS whose deletion log no longer reaches back to the previous checkpoint (more
+    deletions than it keeps since then): it refuses an incremental, as the real one does."""
+
+    def WriteCheckpoint(self, request, context):
+        if request.kind == "incr":
+            wire.abort(context, grpc.StatusCode.FAILED_PRECONDITION, wire.ErrorKind.NEEDS_FULL,
+                       "checkpoint: an incremental is impossible, take a full one")
+        return super().WriteCheckpoint(request, context)
+
+
+def test_an_incremental_a_ps_cannot_cut_is_taken_as_a_full_one(tmp_path):
+    servers = [_PS("ps-0"), _PS("ps-1", _NoIncrementalPS)]
+    master = _master(tmp_path)
+    try:
+        for i, s in enumerate(servers):
+            master.registry.register("ps", f"ps-{i}", 1, s.address, f"i-{i}")
+        master.on_ps_registered()
+        deadline = time.monotonic() + 20
+        while master.phase != JobPhase.RUNNING and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert master.checkpoint()["type"] == "full"  # the first of a chain
+        event = master.checkpoint()
+        assert event["type"] == "full", event
+        assert any(e["kind"] == "checkpoint_needs_full" for e in master.events)
+        assert os.path.exists(os.path.join(event["path"], MANIFEST_NAME))
+    finally:
+        master.stop()
+        master.shutdown()
+        for s in servers:
+            s.stop()

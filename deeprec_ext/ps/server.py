@@ -580,7 +580,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                             request.ckpt_id, cleanup)
             if isinstance(exc, LogTrimmed):  # deletions since `since` are forgotten
                 self._count("rejected")
-                errors.abort(context, grpc.StatusCode.FAILED_PRECONDITION, errors.ErrorKind.REFUSED,
+                errors.abort(context, grpc.StatusCode.FAILED_PRECONDITION, errors.ErrorKind.NEEDS_FULL,
                              f"checkpoint: an incremental is impossible, take a full one: {exc}")
             if isinstance(exc, CheckpointCancelled):
                 self._reject(context, grpc.StatusCode.CANCELLED, f"checkpoint: {exc}")
