@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import logging
 import uuid
 import threading
@@ -20,12 +19,11 @@ from typing import Mapping
 import grpc
 import numpy as np
 
-from deeprec_ext import codec
+from deeprec_ext import codec, table_spec
 from deeprec_ext.client.routing import RoutingTable
 from deeprec_ext.errors import (InvalidRequestError, RoutingNotReadyError, StaleRoutingError,
                                 UnavailableError, UnknownTableError)
-from deeprec_ext.grpc_util import (RETRIABLE_CODES, ROUTING_EPOCH_KEY, RetryPolicy,
-                                   call_with_retry, insecure_channel)
+from deeprec_ext.grpc_util import RETRIABLE_CODES, ROUTING_EPOCH_KEY, RetryPolicy, insecure_channel
 from deeprec_ext.proto import master_pb2, master_pb2_grpc, ps_pb2, ps_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -161,9 +159,7 @@ class PSClient:
                 raise InvalidRequestError(f"table '{name}': {what} must be a name or a dict, got {spec!r}")
         self.table_specs[name] = {"dim": int(dim), "initializer": initializer,
                                   "optimizer": optimizer}
-        config = ps_pb2.TableConfig(name=name, dim=int(dim),
-                                    initializer_json=json.dumps(initializer, sort_keys=True),
-                                    optimizer_json=json.dumps(optimizer, sort_keys=True))
+        config = table_spec.to_wire(name, dim, initializer, optimizer)
         ids = None
         if init_ids is not None:
             ids = _as_ids(init_ids, f"table '{name}' init_ids").ravel()

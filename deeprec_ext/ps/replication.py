@@ -32,7 +32,6 @@ resent after a failover applies exactly once.
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -42,7 +41,7 @@ from contextlib import contextmanager
 import grpc
 import numpy as np
 
-from deeprec_ext import codec
+from deeprec_ext import codec, table_spec
 from deeprec_ext.grpc_util import insecure_channel
 from deeprec_ext.proto import ps_pb2, ps_pb2_grpc
 from deeprec_ext.ps import validation
@@ -60,9 +59,8 @@ PROMOTE_WAIT_SECONDS = 60.0  # Promote waits this long for a copy still streamin
 
 
 def table_config(store_configs: dict, name: str, table) -> ps_pb2.TableConfig:
-    return store_configs.get(name) or ps_pb2.TableConfig(
-        name=name, dim=table.dim, initializer_json=json.dumps(table.initializer.config),
-        optimizer_json=json.dumps(table.optimizer.config))
+    """The config a table was created with, else its resolved spec."""
+    return store_configs.get(name) or table_spec.of_table(table)
 
 
 class ApplyGate:

@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import psutil
 
-from deeprec_ext import codec, errors
+from deeprec_ext import codec, errors, table_spec
 from deeprec_ext.errors import InvalidRequestError
 from deeprec_ext.grpc_util import ROUTING_EPOCH_KEY
 from deeprec_ext.hashing import DEFAULT_NUM_SLOTS, slot_of
@@ -24,7 +24,7 @@ from deeprec_ext.proto import gazer_pb2, ps_pb2, ps_pb2_grpc
 from deeprec_ext.ps import validation
 from deeprec_ext.ps.replication import (BASE_KEY, KIND_KEY, PROMOTE_WAIT_SECONDS, AppliedRequests,
                                         ApplyGate, ReplicaRefused, ReplicaSet, ReplicaUnavailable,
-                                        Replicator)
+                                        Replicator, table_config)
 from deeprec_ext.stats import MemberCollector, RpcStats
 from deeprec_ext.store import EmbeddingStore, LogTrimmed
 
@@ -362,9 +362,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
         def batches():
             for name, table in sorted(self.store.tables().items()):
-                cfg = self._configs.get(name) or ps_pb2.TableConfig(
-                    name=name, dim=table.dim, initializer_json=json.dumps(table.initializer.config),
-                    optimizer_json=json.dumps(table.optimizer.config))
+                cfg = table_config(self._configs, name, table)
                 deleted = table.tombstones_since(since) if since is not None else np.empty(0, np.int64)
                 if deleted.size:
                     deleted = deleted[mask[slot_of(deleted, mask.size)]]
@@ -520,9 +518,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             for name, rtable in copy.store.tables().items():
                 cfg = rtable.config
                 table = self.store.create_table(name, rtable.dim, cfg["initializer"], cfg["optimizer"])
-                self._configs.setdefault(name, ps_pb2.TableConfig(
-                    name=name, dim=rtable.dim, initializer_json=json.dumps(cfg["initializer"]),
-                    optimizer_json=json.dumps(cfg["optimizer"])))
+                self._configs.setdefault(name, table_spec.of_table(rtable))
                 keys = rtable.keys_in_slots(mask)
                 # in slices: one import of a million rows held the table lock for seconds
                 for i in range(0, keys.size, self.MIGRATE_CHUNK_ROWS):
@@ -607,10 +603,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 self._warm.update({name: info.dir for name in info.tables
                                    if name not in self._configs})
         for name, table in self.store.tables().items():
-            cfg = table.config
-            self._configs.setdefault(name, ps_pb2.TableConfig(
-                name=name, dim=table.dim, initializer_json=json.dumps(cfg["initializer"]),
-                optimizer_json=json.dumps(cfg["optimizer"])))
+            self._configs.setdefault(name, table_spec.of_table(table))
         rows = sum(int(t.get("rows", 0)) for t in info.tables.values())
         log.info("%s: restored %d rows of %d slots from checkpoint %d in %.2fs", self.ps_id,
                  rows, int(mask.sum()), info.checkpoint_id, info.seconds)

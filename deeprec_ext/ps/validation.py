@@ -14,6 +14,7 @@ import os
 import grpc
 import numpy as np
 
+from deeprec_ext import table_spec
 from deeprec_ext.errors import InvalidRequestError, UnknownTableError
 
 # A row of a table holds dim floats plus the optimizer's slots (up to 2 more per float),
@@ -53,12 +54,7 @@ def table_config(cfg) -> tuple[object, object]:
     The specs themselves are checked by the store (unknown names, bad hyperparameters)."""
     table_name(cfg.name)
     dim(cfg.dim, cfg.name)
-    try:
-        init = json.loads(cfg.initializer_json) if cfg.initializer_json else "zeros"
-        opt = json.loads(cfg.optimizer_json) if cfg.optimizer_json else "sgd"
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise InvalidRequestError(f"table '{cfg.name}': malformed JSON config: {exc}") from None
-    return init, opt
+    return table_spec.from_wire(cfg)
 
 
 def slot_mask(raw: bytes, num_slots: int, expected: int | None = None,
