@@ -983,7 +983,9 @@ class Round:
         if left:
             raise Violation(f"orphans after the job ended: {left} (pid: member)")
         for p in self.procs:
-            if pid_alive(p.pid):
+            # poll() on our own child, not the pid: a killed AIMaster's pid can be reused by
+            # an unrelated process before the job ends (pids wrap on a busy machine)
+            if p.poll() is None:
                 raise Violation(f"AIMaster pid {p.pid} still alive after the job ended")
         self.finished = True
         return {"round": self.index, "records": self.n, "shards": len(shard_rows),
