@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import time
 import subprocess
 import sys
@@ -128,6 +129,7 @@ def _counting_job(start_job, paths, ps=2, records_per_shard=1000, delay="0.02"):
         "worker": {"replicas": 0, "max_replicas": 4,
                    "command": ["{python}", str(ROOT / "tests" / "counting_worker.py")],
                    "env": {"COUNTING_DELAY": delay, "PYTHONPATH": str(ROOT),
+                           "COUNTING_DELAY_FILE": str(paths[0]) + ".pace",
                            "COUNTING_HOLD_FILE": str(paths[0]) + ".release"}},
         "data": {"files": paths, "records_per_shard": records_per_shard},
         "master": {"heartbeat_seconds": 0.5},
@@ -156,6 +158,9 @@ def _check_every_record_once(job, total, paths):
 def test_ps_and_worker_changes_mid_stream_every_record_once(start_job, tmp_path):
     paths, total = _records(tmp_path, files=5, per_file=16_000)
     job = _counting_job(start_job, paths, delay="0.04")
+    pace = pathlib.Path(str(paths[0]) + ".pace")
+    pace.write_text("0.5")  # slow while the layout changes (a loaded machine starts
+    # processes slowly), at full speed after
     assert scale(job, "--workers", "2")["workers"] == [0, 2]
     wait_for(lambda: job.status()["shards"]["done"] >= 3, 120, "training to start")
     w0, ps0 = pids(job, "worker")["worker-0"], pids(job, "ps")["ps-0"]
@@ -167,6 +172,7 @@ def test_ps_and_worker_changes_mid_stream_every_record_once(start_job, tmp_path)
         assert pids(job, "worker")["worker-0"] == w0 and pids(job, "ps")["ps-0"] == ps0
     assert [e["ps"] for e in events] == [[2, 3], [3, 3], [3, 1], [1, 1], [1, 2]]
     assert [e["workers"] for e in events] == [[2, 2], [2, 4], [4, 4], [4, 1], [1, 1]]
+    pace.write_text("0")
     wait_for(lambda: _all_done(job), 300, "every shard DONE")
     _check_every_record_once(job, total, paths)
 
