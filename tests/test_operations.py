@@ -26,7 +26,7 @@ from deeprec_ext import errors as wire
 from deeprec_ext.client.routing import RoutingTable
 from deeprec_ext.grpc_util import create_server
 from deeprec_ext.hashing import slot_of
-from deeprec_ext.proto import ps_pb2, ps_pb2_grpc
+from deeprec_ext.proto import ps_pb2_grpc
 from deeprec_ext.ps.server import ParameterServerServicer
 
 
@@ -204,6 +204,19 @@ def _master(tmp_path, ps: int = 2) -> JobMaster:
     return m
 
 
+def _running_master(tmp_path, servers, incarnation: str = "i") -> JobMaster:
+    """A master whose PS (in-process servers) registered and got the first routing."""
+    master = _master(tmp_path, ps=len(servers))
+    for i, s in enumerate(servers):
+        master.registry.register("ps", f"ps-{i}", 1, s.address, f"{incarnation}-{i}")
+    master.on_ps_registered()
+    deadline = time.monotonic() + 20
+    while master.phase != JobPhase.RUNNING and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert master.phase == JobPhase.RUNNING
+    return master
+
+
 def test_ps_registering_together_publish_the_routing_once(tmp_path, two_ps):
     master = _master(tmp_path)
     try:
@@ -252,14 +265,8 @@ def test_incremental_after_a_replacement_under_the_same_pid_holds_every_row(tmp_
     a container) the old process's cut, so its first incremental skipped its rows."""
     from checkpoint import load
     from deeprec_ext import PSClient
-    master = _master(tmp_path)
+    master = _running_master(tmp_path, two_ps, "first")
     try:
-        for i, s in enumerate(two_ps):
-            master.registry.register("ps", f"ps-{i}", 1, s.address, f"first-{i}")
-        master.on_ps_registered()
-        deadline = time.monotonic() + 20
-        while master.phase != JobPhase.RUNNING and time.monotonic() < deadline:
-            time.sleep(0.05)
         client = PSClient.connect(master.address, timeout=30)
         client.create_table("t", 2, initializer="zeros",
                             optimizer={"name": "sgd", "learning_rate": 1.0})
@@ -308,14 +315,8 @@ class _SlowCheckpointPS(ParameterServerServicer):
 
 def test_recovery_preempts_a_checkpoint_and_nothing_is_committed(tmp_path):
     servers = [_PS("ps-0", _SlowCheckpointPS), _PS("ps-1", _SlowCheckpointPS)]
-    master = _master(tmp_path)
+    master = _running_master(tmp_path, servers, "i")
     try:
-        for i, s in enumerate(servers):
-            master.registry.register("ps", f"ps-{i}", 1, s.address, f"i-{i}")
-        master.on_ps_registered()
-        deadline = time.monotonic() + 20
-        while master.phase != JobPhase.RUNNING and time.monotonic() < deadline:
-            time.sleep(0.05)
         result = {}
 
         def take():
@@ -372,14 +373,8 @@ class _NoIncrementalPS(ParameterServerServicer):
 
 def test_an_incremental_a_ps_cannot_cut_is_taken_as_a_full_one(tmp_path):
     servers = [_PS("ps-0"), _PS("ps-1", _NoIncrementalPS)]
-    master = _master(tmp_path)
+    master = _running_master(tmp_path, servers, "i")
     try:
-        for i, s in enumerate(servers):
-            master.registry.register("ps", f"ps-{i}", 1, s.address, f"i-{i}")
-        master.on_ps_registered()
-        deadline = time.monotonic() + 20
-        while master.phase != JobPhase.RUNNING and time.monotonic() < deadline:
-            time.sleep(0.05)
         assert master.checkpoint()["type"] == "full"  # the first of a chain
         event = master.checkpoint()
         assert event["type"] == "full", event

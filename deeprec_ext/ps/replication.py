@@ -36,7 +36,6 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from contextlib import contextmanager
 
 import grpc
 import numpy as np
@@ -45,6 +44,7 @@ from deeprec_ext import codec, table_spec
 from deeprec_ext.grpc_util import insecure_channel
 from deeprec_ext.proto import ps_pb2, ps_pb2_grpc
 from deeprec_ext.ps import validation
+from deeprec_ext.ps.gate import ReadWriteGate
 from deeprec_ext.store import EmbeddingStore, LogTrimmed
 
 log = logging.getLogger(__name__)
@@ -63,46 +63,10 @@ def table_config(store_configs: dict, name: str, table) -> ps_pb2.TableConfig:
     return store_configs.get(name) or table_spec.of_table(table)
 
 
-class ApplyGate:
+class ApplyGate(ReadWriteGate):
     """Writers that record request ids (pushes, promotions) hold the shared side while they
     apply rows and record the id; a shipment holds the exclusive side while it reads rows
-    and ids, so what it sends is one consistent cut. Writer-preferring: a waiting shipment
-    holds back new pushes, so it waits at most for the pushes already applying."""
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writer = False
-        self._writers_waiting = 0
-
-    @contextmanager
-    def shared(self):
-        with self._cond:
-            while self._writer or self._writers_waiting:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                if not self._readers:
-                    self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self):
-        with self._cond:
-            self._writers_waiting += 1
-            while self._writer or self._readers:
-                self._cond.wait()
-            self._writers_waiting -= 1
-            self._writer = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
+    and ids, so what it sends is one consistent cut."""
 
 
 class AppliedRequests:

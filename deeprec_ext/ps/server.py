@@ -22,6 +22,7 @@ from deeprec_ext.grpc_util import ROUTING_EPOCH_KEY
 from deeprec_ext.hashing import DEFAULT_NUM_SLOTS, slot_of
 from deeprec_ext.proto import gazer_pb2, ps_pb2, ps_pb2_grpc
 from deeprec_ext.ps import validation
+from deeprec_ext.ps.gate import ReadWriteGate
 from deeprec_ext.ps.replication import (BASE_KEY, KIND_KEY, PROMOTE_WAIT_SECONDS, AppliedRequests,
                                         ApplyGate, ReplicaRefused, ReplicaSet, ReplicaUnavailable,
                                         Replicator, table_config)
@@ -29,46 +30,6 @@ from deeprec_ext.stats import MemberCollector, RpcStats
 from deeprec_ext.store import EmbeddingStore, LogTrimmed
 
 log = logging.getLogger(__name__)
-
-
-class ReadWriteGate:
-    """Many data-plane requests at once (shared), or one ownership change (exclusive).
-
-    A request checks slot ownership and applies its update under the shared side, so when
-    a fence takes the exclusive side no request that passed the old ownership check is
-    still writing: after the fence, the fenced slots cannot change on this PS.
-    """
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writer = False
-        self._writers_waiting = 0
-
-    def acquire_shared(self):
-        with self._cond:
-            while self._writer or self._writers_waiting:
-                self._cond.wait()
-            self._readers += 1
-
-    def release_shared(self):
-        with self._cond:
-            self._readers -= 1
-            if not self._readers:
-                self._cond.notify_all()
-
-    def acquire_exclusive(self):
-        with self._cond:
-            self._writers_waiting += 1
-            while self._writer or self._readers:
-                self._cond.wait()
-            self._writers_waiting -= 1
-            self._writer = True
-
-    def release_exclusive(self):
-        with self._cond:
-            self._writer = False
-            self._cond.notify_all()
 
 
 class Routing:
