@@ -105,6 +105,15 @@ class CheckpointWriter:
     :meth:`file_entries` to the one writer that does (:meth:`add_file_entries`).
     """
 
+    def _close_file(self, f, sha, name: bytes, chunks: int, pos: int) -> int:
+        """The END header that closes a data file, then fsync; returns the new offset."""
+        end = encode_header(KIND_END, name, self.num_slots, 0, 0, chunks, 0, pos, 0, 0)
+        f.write(end)
+        sha.update(end)
+        f.flush()
+        os.fsync(f.fileno())
+        return pos + len(end)
+
     def __init__(self, root, ckpt_id: int, kind: str = "full", parent: int | None = None,
                  num_slots: int = DEFAULT_NUM_SLOTS, level: int = ZSTD_LEVEL,
                  threads: int | None = None):
@@ -360,13 +369,7 @@ class CheckpointWriter:
                         del keys, rows
                 while window:
                     drain_one(f)
-                end = encode_header(KIND_END, bname, self.num_slots, 0, 0, len(index), 0, pos,
-                                    0, 0)
-                f.write(end)
-                sha.update(end)
-                pos += len(end)
-                f.flush()
-                os.fsync(f.fileno())
+                pos = self._close_file(f, sha, bname, len(index), pos)
         finally:
             for *_, fut in window:  # an error: do not leave compressions running
                 fut.cancel()
@@ -429,13 +432,7 @@ class CheckpointWriter:
                         pos += len(head) + len(comp)
                         raw_total += piece.size
                         meta[name]["chunks"] += 1
-                end = encode_header(KIND_END, b"", self.num_slots, 0, 0, len(index), 0, pos,
-                                    0, 0)
-                f.write(end)
-                sha.update(end)
-                pos += len(end)
-                f.flush()
-                os.fsync(f.fileno())
+                pos = self._close_file(f, sha, b"", len(index), pos)
         except BaseException:
             with self._lock:
                 self._files.pop(fname, None)
