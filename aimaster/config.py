@@ -227,7 +227,8 @@ class KubernetesConfig(_Section):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         "IfNotPresent", description="Image pull policy of every container.")
     port: StrictInt = Field(50051, ge=1, le=65535, description="AIMaster port in the chief pod.")
-    ps_port: StrictInt = Field(2222, ge=1, le=65535, description="PS port (the TFJob default).")
+    ps_port: StrictInt = Field(2222, ge=1, le=65534, description=(
+        "PS port (the TFJob default); the PS's control endpoint listens on the next one."))
     token_secret: Optional[StrictStr] = Field(None, description=(
         "Secret with key `token` (default `<name>-token`; `''` or false: no token)."))
     tls_secret: StrictStr = Field("", description=(
@@ -249,6 +250,9 @@ class KubernetesConfig(_Section):
     def _ports_and_paths(self):
         if self.port == self.ps_port:
             raise ValueError(f"port and ps_port must differ (both {self.port})")
+        if self.port == self.ps_port + 1:
+            raise ValueError(f"port must not be ps_port + 1 ({self.port}): a PS's control "
+                             "endpoint uses it")
         if not self.data_mount_path.startswith("/"):
             raise ValueError(f"data_mount_path: expected an absolute path, got "
                              f"{self.data_mount_path!r}")

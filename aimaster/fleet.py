@@ -37,15 +37,38 @@ class PsFleet:
         self.sync_replication = sync_replication
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, ps_pb2_grpc.ParameterServerStub] = {}
+        # a PS's data address -> its control endpoint (same service, own threads): every
+        # call from here, and every PS-to-PS call, goes there
+        self._control: dict[str, str] = {}
         self._lock = threading.Lock()
         self._epoch = 0  # the highest epoch handed out, pushed or seen on a PS
 
     # -- channels ------------------------------------------------------------------------
+    def set_control_address(self, address: str, control: str) -> None:
+        """Learned at registration; without one (an older PS) the data address serves."""
+        with self._lock:
+            if control:
+                self._control[address] = control
+            else:
+                self._control.pop(address, None)
+            if self._channels.get(address) is not None:  # reopen to the new endpoint
+                self._stubs.pop(address, None)
+                stale = self._channels.pop(address)
+            else:
+                stale = None
+        if stale is not None:
+            stale.close()
+
+    def control_address(self, address: str) -> str:
+        with self._lock:
+            return self._control.get(address, address)
+
     def stub(self, address: str) -> ps_pb2_grpc.ParameterServerStub:
         with self._lock:
             stub = self._stubs.get(address)
             if stub is None:
-                channel = insecure_channel(address, service_config=_RETRY)
+                channel = insecure_channel(self._control.get(address, address),
+                                           service_config=_RETRY)
                 self._channels[address] = channel
                 stub = self._stubs[address] = ps_pb2_grpc.ParameterServerStub(channel)
             return stub
@@ -121,7 +144,8 @@ class PsFleet:
                 self.stub(address).SetRouting(ps_pb2.SetRoutingRequest(
                     epoch=routing.epoch, num_slots=routing.num_slots,
                     owned_slots=(routing.slot_owner == p).astype(np.uint8).tobytes(), ps_id=ps_id,
-                    replica_peer=routing.ps_addresses[(p + 1) % n] if n > 1 else "",
+                    replica_peer=self.control_address(routing.ps_addresses[(p + 1) % n])
+                    if n > 1 else "",
                     replication_interval_ms=self.replication_interval_ms,
                     sync_replication=self.sync_replication), timeout=10, wait_for_ready=True)
             except grpc.RpcError:
@@ -190,7 +214,7 @@ class PsFleet:
     def migrate_slots(self, src: str, dst: str, mask: np.ndarray, num_slots: int,
                       since_seq: int, send_request_ids: bool) -> ps_pb2.MigrateSlotsResponse:
         return self.stub(src).MigrateSlots(ps_pb2.MigrateSlotsRequest(
-            dst_address=dst, slots=mask.astype(np.uint8).tobytes(), num_slots=num_slots,
+            dst_address=self.control_address(dst), slots=mask.astype(np.uint8).tobytes(), num_slots=num_slots,
             since_seq=since_seq, send_request_ids=send_request_ids), timeout=3600)
 
     def drop_slots(self, address: str, mask: np.ndarray, num_slots: int) -> int:

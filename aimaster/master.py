@@ -203,12 +203,13 @@ class JobMaster:
             plugin.on_start(self.view, self.server)
         self.server.start()
         self.address = f"{self.config.host}:{port}"
+        # the state first: whoever finds master.addr can read the job's state
+        self._save()
         with open(os.path.join(self.config.state_dir, "master.addr.tmp"), "w") as f:
             f.write(self.address)
         os.replace(os.path.join(self.config.state_dir, "master.addr.tmp"),
                    os.path.join(self.config.state_dir, "master.addr"))
         self.scaler = self._scaler_factory(self.address, self.config)
-        self._save()
         self.scaler.apply(ScalePlan(ps=self.config.ps.replicas, workers=0))
         return self.address
 
@@ -1209,8 +1210,10 @@ class JobMaster:
 
     # -- members and shards (the servicer's requests) ----------------------------------------
     def register(self, role: str, member_id: str, pid: int, address: str,
-                 incarnation: str = "") -> Member:
+                 incarnation: str = "", control_address: str = "") -> Member:
         before = self.registry.get(member_id) if member_id else None
+        if role == "ps":
+            self.fleet.set_control_address(address, control_address)
         member = self.registry.register(role, member_id, pid, address, incarnation)
         if before is None or before.incarnation != member.incarnation:
             # a new process under an id that was scaled in earlier is not leaving (its

@@ -37,7 +37,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                           f"member id {request.id[:80]!r}: its index must be below {MAX_INDEX}")
         try:
             member = self.m.register(request.role, request.id, request.pid, request.address,
-                                     request.incarnation)
+                                     request.incarnation, request.control_address)
         except ValueError as exc:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         cfg = self.m.config

@@ -40,11 +40,13 @@ class MasterSession:
                  on_stop: Callable[[], None] | None = None,
                  stall_source: Callable[[], float] | None = None,
                  retry: RetryPolicy = RetryPolicy(),
-                 stats_source: Callable[[], bytes] | None = None):
+                 stats_source: Callable[[], bytes] | None = None,
+                 control_address: str = ""):
         self.master_address = master_address
         self.role = role
         self.requested_id = member_id
         self.address = address
+        self.control_address = control_address
         self.on_epoch = on_epoch
         self.on_stop = on_stop
         self.stall_source = stall_source
@@ -64,6 +66,7 @@ class MasterSession:
     def register(self) -> master_pb2.RegisterResponse:
         req = master_pb2.RegisterRequest(role=self.role, id=self.id or self.requested_id,
                                          pid=os.getpid(), address=self.address,
+                                         control_address=self.control_address,
                                          host=socket.gethostname(), incarnation=INCARNATION)
         resp = call_with_retry(lambda: self.stub.Register(req, timeout=10),
                                f"register {self.role} with {self.master_address}", self.retry)

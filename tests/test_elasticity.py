@@ -269,3 +269,35 @@ def test_deepfm_training_through_scale_changes_converges(start_job, tmp_path):
     metrics = json.loads((job.state_dir / "metrics-worker-0.json").read_text())
     print(f"AUC after elastic training: {metrics['auc']:.4f}")
     assert metrics["auc"] > 0.72
+
+
+def test_sync_replication_under_many_pushers_and_a_scale_in_keeps_serving(start_job):
+    """More concurrent pushes than a PS has handler threads, in sync replication: each
+    push holds a thread until the ring peer has its rows. With peer calls on the same
+    threads, every PS of the ring waited on a peer that had no thread left (the 40-minute
+    soak hung at a 4 -> 2 scale-in). Peer and AIMaster calls have their own endpoint."""
+    from tests.conftest import CounterPusher
+    job = start_job({"name": "sync-crowd", "ps": {"replicas": 4, "max_replicas": 4},
+                     "replication": {"mode": "sync", "interval_ms": 100}}, ["--workers", "0"])
+    clients = [PSClient.connect(job.address, timeout=60) for _ in range(12)]
+    clients[0].create_table("c", dim=1, initializer="zeros",
+                            optimizer={"name": "sgd", "learning_rate": 1.0})
+    n = 400_000
+    pushers = [CounterPusher(c, "c", n, batch=3000, seed=i).start() for i, c in enumerate(clients)]
+
+    def pushed():
+        return sum(int(p.expected.sum()) for p in pushers)
+    try:
+        wait_for(lambda: pushed() > 300_000, 60, "pushes from 12 clients")
+        ev = scale(job, "--ps", "2")
+        assert ev["ps"] == [4, 2] and ev["moved_rows"] > 0
+        after = pushed()
+        wait_for(lambda: pushed() > after + 300_000, 60, "pushes after the scale-in")
+    finally:
+        for p in pushers:
+            p.stop()
+    expected = sum(p.expected for p in pushers)
+    got = clients[0].lookup("c", np.arange(n, dtype=np.int64), insert_missing=False)[:, 0]
+    np.testing.assert_array_equal(got.astype(np.int64), expected)
+    for c in clients:
+        c.close()

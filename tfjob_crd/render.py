@@ -192,13 +192,18 @@ def render(config: JobConfig, job_doc: dict, plan: dict | None = None, image: st
     worker_cmd = ENTRYPOINT + list(config.worker.command)
     grace = k8s.termination_grace_seconds
 
+    # the PS's control endpoint (AIMaster and peer PS calls, own threads) next to its port
+    control_port = k8s.ps_port + 1
     ps_env = list(role_env["ps"]) + [_field_env("DEEPREC_PS_HOST", "status.podIP"),
-                                     {"name": "DEEPREC_PS_PORT", "value": str(k8s.ps_port)}]
+                                     {"name": "DEEPREC_PS_PORT", "value": str(k8s.ps_port)},
+                                     {"name": "DEEPREC_PS_CONTROL_PORT", "value": str(control_port)}]
     if plan.get("ps", {}).get("memory_bytes"):
         ps_env.append({"name": "DEEPREC_PS_MEMORY_LIMIT_MB",
                        "value": str(math.ceil(plan["ps"]["memory_bytes"] / 2**20))})
     ps_spec = pod_spec([container(naming.TENSORFLOW_CONTAINER, ENTRYPOINT + ["python", "-m", "deeprec_ext.ps"],
-                                  ps_env, _resources(plan.get("ps")), tf_port)], grace, False)
+                                  ps_env, _resources(plan.get("ps")),
+                                  tf_port + [{"name": "ps-control", "containerPort": control_port}])],
+                        grace, False)
     worker_spec = pod_spec([container(naming.TENSORFLOW_CONTAINER, worker_cmd, role_env["worker"],
                                       _resources(plan.get("worker")), tf_port)], grace, False)
 

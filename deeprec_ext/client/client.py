@@ -54,7 +54,10 @@ def _error_from_rpc(exc: grpc.RpcError, what: str) -> Exception:
                 epoch = int(value)
         if epoch >= 0:
             return StaleRoutingError(details, epoch)
-    if code in RETRIABLE_CODES:
+    # CANCELLED that this client did not ask for: the PS stopped with the call in flight
+    # (a preempted PS fences its slots first, so nothing is applied after it; a resend
+    # carries the same request id and is skipped where the rows were handed)
+    if code in RETRIABLE_CODES or code == grpc.StatusCode.CANCELLED:
         return UnavailableError(f"{what}: {code.name}: {details}")
     return exc
 

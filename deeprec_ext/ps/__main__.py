@@ -32,7 +32,13 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=os.environ.get("DEEPREC_PS_HOST", "127.0.0.1"),
                    help="interface to bind and advertise")
     p.add_argument("--port", type=int, default=int(os.environ.get("DEEPREC_PS_PORT", "0")))
-    p.add_argument("--threads", type=int, default=8, help="gRPC handler threads")
+    p.add_argument("--threads", type=int, default=8, help="gRPC handler threads (data plane)")
+    p.add_argument("--control-port", type=int,
+                   default=int(os.environ.get("DEEPREC_PS_CONTROL_PORT", "0")),
+                   help="port of the control endpoint (AIMaster and peer PS calls: "
+                        "replication, migration, promotion); 0: any free port")
+    p.add_argument("--control-threads", type=int, default=8,
+                   help="gRPC handler threads of the control endpoint")
     p.add_argument("--max-message-mb", type=int,
                    default=DEFAULT_MAX_MESSAGE_BYTES // (1024 * 1024),
                    help="largest request accepted; bigger ones get RESOURCE_EXHAUSTED")
@@ -57,16 +63,26 @@ def main(argv: list[str] | None = None) -> int:
     except auth.AuthError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # Gazer first: it also times the calls auth refuses
+    chain = [StatsInterceptor(servicer.rpc_stats), *interceptors, DecodeGuard()]
     server, port = create_server(f"{args.host}:{args.port}", max_workers=args.threads,
                                  max_message_bytes=args.max_message_mb * 1024 * 1024,
-                                 # Gazer first: it also times the calls auth refuses
-                                 interceptors=[StatsInterceptor(servicer.rpc_stats), *interceptors,
-                                               DecodeGuard()])
+                                 interceptors=chain)
     ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, server)
     # sync-mode step aggregation (idle, and off every async path, unless a job uses it)
     sync_pb2_grpc.add_SyncParameterServerServicer_to_server(SyncServicer(servicer), server)
+    # The same service on a second endpoint with its own threads, for the AIMaster and
+    # peer PS: a push in sync replication holds a data-plane thread until the peer has
+    # its rows, so with every thread of every PS in a ring held that way no peer could
+    # serve the Replicate they wait on. Control calls never queue behind training traffic.
+    control, control_port = create_server(
+        f"{args.host}:{args.control_port}", max_workers=args.control_threads,
+        max_message_bytes=args.max_message_mb * 1024 * 1024, interceptors=chain)
+    ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, control)
     server.start()
+    control.start()
     address = f"{args.host}:{port}"
+    control_address = f"{args.host}:{control_port}"
     if args.port_file:
         tmp = args.port_file + ".tmp"
         with open(tmp, "w") as f:
@@ -76,10 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     session = None
     if args.master:
         session = MasterSession(args.master, "ps", args.id, address, on_stop=stop.set,
-                                stats_source=lambda: servicer.gazer.collect_bytes(servicer.ps_id))
+                                stats_source=lambda: servicer.gazer.collect_bytes(servicer.ps_id),
+                                control_address=control_address)
         session.start()
         servicer.ps_id = session.id
-    log.info("PS %s serving on %s", servicer.ps_id, address)
+    log.info("PS %s serving on %s (control %s)", servicer.ps_id, address, control_address)
     # A handler must not take locks: one arriving while the main thread is inside
     # Event.set (its own, or a repeated signal) would deadlock on the Event's lock. It
     # only flips a flag; the main thread polls it.
@@ -102,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     if session is not None:
         session.close("preempted" if handed_off else "stopped")
     # bounded: a call gRPC never completes must not keep the process alive after SIGTERM
-    if not server.stop(grace=2).wait(10):
+    control_stopped = control.stop(grace=2)
+    if not (server.stop(grace=2).wait(10) and control_stopped.wait(5)):
         log.warning("PS %s: the gRPC server did not finish stopping; exiting anyway", servicer.ps_id)
     return 0
 
