@@ -95,6 +95,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.routing = Routing()
         self.counters = {"lookups": 0, "pushes": 0, "rejected": 0}
         self._counter_lock = threading.Lock()
+        self._data_calls = 0  # lookups and pushes in flight (migration yields to them)
+        self._data_calls_lock = threading.Lock()
         self._configs: dict[str, ps_pb2.TableConfig] = {}
         # warm start: tables restored from another job's checkpoint, which take the config
         # of this job's first CreateTable (name -> checkpoint it came from)
@@ -118,6 +120,21 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.gazer = MemberCollector("ps", self.rpc_stats, extra=self._gazer_extra)
 
     # -- helpers ---------------------------------------------------------------------
+    # Migration yields to training: between the chunks of a background round (snapshot,
+    # catch-up; not the last round, which runs with slots fenced) the source waits while
+    # lookups or pushes are in flight on this PS, up to this long per chunk, so a bulk
+    # copy takes the CPU and the table lock between training requests, not ahead of them.
+    MIGRATE_YIELD_SECONDS = 0.02
+
+    def _yield_to_training(self) -> None:
+        deadline = time.monotonic() + self.MIGRATE_YIELD_SECONDS
+        while self._data_calls > 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def _data_call(self, delta: int) -> None:
+        with self._data_calls_lock:
+            self._data_calls += delta
+
     def _count(self, key: str) -> None:
         with self._counter_lock:
             self.counters[key] += 1
@@ -178,11 +195,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Lookup(self, request, context):
         self._count("lookups")
+        self._data_call(1)
         self.routing.gate.acquire_shared()
         try:
             return self._lookup(request, context)
         finally:
             self.routing.gate.release_shared()
+            self._data_call(-1)
 
     def _lookup(self, request, context):
         work = []
@@ -200,11 +219,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Push(self, request, context):
         self._count("pushes")
+        self._data_call(1)
         self.routing.gate.acquire_shared()
         try:
             return self._push(request, context)
         finally:
             self.routing.gate.release_shared()
+            self._data_call(-1)
 
     def decode_updates(self, tables, context, what: str = "update",
                        unique: bool = False) -> list:
@@ -320,6 +341,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         watermark = self.store.sequence.value
         since = None if request.since_seq < 0 else request.since_seq
         totals = {"rows": 0, "bytes": 0, "deleted": 0}
+        background = not request.send_request_ids  # the last round runs fenced: no yielding
 
         def batches():
             for name, table in sorted(self.store.tables().items()):
@@ -338,6 +360,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                         totals["rows"] += int(keys.size)
                         totals["bytes"] += len(payload) + 8 * int(keys.size)
                         yield ps_pb2.RowBatch(config=cfg, ids=codec.ids_to_bytes(keys), rows=payload)
+                    if background and row is not None:
+                        self._yield_to_training()
             if request.send_request_ids:
                 yield ps_pb2.RowBatch(applied_request_ids=self.applied.snapshot())
 
