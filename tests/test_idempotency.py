@@ -9,7 +9,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
+import grpc
 import numpy as np
 
 from deeprec_ext import PSClient, codec
@@ -20,15 +22,24 @@ from tests.conftest import ROOT, wait_for
 
 
 def _send(client: PSClient, keys: np.ndarray, rid: str) -> None:
-    """Push -1 to every key with request id ``rid``, one request per current owner."""
-    routing = client.refresh_routing()
-    for p, sel in routing.partition(keys):
-        with insecure_channel(routing.ps_addresses[p]) as ch:
-            ps_pb2_grpc.ParameterServerStub(ch).Push(ps_pb2.PushRequest(
-                request_id=rid, epoch=routing.epoch, tables=[ps_pb2.TableUpdate(
-                    table="c", ids=codec.ids_to_bytes(keys[sel]),
-                    values=codec.floats_to_bytes(-np.ones((sel.size, 1), np.float32)))]),
-                timeout=30)
+    """Push -1 to every key with request id ``rid``, one request per current owner. A PS
+    that has not learnt the newest routing yet answers "stale routing": the whole push is
+    sent again with the same id (what a client does; parts already applied are skipped)."""
+    for attempt in range(50):
+        routing = client.refresh_routing()
+        try:
+            for p, sel in routing.partition(keys):
+                with insecure_channel(routing.ps_addresses[p]) as ch:
+                    ps_pb2_grpc.ParameterServerStub(ch).Push(ps_pb2.PushRequest(
+                        request_id=rid, epoch=routing.epoch, tables=[ps_pb2.TableUpdate(
+                            table="c", ids=codec.ids_to_bytes(keys[sel]),
+                            values=codec.floats_to_bytes(-np.ones((sel.size, 1), np.float32)))]),
+                        timeout=30)
+            return
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or attempt == 49:
+                raise
+            time.sleep(0.2)
 
 
 def _status(job):
