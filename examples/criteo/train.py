@@ -76,7 +76,7 @@ def predict_keras(model, test_file: str, batch_size: int) -> tuple[np.ndarray, n
 def run_keras(args, ctx) -> dict:
     model = build_keras(args.lr, args.dim)
     ds = dtf.shard_dataset(args.batch_size, parse_fn=parse_lines)
-    callback = dtf.ElasticCallback(overlap=args.overlap)
+    callback = dtf.ElasticCallback(overlap={"": False, "fresh": True, "stale": "stale"}[args.overlap])
     if args.predictions_before_out and args.test and ctx.rank == 0:
         # the model as the job starts (e.g. warm-started): shared weights, nothing trained
         callback.set_model(model)
@@ -135,9 +135,9 @@ def main(argv=None) -> int:
     p.add_argument("--dim", type=int, default=8)
     p.add_argument("--lr", type=float, default=0.001)
     p.add_argument("--test", default="", help="test file; worker 0 reports its AUC")
-    p.add_argument("--overlap", action="store_true",
-                   help="pushes one step in flight and dense sync in the background: faster, "
-                        "slightly staler (see docs/guide-tensorflow.md)")
+    p.add_argument("--overlap", nargs="?", const="fresh", default="", choices=("fresh", "stale"),
+                   help="pushes one step in flight and dense sync in the background: faster; "
+                        "'stale' also skips fresh lookups (see docs/guide-tensorflow.md)")
     p.add_argument("--predictions-out", default="",
                    help="worker 0 saves its predictions on --test at the end (.npy)")
     p.add_argument("--predictions-before-out", default="",
