@@ -164,6 +164,15 @@ class Replicator:
         self._thread.start()
 
     def configure(self, origin: str, peer: str, interval_ms: float, sync: bool) -> None:
+        if peer == self.peer:
+            # the same peer (e.g. the ring re-formed around it after a recovery): no need
+            # to wait for a shipment in flight -- a full copy after a promotion takes
+            # seconds, and SetRouting (the recovery's routing push) waited for it
+            self.origin = origin
+            self.interval = max(interval_ms, 1.0) / 1000.0
+            self.sync = sync
+            self._wake.set()
+            return
         with self._lock:
             if peer != self.peer:
                 if self._channel is not None:
