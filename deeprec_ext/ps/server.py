@@ -461,6 +461,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     MERGE_DELAY_SECONDS: float | None = 5.0
     MERGE_CHUNK_ROWS = 1 << 14
     MERGE_PAUSE_SECONDS = 0.002
+    # the full copy to this PS's peer that a promotion makes necessary starts this much
+    # later: the clients' first steps on the new routing go first (the peer keeps its
+    # earlier copy of this PS's own rows meanwhile)
+    PROMOTE_SHIP_DELAY_SECONDS = 1.0
 
     def Promote(self, request, context):
         """Take over a dead PS's slots from the replica this PS holds of it. No row is
@@ -488,6 +492,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             kind = errors.ErrorKind.RESYNCING if exc.kind == "resyncing" else errors.ErrorKind.NO_REPLICA
             errors.abort(context, grpc.StatusCode.FAILED_PRECONDITION, kind, str(exc))
         age = (time.monotonic() - copy.updated) * 1000
+        self.replicator.defer(self.PROMOTE_SHIP_DELAY_SECONDS)  # before any row is stamped
         n = copied = 0
         try:
             for name, rtable in sorted(copy.store.tables().items()):
