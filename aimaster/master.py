@@ -210,6 +210,8 @@ class JobMaster:
         os.replace(os.path.join(self.config.state_dir, "master.addr.tmp"),
                    os.path.join(self.config.state_dir, "master.addr"))
         self.scaler = self._scaler_factory(self.address, self.config)
+        if hasattr(self.scaler, "on_exit"):  # a child's exit wakes the loop at once
+            self.scaler.on_exit = self._wake.set
         self.scaler.apply(ScalePlan(ps=self.config.ps.replicas, workers=0))
         return self.address
 

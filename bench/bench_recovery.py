@@ -32,8 +32,10 @@ For each table size (one table ``emb``, dim 16, Adagrad, ids spread over the int
    whole table (no mask) from the full checkpoint is timed once for the TF comparison.
    The checkpoint files were just written, so they are read from the page cache: the
    best case for a restore. Also in-process, for the explanation: the work ``Promote``
-   does on the peer (``keys_in_slots`` + ``export_keys`` on the replica, ``import_rows``
-   into the peer's table, which already holds its own third) and a restore of the
+   does on the peer (``adopt_segment``: the replica's table becomes a segment of the
+   peer's table) and the background merge after it, the copy ``Promote`` did before
+   (``keys_in_slots`` + ``export_keys`` on the replica, ``import_rows`` into the peer's
+   table, which already holds its own third) and a restore of the
    victim's slots into a store that already holds the peer's third (both rebuilt from
    the full checkpoint, untimed), and ``list_chains(verify="full")`` over the two
    checkpoints, which ``apply_retention`` runs inside every ``aimaster checkpoint``.
@@ -48,9 +50,9 @@ here). The restores here are what a checkpoint-based recovery of the same slots 
 to do at the least: read and load them.
 
 Targets (printed PASS/MISS):
-* at the largest size, full-checkpoint restore of the dead PS's slots >= 10x the
-  kill -> resumed time of the promotion;
-* kill -> resumed <= 2 s (every size);
+* at the largest size, full-checkpoint restore of the dead PS's slots >= 3x the
+  kill -> resumed time of the promotion (issue 16; issue 4 asked for 10x);
+* kill -> resumed <= 0.5 s, detection included (every size; issue 16, was 2 s);
 * incremental with 5% of rows touched <= 10% of the full checkpoint's time and bytes (every
   size).
 
@@ -87,8 +89,8 @@ OPTIMIZER = bm.OPTIMIZER              # adagrad
 INITIALIZER = bm.INITIALIZER
 HEARTBEAT_SECONDS = 1.0
 VICTIM = "ps-1"
-PROMOTION_SPEEDUP_TARGET = 10.0       # full restore >= 10x promotion (largest size)
-PROMOTION_TARGET_S = 2.0              # kill -> resumed steps
+PROMOTION_SPEEDUP_TARGET = 3.0        # full restore >= 3x kill -> resumed (largest size)
+PROMOTION_TARGET_S = 0.5              # kill -> resumed steps, detection included
 INCR_FRACTION_TARGET = 0.10           # incremental (5% touched) <= 10% of the full
 
 
@@ -197,6 +199,7 @@ def promotion_stats(steps: np.ndarray, kill: float) -> dict:
     if len(ov):
         s = ov[0]
         out["step_in_flight_at_kill_ms"] = round((s[2] - s[0]) * 1000, 1)
+        out["step_in_flight_lookup_end_ms"] = round((s[1] - kill) * 1000, 1)  # from the kill
         out["step_in_flight_unavailable_retries"] = int(s[5])
     if len(before):
         d = (before[:, 2] - before[:, 0]) * 1000
@@ -364,7 +367,10 @@ def promote_comparison(ck_dir: str, mask, owner: np.ndarray, routing: dict,
 
     The peer's own rows (``ps-2``'s slots) and the replica (the victim's slots) are rebuilt
     from the full checkpoint (untimed), then:
-    * ``promote_inprocess``: what ``Promote`` does on the peer: ``keys_in_slots`` on the
+    * ``promote_inprocess``: what ``Promote`` does on the peer: ``adopt_segment`` (the
+      replica's table becomes a segment of the peer's table, no row copied), and, timed
+      apart, the background merge of that segment (``merge_all``, 16k rows per step);
+    * ``copy_inprocess``: what ``Promote`` did before segments: ``keys_in_slots`` on the
       replica, ``export_keys``, ``import_rows`` into the peer's table (which already holds
       its own rows);
     * ``restore_into_peer``: ``restore(slot_mask=victim)`` into that same kind of store
@@ -376,11 +382,25 @@ def promote_comparison(ck_dir: str, mask, owner: np.ndarray, routing: dict,
     peer_index = (routing["ps_ids"].index(VICTIM) + 1) % len(routing["ps_ids"])
     peer_mask = owner == peer_index
     out = {}
-    peer, replica = EmbeddingStore(), EmbeddingStore()
+    peer, replica = EmbeddingStore(), EmbeddingStore(track_changes=False)  # as on a PS
     restore(ck_dir, peer, slot_mask=peer_mask, upto=full_id, exact=True)
     restore(ck_dir, replica, slot_mask=mask, upto=full_id, exact=True)
     rt, pt = replica.get(TABLE), peer.get(TABLE)
     own_rows = len(pt)
+    t0 = time.perf_counter()
+    n = pt.adopt_segment(rt, mask, int(mask.size))
+    t1 = time.perf_counter()
+    pt.merge_all(1 << 14)
+    t2 = time.perf_counter()
+    out["promote_inprocess"] = {"ms": round((t1 - t0) * 1000, 1), "rows": n,
+                                "background_merge_ms": round((t2 - t1) * 1000, 1),
+                                "peer_rows_before": own_rows, "peer_rows_after": len(pt)}
+    del peer, replica, rt, pt
+    gc.collect()
+    peer, replica = EmbeddingStore(), EmbeddingStore(track_changes=False)
+    restore(ck_dir, peer, slot_mask=peer_mask, upto=full_id, exact=True)
+    restore(ck_dir, replica, slot_mask=mask, upto=full_id, exact=True)
+    rt, pt = replica.get(TABLE), peer.get(TABLE)
     t0 = time.perf_counter()
     keys = rt.keys_in_slots(mask)
     t1 = time.perf_counter()
@@ -388,7 +408,7 @@ def promote_comparison(ck_dir: str, mask, owner: np.ndarray, routing: dict,
     t2 = time.perf_counter()
     pt.import_rows(found, rows)
     t3 = time.perf_counter()
-    out["promote_inprocess"] = {
+    out["copy_inprocess"] = {
         "ms": round((t3 - t0) * 1000, 1), "keys_in_slots_ms": round((t1 - t0) * 1000, 1),
         "export_keys_ms": round((t2 - t1) * 1000, 1), "import_rows_ms": round((t3 - t2) * 1000, 1),
         "rows": int(found.size), "peer_rows_before": own_rows}
@@ -404,7 +424,8 @@ def promote_comparison(ck_dir: str, mask, owner: np.ndarray, routing: dict,
                                 "bytes_read": info.bytes_read, "peer_rows_before": own_rows}
     del peer
     gc.collect()
-    log(f"  in-process Promote work: {out['promote_inprocess']}")
+    log(f"  in-process Promote work: {out['promote_inprocess']}; the former copy: "
+        f"{out['copy_inprocess']}")
     return out
 
 
@@ -516,6 +537,8 @@ def summarize(r: dict) -> dict:
          "restored_rows": rs.get("full", {}).get("rows"),
          "restore_whole_table_ms": rs.get("whole_table_full", {}).get("ms"),
          "promote_inprocess_ms": rs.get("promote_inprocess", {}).get("ms"),
+         "background_merge_ms": rs.get("promote_inprocess", {}).get("background_merge_ms"),
+         "copy_inprocess_ms": rs.get("copy_inprocess", {}).get("ms"),
          "restore_into_peer_ms": rs.get("restore_into_peer", {}).get("ms"),
          "retention_verify_ms": rs.get("retention_verify_ms"),
          "replacement_ms": r.get("replacement", {}).get("duration_ms"),
@@ -574,7 +597,8 @@ def print_table(summaries: list[dict]) -> None:
     hdr = ("rows", "kill->resumed ms", "noticed ms", "resumed_ms", "promoted rows",
            "restore full ms", "restore chain ms", "restore/promo", "ckpt full ms / MB",
            "ckpt incr ms / MB", "incr/full t, B", "whole-table restore ms",
-           "tf save / restore ms, MB", "in-process promote / restore-into-peer ms",
+           "tf save / restore ms, MB",
+           "in-process promote / merge / former copy / restore-into-peer ms",
            "retention verify ms")
     print("\n" + " | ".join(hdr))
     for s in summaries:
@@ -588,7 +612,8 @@ def print_table(summaries: list[dict]) -> None:
             f(s["restore_whole_table_ms"]),
             f"{f(s['tf_save_ms'])} / {f(s['tf_restore_ms'])}, "
             f"{f(s['tf_bytes'] and s['tf_bytes'] / 1e6, '{:.1f}')}",
-            f"{f(s['promote_inprocess_ms'])} / {f(s['restore_into_peer_ms'])}",
+            f"{f(s['promote_inprocess_ms'], '{:.1f}')} / {f(s['background_merge_ms'])} / "
+            f"{f(s['copy_inprocess_ms'])} / {f(s['restore_into_peer_ms'])}",
             f(s["retention_verify_ms"]))))
 
 

@@ -120,6 +120,27 @@ class PSClient:
             # it is the stall every request touching the moved slots sees.
             time.sleep(0.005 if min_epoch >= 0 and routing_seen else delay)
 
+    ROUTING_POLL_SECONDS = 0.02
+
+    def _await_new_epoch(self, delay: float) -> None:
+        """Wait up to ``delay`` s after a PS was unreachable, returning early once the
+        AIMaster publishes a newer routing epoch (polled every ROUTING_POLL_SECONDS): a
+        dead PS's slots are promoted on its peer within tens of ms of the death being
+        noticed, and a blind backoff sleep (up to 0.25 s) was most of the training stall."""
+        end = time.monotonic() + delay
+        epoch = self.routing.epoch if self.routing is not None else -1
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(self.ROUTING_POLL_SECONDS, left))
+            try:
+                resp = self._master.GetRouting(master_pb2.GetRoutingRequest(), timeout=min(left, 5.0) + 1.0)
+            except grpc.RpcError:
+                continue  # the AIMaster is busy or away: keep waiting out the backoff
+            if resp.epoch > epoch:
+                return
+
     def _stub(self, address: str) -> ps_pb2_grpc.ParameterServerStub:
         stub = self._stubs.get(address)
         if stub is None:
@@ -401,7 +422,7 @@ class PSClient:
                 if delay is None:  # retry deadline spent (stale or unavailable alike)
                     raise failure
                 if isinstance(failure, UnavailableError):
-                    time.sleep(delay)
+                    self._await_new_epoch(delay)
                 log.debug("%s: %s; refreshing routing and resending %d table part(s)",
                           what, failure, len(pending))
                 try:

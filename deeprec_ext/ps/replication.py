@@ -157,6 +157,7 @@ class Replicator:
         self._stub = None
         self._channel = None
         self.last_shipped = 0.0
+        self._not_before = 0.0  # the background loop ships nothing before this (defer)
         self.shipped_rows = 0
         self.full_copies = 0
         self.errors = 0
@@ -164,6 +165,15 @@ class Replicator:
         self._thread.start()
 
     def configure(self, origin: str, peer: str, interval_ms: float, sync: bool) -> None:
+        if peer == self.peer:
+            # the same peer (e.g. the ring re-formed around it after a recovery): no need
+            # to wait for a shipment in flight -- a full copy after a promotion takes
+            # seconds, and SetRouting (the recovery's routing push) waited for it
+            self.origin = origin
+            self.interval = max(interval_ms, 1.0) / 1000.0
+            self.sync = sync
+            self._wake.set()
+            return
         with self._lock:
             if peer != self.peer:
                 if self._channel is not None:
@@ -180,6 +190,12 @@ class Replicator:
             self.interval = max(interval_ms, 1.0) / 1000.0
             self.sync = sync
         self._wake.set()
+
+    def defer(self, seconds: float) -> None:
+        """Let the background loop ship nothing for ``seconds``. After a promotion the next
+        shipment is a full copy of this PS (seconds of CPU on a loaded host); started at
+        once it competed with the clients' first steps on the new routing."""
+        self._not_before = max(self._not_before, time.monotonic() + max(seconds, 0.0))
 
     def _meta(self, kind: str, base: int | None = None):
         meta = [(KIND_KEY, kind)]
@@ -372,6 +388,9 @@ class Replicator:
             pause = self.interval * 2 ** min(failed, 16) if failed else self.interval
             self._wake.wait(max(self.interval, min(pause, 5.0)))
             self._wake.clear()
+            hold = self._not_before - time.monotonic()
+            if hold > 0:
+                self._stop.wait(hold)
             if self._stop.is_set():
                 break
             failed += 1  # unless ship() returns

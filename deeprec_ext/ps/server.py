@@ -113,6 +113,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.store.set_consumer("checkpoint", 0)
         self._ckpt_cuts: list[int] = []
         self._migrations: dict[str, float] = {}  # destination -> last catch-up round
+        self._merger: threading.Thread | None = None  # background merge of promoted rows
+        self._merge_again = False
         self._sync_lock = threading.Lock()
         # Gazer: RPC histograms (filled by deeprec_ext.stats.StatsInterceptor on the
         # server), tables and replication lag, sent with every heartbeat and in Stats
@@ -476,9 +478,25 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         except (ValueError, TypeError) as exc:
             self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, f"replicate: {exc}")
 
+    # promoted rows are served from the replica's tables ("segments") at once, then merged
+    # into the live tables in the background, MERGE_CHUNK_ROWS per table-lock hold, after
+    # MERGE_DELAY_SECONDS (the recovery's own work -- the new ring's full copy, the
+    # replacement's migration -- goes first). None: keep the segments (no merge).
+    MERGE_DELAY_SECONDS: float | None = 5.0
+    MERGE_CHUNK_ROWS = 1 << 14
+    MERGE_PAUSE_SECONDS = 0.002
+    # the full copy to this PS's peer that a promotion makes necessary starts this much
+    # later: the clients' first steps on the new routing go first (the peer keeps its
+    # earlier copy of this PS's own rows meanwhile)
+    PROMOTE_SHIP_DELAY_SECONDS = 1.0
+
     def Promote(self, request, context):
-        """Take over a dead PS's slots from the replica this PS holds of it: its rows move
-        into this PS's own tables (no bulk copy over the network).
+        """Take over a dead PS's slots from the replica this PS holds of it. No row is
+        copied: each replica table becomes a segment of this PS's table of that name
+        (``EmbeddingTable.adopt_segment``), which serves the promoted slots right away,
+        and is merged into the table later in the background (``merge_segments``). A table
+        that cannot take a segment (another config, or it still holds one from an earlier
+        promotion) gets the rows copied, in slices.
 
         A copy still streaming in (a full resync after the ring re-formed, or a delta being
         applied) is waited for, up to PROMOTE_WAIT_SECONDS within the caller's deadline.
@@ -498,12 +516,17 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             kind = errors.ErrorKind.RESYNCING if exc.kind == "resyncing" else errors.ErrorKind.NO_REPLICA
             errors.abort(context, grpc.StatusCode.FAILED_PRECONDITION, kind, str(exc))
         age = (time.monotonic() - copy.updated) * 1000
-        n = 0
+        self.replicator.defer(self.PROMOTE_SHIP_DELAY_SECONDS)  # before any row is stamped
+        n = copied = 0
         try:
-            for name, rtable in copy.store.tables().items():
+            for name, rtable in sorted(copy.store.tables().items()):
                 cfg = rtable.config
                 table = self.store.create_table(name, rtable.dim, cfg["initializer"], cfg["optimizer"])
                 self._configs.setdefault(name, table_spec.of_table(rtable))
+                adopted = table.adopt_segment(rtable, mask, int(mask.size))
+                if adopted >= 0:
+                    n += adopted
+                    continue
                 keys = rtable.keys_in_slots(mask)
                 # in slices: one import of a million rows held the table lock for seconds
                 for i in range(0, keys.size, self.MIGRATE_CHUNK_ROWS):
@@ -511,14 +534,47 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                                      with_counts=True)
                     table.import_rows(found, rows)
                     n += int(found.size)
+                    copied += int(found.size)
         except Exception:
             self.replicas.put_back(request.origin, copy)  # a retry finds it again
             raise
         with self.apply_gate.shared():  # the pushes in these rows, for this PS's peer too
             self.applied.add_many(copy.applied, ship=True)
-        log.info("%s: promoted %d rows of %s (replica %.0f ms old)", self.ps_id, n,
-                 request.origin, age)
+        log.info("%s: promoted %d rows of %s (%d copied; replica %.0f ms old)", self.ps_id, n,
+                 request.origin, copied, age)
+        self._start_merge()
         return ps_pb2.PromoteResponse(rows=n, origin_sequence=copy.sequence, replica_age_ms=age)
+
+    def _start_merge(self) -> None:
+        if self.MERGE_DELAY_SECONDS is None:
+            return
+        with self._counter_lock:
+            if self._merger is not None and self._merger.is_alive():
+                self._merge_again = True
+                return
+            self._merge_again = False
+            self._merger = threading.Thread(target=self.merge_segments, name="segment-merge",
+                                            args=(self.MERGE_DELAY_SECONDS,), daemon=True)
+            self._merger.start()
+
+    def merge_segments(self, delay: float = 0.0) -> int:
+        """Merge every table's segment (promoted rows) into the table, in steps of
+        MERGE_CHUNK_ROWS arena rows with the table lock released (and a short pause)
+        between them; lookups, pushes, exports keep running. Returns the steps taken."""
+        if delay:
+            time.sleep(delay)
+        steps = 0
+        while True:
+            for table in self.store.tables().values():
+                while table.merge_segment(self.MERGE_CHUNK_ROWS):
+                    steps += 1
+                    time.sleep(self.MERGE_PAUSE_SECONDS)
+            with self._counter_lock:
+                if not self._merge_again:
+                    self._merger = None if threading.current_thread() is self._merger \
+                        else self._merger
+                    return steps
+                self._merge_again = False
 
     def WriteCheckpoint(self, request, context):
         """Write this PS's rows (the slots it owns) into a checkpoint; the AIMaster commits."""

@@ -81,6 +81,8 @@ _CHUNK_FLOATS = 1 << 19  # optimizer works on ~2 MB of rows at a time
 _SCAN_SLICE_ROWS = 1 << 18  # arena rows scanned per table-lock hold by sliced scans
 _GATHER_ROWS_PER_HOLD = 1 << 13  # planned rows read per table-lock hold (about 1 ms)
 _LOG_MIN_CAP = 1 << 16  # change-log entries / tombstone keys kept at least (hard cap floor)
+_SEG_CURSOR = 1 << 61   # export_slots cursor flags: in the segment, ...
+_MAIN_CURSOR = 1 << 60  # ... in this table's rows after the segment's
 
 
 def _yield() -> None:
@@ -293,19 +295,34 @@ class EmbeddingTable:
         self._tomb_keys = 0
         self._tomb_floor = 0   # deletions: tombstones_since(v) is exact for v >= this
         self._moved_floor = 0  # the same for "moved" tombstones (only replicas read them)
+        # segment: a promoted replica's table serving some routing slots (adopt_segment)
+        self._seg: EmbeddingTable | None = None
+        self._seg_mask: np.ndarray | None = None  # bool [seg_ns]: the slots it serves
+        self._seg_ns = 0
+        self._seg_cursor = 0  # background merge: segment rows below this were moved
+        # the segment's row -> key array, kept after the merge for export plans made before
+        self._seg_keys: np.ndarray | None = None
 
     # -- properties ---------------------------------------------------------------------
     @property
     def size(self) -> int:
-        return len(self._index)
+        seg = self._seg
+        return len(self._index) + (len(seg._index) if seg is not None else 0)
 
     def __len__(self) -> int:
-        return len(self._index)
+        return self.size
+
+    @property
+    def segment_rows(self) -> int:
+        """Rows still served by a segment (0: none, or merged)."""
+        seg = self._seg
+        return len(seg._index) if seg is not None else 0
 
     @property
     def capacity(self) -> int:
-        """Rows the arena holds before it has to grow."""
-        return self._arena.shape[0]
+        """Rows the arena holds before it has to grow (a segment's arena included)."""
+        seg = self._seg
+        return self._arena.shape[0] + (seg._arena.shape[0] if seg is not None else 0)
 
     @property
     def row_width(self) -> int:
@@ -318,14 +335,18 @@ class EmbeddingTable:
 
     @property
     def nbytes(self) -> int:
+        seg = self._seg
         return (self._arena.nbytes + self._row_seq.nbytes + self._row_key.nbytes
                 + self._row_count.nbytes
-                + self._mark.nbytes + self._free.nbytes + self._index.nbytes)
+                + self._mark.nbytes + self._free.nbytes + self._index.nbytes
+                + (seg.nbytes if seg is not None else 0))
 
     @property
     def log_nbytes(self) -> int:
         """Bytes held by the change log and the tombstone log (bounded, see trim_logs)."""
-        return self._changes.nbytes + 8 * self._tomb_keys
+        seg = self._seg
+        return (self._changes.nbytes + 8 * self._tomb_keys
+                + (seg._changes.nbytes if seg is not None else 0))
 
     @property
     def config(self) -> dict:
@@ -336,7 +357,8 @@ class EmbeddingTable:
     def last_seq(self) -> int:
         """Largest row sequence number in the table (0 if empty)."""
         with self._lock:
-            return int(self._row_seq[:self._hwm].max(initial=0))
+            own = int(self._row_seq[:self._hwm].max(initial=0))
+            return max(own, self._seg.last_seq) if self._seg is not None else own
 
     def __repr__(self) -> str:
         return (f"EmbeddingTable({self.name!r}, dim={self.dim}, size={self.size}, "
@@ -392,6 +414,14 @@ class EmbeddingTable:
             self._grow_arena(self._hwm + fresh)
             rows[take:] = np.arange(self._hwm, self._hwm + fresh, dtype=np.int64)
             self._hwm += fresh
+        return rows
+
+    def _allocate_fresh(self, m: int) -> np.ndarray:
+        """``m`` new rows past the high-water mark (never a freed row): rows merged from a
+        segment must land after any position a paged export has already scanned."""
+        self._grow_arena(self._hwm + m)
+        rows = np.arange(self._hwm, self._hwm + m, dtype=np.int64)
+        self._hwm += m
         return rows
 
     def _release(self, rows: np.ndarray) -> None:
@@ -522,6 +552,19 @@ class EmbeddingTable:
         """
         keys = _check_keys(keys)
         with self._lock:
+            split = self._split(keys) if self._seg is not None else None
+            if split is None:
+                return self._lookup_main(keys, insert_missing)
+            spos, srows, mpos = split
+            out = np.empty((keys.size, self.dim), dtype=np.float32)
+            out[spos] = self._seg._gather_values(srows)
+            if mpos.size:
+                out[mpos] = self._lookup_main(keys.take(mpos), insert_missing)
+            return out
+
+    def _lookup_main(self, keys: np.ndarray, insert_missing: bool) -> np.ndarray:
+        """``lookup`` in this table's own index and arena (not the segment)."""
+        with self._lock:
             rows = self._index.find(keys)
             if insert_missing:
                 self._create_missing(keys, rows, [])
@@ -548,18 +591,33 @@ class EmbeddingTable:
         if keys.size == 0:
             return 0
         with self._lock:
+            split = self._split(keys) if self._seg is not None else None
+            if split is None:
+                return self._apply_main(keys, grads)
+            spos, srows, mpos = split
+            seq = (self._apply_main(keys.take(mpos), grads.take(mpos, axis=0)) if mpos.size
+                   else self.sequence.next())
+            self._seg._apply_rows(srows, grads.take(spos, axis=0), seq)
+            return seq
+
+    def _apply_main(self, keys: np.ndarray, grads: np.ndarray) -> int:
+        with self._lock:
             rows = self._index.find(keys)
             seq = []
             self._create_missing(keys, rows, seq, log=False)
             seq = seq[0] if seq else self.sequence.next()
-            rep = self._find_duplicates(rows)
-            if rep is not None:
-                rows, grads = self._sum_duplicates(rows, grads, rep)
-            self._apply_optimizer(rows, grads)
-            self._row_seq[rows] = seq
-            self._row_count[rows] += np.uint32(1)  # rows are unique here
-            self._log_write(seq, rows)
+            self._apply_rows(rows, grads, seq)
             return seq
+
+    def _apply_rows(self, rows: np.ndarray, grads: np.ndarray, seq: int) -> None:
+        """The optimizer step on existing ``rows`` (duplicates summed), stamped ``seq``."""
+        rep = self._find_duplicates(rows)
+        if rep is not None:
+            rows, grads = self._sum_duplicates(rows, grads, rep)
+        self._apply_optimizer(rows, grads)
+        self._row_seq[rows] = seq
+        self._row_count[rows] += np.uint32(1)  # rows are unique here
+        self._log_write(seq, rows)
 
     def insert(self, keys, values, only_if_absent: bool = False) -> int:
         """Set values float32 [n, dim] (optimizer slots reset to their initial values).
@@ -590,6 +648,9 @@ class EmbeddingTable:
                 self._slot_init = slot_init
                 self._set_views()
             self.initializer, self.optimizer = init, opt
+            if self._seg is not None:
+                self._seg.reconfigure(initializer, optimizer)
+                self._seg.initializer, self._seg.optimizer = init, opt
         return reset
 
     def import_rows(self, keys, rows) -> int:
@@ -612,6 +673,23 @@ class EmbeddingTable:
         if keys.size == 0:
             return 0
         with self._lock:
+            split = self._split(keys) if self._seg is not None else None
+            if split is None:
+                return self._upsert_main(keys, data, full_rows, only_if_absent, counts)
+            spos, srows, mpos = split
+            seq = 0
+            if mpos.size:
+                seq = self._upsert_main(keys.take(mpos), data.take(mpos, axis=0), full_rows,
+                                        only_if_absent,
+                                        None if counts is None else counts.take(mpos))
+            if not only_if_absent:  # the segment's keys exist
+                seq = self.sequence.next()
+                self._seg._write_rows(srows, data.take(spos, axis=0), full_rows,
+                                      None if counts is None else counts.take(spos), seq)
+            return seq
+
+    def _upsert_main(self, keys, data, full_rows: bool, only_if_absent: bool, counts) -> int:
+        with self._lock:
             rows = self._index.find(keys)
             miss = np.flatnonzero(rows < 0)
             if only_if_absent:
@@ -626,16 +704,20 @@ class EmbeddingTable:
                     keys.take(np.flatnonzero(rows < 0)), self._allocate)
                 rows[rows < 0] = got
                 self._row_key[new_rows] = new_keys
-            if self._find_duplicates(rows) is not None:  # last occurrence wins
-                last = self._last_occurrences(rows)
-                rows, data = rows.take(last), data.take(last, axis=0)
-                counts = counts.take(last) if counts is not None else None
-            self._scatter_rows(rows, data if full_rows else self._with_fresh_slots(data))
-            self._row_seq[rows] = seq
-            if counts is not None:
-                self._row_count[rows] = counts
-            self._log_write(seq, rows)
+            self._write_rows(rows, data, full_rows, counts, seq)
             return seq
+
+    def _write_rows(self, rows, data, full_rows: bool, counts, seq: int) -> None:
+        """Write existing ``rows`` (duplicates: the last occurrence wins), stamped ``seq``."""
+        if self._find_duplicates(rows) is not None:
+            last = self._last_occurrences(rows)
+            rows, data = rows.take(last), data.take(last, axis=0)
+            counts = counts.take(last) if counts is not None else None
+        self._scatter_rows(rows, data if full_rows else self._with_fresh_slots(data))
+        self._row_seq[rows] = seq
+        if counts is not None:
+            self._row_count[rows] = counts
+        self._log_write(seq, rows)
 
     def delete(self, keys, log_tombstone: bool = True, moved: bool = False) -> int:
         """Remove keys; returns how many were present. Logs a tombstone (``log_tombstone``),
@@ -646,19 +728,28 @@ class EmbeddingTable:
         if keys.size == 0:
             return 0
         with self._lock:
-            rows = self._index.remove(keys)
-            found = rows >= 0
-            if not found.any():
+            split = self._split(keys) if self._seg is not None else None
+            parts = [(self, keys)] if split is None else \
+                [(self, keys.take(split[2])), (self._seg, keys.take(split[0]))]
+            removed = []
+            for part, k in parts:
+                rows = part._index.remove(k) if k.size else k
+                found = rows >= 0
+                if not found.any():
+                    continue
+                removed_rows, first = np.unique(rows[found], return_index=True)
+                removed.append(k[found][first])
+                part._release(removed_rows)
+            if not removed:
                 return 0
-            removed_rows, first = np.unique(rows[found], return_index=True)
-            removed_keys = keys[found][first]
+            # one tombstone entry (this table's log) for the segment's rows too
+            removed_keys = removed[0] if len(removed) == 1 else np.concatenate(removed)
             seq = self.sequence.next()
-            self._release(removed_rows)
             if self._track and (moved or log_tombstone):
                 self._tombstones.append((seq, removed_keys, bool(moved)))
                 self._tomb_keys += int(removed_keys.size)
                 self._cap_tombstones()
-            return int(removed_rows.size)
+            return int(removed_keys.size)
 
     def _cap_tombstones(self) -> None:
         """Over the cap, the oldest "moved" tombstones go first (only a replica reads
@@ -705,6 +796,8 @@ class EmbeddingTable:
         moved_upto = upto if moved_upto is None else int(moved_upto)
         with self._lock:
             self._changes.trim(upto)
+            if self._seg is not None:
+                self._seg._changes.trim(upto)
             keep = [t for t in self._tombstones if t[0] > (moved_upto if t[2] else upto)]
             if len(keep) != len(self._tombstones):
                 if any(not m and s <= upto for s, _, m in self._tombstones):
@@ -741,6 +834,13 @@ class EmbeddingTable:
         """uint32 [n]: how many pushes updated each key (0 for a missing key)."""
         keys = _check_keys(keys)
         with self._lock:
+            split = self._split(keys) if self._seg is not None else None
+            if split is not None:
+                spos, srows, mpos = split
+                out = np.empty(keys.size, dtype=np.uint32)
+                out[spos] = self._seg._row_count.take(srows)
+                out[mpos] = self.counts(keys.take(mpos)) if mpos.size else 0
+                return out
             rows = self._index.find(keys)
             out = np.zeros(keys.size, dtype=np.uint32)
             hit = rows >= 0
@@ -764,6 +864,14 @@ class EmbeddingTable:
         while the change log holds few entries since then; exact otherwise)."""
         since = max(int(since_seq), 0)
         with self._lock:
+            seg = self._seg
+            if seg is not None:
+                sel = seg._changed_rows(since)
+                n = (int(sel.size) if sel is not None
+                     else int(np.count_nonzero(seg._row_seq[:seg._hwm] > since)))
+                if n > limit:
+                    return False
+                limit -= n
             logged = self._changes.since(since) if self._track else None
             if logged is not None and logged.size <= limit:
                 return True
@@ -788,7 +896,11 @@ class EmbeddingTable:
             block = self._gather_rows(sel)
             if with_counts:
                 block = self._counted(sel, block)
-            return self._row_key.take(sel), block, self._row_seq.take(sel)
+            out = self._row_key.take(sel), block, self._row_seq.take(sel)
+            if self._seg is not None:  # the segment's rows follow
+                seg_out = self._seg.export_rows(since_seq, with_counts)
+                out = tuple(np.concatenate([a, b]) for a, b in zip(out, seg_out))
+            return out
 
     def export_slots(self, slot_mask: np.ndarray, since_seq: int | None = None,
                      row_start: int = 0, max_rows: int = 1 << 18, with_counts: bool = False):
@@ -797,8 +909,27 @@ class EmbeddingTable:
         exported in slices without holding the table lock for long.
 
         Returns ``(keys, rows, row_seq, next_row)``; ``next_row`` is None when the scan
-        reached the end of the arena.
+        reached the end of the arena. Pass 0 first, then each ``next_row`` returned (an
+        opaque cursor: with a segment, the segment's rows come first, then this table's).
         """
+        if row_start & _SEG_CURSOR or (row_start == 0 and self._seg is not None):
+            with self._lock:
+                seg = self._seg
+                if seg is not None:
+                    keys, rows, seqs, nxt = seg._export_slots_main(
+                        self._seg_slots(slot_mask), since_seq, row_start & ~_SEG_CURSOR,
+                        max_rows, with_counts)
+                    return keys, rows, seqs, (_SEG_CURSOR | nxt if nxt is not None
+                                              else _MAIN_CURSOR)
+            # merged meanwhile: its rows are in this table, after any row scanned so far
+            row_start = _MAIN_CURSOR
+        flag = row_start & _MAIN_CURSOR
+        keys, rows, seqs, nxt = self._export_slots_main(slot_mask, since_seq,
+                                                        row_start & ~_MAIN_CURSOR, max_rows,
+                                                        with_counts)
+        return keys, rows, seqs, (None if nxt is None else nxt | flag)
+
+    def _export_slots_main(self, slot_mask, since_seq, row_start, max_rows, with_counts):
         threshold = 0 if since_seq is None else max(int(since_seq), 0)
         num_slots = int(slot_mask.size)
         with self._lock:
@@ -827,6 +958,23 @@ class EmbeddingTable:
     # -- streaming exports (checkpoints) ------------------------------------------------
     def plan_export(self, slot_mask: np.ndarray, since_seq: int | None = None
                     ) -> tuple[np.ndarray, int]:
+        """See :meth:`_plan_export_main`. With a segment, its rows are planned first (with
+        the top row bit set), then this table's: a row the background merge moves
+        meanwhile lands in this table after the rows planned so far, and a planned
+        segment row that moved is found again by its key (:meth:`gather_planned`)."""
+        slot_mask = np.asarray(slot_mask, dtype=bool)
+        seg = self._seg
+        if seg is None:
+            return self._plan_export_main(slot_mask, since_seq)
+        seg_codes, row_bits = seg._plan_export_main(self._seg_slots(slot_mask), since_seq)
+        codes, _ = self._plan_export_main(slot_mask, since_seq)
+        seg_codes |= np.int64(1 << (row_bits - 1))
+        codes = np.concatenate([codes, seg_codes])
+        codes.sort()
+        return codes, row_bits
+
+    def _plan_export_main(self, slot_mask: np.ndarray, since_seq: int | None = None
+                          ) -> tuple[np.ndarray, int]:
         """What a streaming export writes, sorted by routing slot without copying any row:
         ``(codes, row_bits)``, int64 ``codes = slot << row_bits | row id`` of the live rows
         whose slot is set in ``slot_mask`` (bool [num_slots]) and, with ``since_seq``,
@@ -859,7 +1007,7 @@ class EmbeddingTable:
                 stop = min(hwm, start + _SCAN_SLICE_ROWS)
                 sel = np.flatnonzero(self._row_seq[start:stop] > threshold)
                 keys = self._row_key[start:stop].take(sel)
-            if hwm >= 1 << row_bits:
+            if hwm >= 1 << (row_bits - 1):  # the top bit marks a segment's rows
                 raise ValueError(f"table '{self.name}': {hwm} rows do not fit {row_bits} bits "
                                  f"beside {num_slots} slots")
             slots = slot_of(keys, num_slots)
@@ -888,6 +1036,14 @@ class EmbeddingTable:
         float32 [n, row_width (+1 count)]; each row is self-consistent."""
         rows = codes & np.int64((1 << row_bits) - 1)
         n = int(rows.size)
+        in_seg = None
+        if self._seg_keys is not None:  # a segment's rows have the top row bit set
+            flag = np.int64(1 << (row_bits - 1))
+            in_seg = (rows & flag) != 0
+            if in_seg.any():
+                rows = rows & (flag - 1)
+            else:
+                in_seg = None
         width = self._width
         keys = np.empty(n, dtype=np.int64)
         block = np.empty((n, width + (1 if with_counts else 0)), dtype=np.float32)
@@ -898,6 +1054,11 @@ class EmbeddingTable:
             with self._lock:
                 if self._width != width:
                     raise ValueError(f"table '{self.name}' was reconfigured during an export")
+                if in_seg is not None:
+                    self._gather_mixed(r, in_seg[s:s + step], keys[s:s + step],
+                                       block[s:s + step], live[s:s + step], with_counts)
+                    _yield()
+                    continue
                 live[s:s + step] = self._row_seq.take(r) > 0
                 keys[s:s + step] = self._row_key.take(r)
                 block[s:s + step, :width] = self._gather_rows(r)
@@ -911,10 +1072,55 @@ class EmbeddingTable:
             keys, block, slots = keys.take(keep), block.take(keep, axis=0), slots.take(keep)
         return keys, block, slots
 
+    def _gather_mixed(self, r, in_seg, keys, block, live, with_counts: bool) -> None:
+        """One hold of :meth:`gather_planned` for a plan with segment rows (under the
+        lock): a segment row that was merged meanwhile is read from this table, found by
+        the key its segment row held."""
+        width = self._width
+
+        def put(pos, table, rows):
+            keys[pos] = table._row_key.take(rows)
+            block[pos, :width] = table._gather_rows(rows)
+            if with_counts:
+                block[pos, width] = table._row_count.take(rows)
+
+        live[:] = False
+        pos = np.flatnonzero(~in_seg)
+        if pos.size:
+            rows = r.take(pos)
+            live[pos] = self._row_seq.take(rows) > 0
+            put(pos, self, rows)
+        pos = np.flatnonzero(in_seg)
+        rows = r.take(pos)
+        seg = self._seg
+        here = (seg._row_seq.take(rows) > 0) if seg is not None else np.zeros(pos.size, bool)
+        if here.any():
+            sel = np.flatnonzero(here)
+            live[pos.take(sel)] = True
+            put(pos.take(sel), seg, rows.take(sel))
+        if not here.all():
+            sel = np.flatnonzero(~here)
+            moved_keys = self._seg_keys.take(rows.take(sel))
+            found = self._index.find(moved_keys)
+            ok = np.flatnonzero(found >= 0)
+            p = pos.take(sel)
+            keys[p] = moved_keys
+            if ok.size:
+                live[p.take(ok)] = True
+                put(p.take(ok), self, found.take(ok))
+
     def export_keys(self, keys, with_counts: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Full rows (value + slots [+ count]) of those ``keys`` that exist: ``(keys, rows)``."""
         keys = _check_keys(keys)
         with self._lock:
+            split = self._split(keys) if self._seg is not None else None
+            if split is not None:
+                spos, srows, mpos = split
+                mk, mb = self.export_keys(keys.take(mpos), with_counts)
+                sb = self._seg._gather_rows(srows)
+                if with_counts:
+                    sb = self._seg._counted(srows, sb)
+                return np.concatenate([mk, keys.take(spos)]), np.concatenate([mb, sb])
             rows = self._index.find(keys)
             hit = np.flatnonzero(rows >= 0)
             sel = rows.take(hit)
@@ -926,14 +1132,22 @@ class EmbeddingTable:
         with self._lock:
             live = np.flatnonzero(self._row_seq[:self._hwm] > 0)
             keys = self._row_key.take(live)
-        return keys[slot_mask[slot_of(keys, int(slot_mask.size))]]
+            seg = self._seg
+            seg_keys = seg.keys_in_slots(self._seg_slots(slot_mask)) if seg is not None else None
+        keys = keys[slot_mask[slot_of(keys, int(slot_mask.size))]]
+        return keys if seg_keys is None else np.concatenate([keys, seg_keys])
 
     def rows_per_slot(self, num_slots: int) -> np.ndarray:
         """int64 [num_slots]: live rows of each routing slot (placement input)."""
         with self._lock:
             live = np.flatnonzero(self._row_seq[:self._hwm] > 0)
             keys = self._row_key.take(live)
-        return np.bincount(slot_of(keys, num_slots), minlength=num_slots).astype(np.int64)
+            seg = self._seg
+            extra = seg.rows_per_slot(num_slots) if seg is not None else None
+            if extra is not None and num_slots == self._seg_ns:
+                extra *= self._seg_mask
+        out = np.bincount(slot_of(keys, num_slots), minlength=num_slots).astype(np.int64)
+        return out if extra is None else out + extra
 
     def clear(self) -> None:
         """Drop every row (no tombstones are logged)."""
@@ -949,6 +1163,131 @@ class EmbeddingTable:
             self._moved_floor = max(self._moved_floor, floor)
             self._changes = _ChangeLog()
             self._changes.floor = floor
+            self._seg = self._seg_mask = self._seg_keys = None
+
+    # -- segments (promotion without a copy) --------------------------------------------
+    def _seg_slots(self, slot_mask: np.ndarray) -> np.ndarray:
+        """``slot_mask`` restricted to the segment's slots (when over the same slots)."""
+        slot_mask = np.asarray(slot_mask, dtype=bool)
+        return slot_mask & self._seg_mask if slot_mask.size == self._seg_ns else slot_mask
+
+    def _split(self, keys: np.ndarray):
+        """Where each key lives, for a table with a segment (under the lock):
+        ``(spos, srows, mpos)`` -- positions of the keys the segment holds and their rows
+        there, and the other positions (this table: its own slots, plus keys of the
+        segment's slots that are new or already merged); None when none is in the
+        segment. New keys always go to this table, never to the segment."""
+        seg = self._seg
+        if seg is None or keys.size == 0:
+            return None
+        spos = np.flatnonzero(self._seg_mask[slot_of(keys, self._seg_ns)])
+        if spos.size == 0:
+            return None
+        srows = seg._index.find(keys.take(spos))
+        hit = srows >= 0
+        if not hit.all():
+            sel = np.flatnonzero(hit)
+            if sel.size == 0:
+                return None
+            spos, srows = spos.take(sel), srows.take(sel)
+        main = np.ones(keys.size, dtype=bool)
+        main[spos] = False
+        return spos, srows, np.flatnonzero(main)
+
+    def adopt_segment(self, other: EmbeddingTable, slot_mask: np.ndarray,
+                      num_slots: int) -> int:
+        """Serve the rows of ``other`` (a promoted replica's table, same config) for the
+        routing slots set in ``slot_mask`` (bool [num_slots]) without copying them: it
+        becomes this table's segment. Its keys must be of those slots, and this table
+        must hold none of them (slot ownership makes both key sets disjoint). Every
+        method of this table sees the segment's rows; new keys still go to this table;
+        :meth:`merge_segment` moves the rows over in bounded steps.
+
+        Costs one pass over the segment's sequence numbers: its rows are stamped with a
+        new sequence number of this table, so every consumer of this table's changes
+        (replica, incremental checkpoint, migration) sees them as written now.
+        Returns the rows adopted, or -1 when ``other`` cannot be a segment here (another
+        config, or a segment is already held): copy its rows instead."""
+        slot_mask = np.asarray(slot_mask, dtype=bool)
+        if slot_mask.shape != (int(num_slots),):
+            raise ValueError(f"slot_mask must be bool [{num_slots}], got {slot_mask.shape}")
+        with self._lock:
+            mine = {k: v for k, v in self.config.items() if k != "name"}
+            theirs = {k: v for k, v in other.config.items() if k != "name"}
+            if (self._seg is not None or other is self or mine != theirs
+                    or other._width != self._width):
+                return -1
+            with other._lock:  # a delta still applying to it finishes first
+                other._lock = self._lock
+            other.name = self.name
+            other.sequence = self.sequence
+            other.initializer, other.optimizer = self.initializer, self.optimizer
+            seq = self.sequence.next()
+            stamps = other._row_seq[:other._hwm]
+            np.copyto(stamps, seq, where=stamps > 0)
+            other._track = self._track
+            other._changes = _ChangeLog()
+            other._changes.floor = seq  # rows written before seq: all of them (a scan)
+            other._tombstones, other._tomb_keys = [], 0  # deletions go to this table's log
+            self._seg, self._seg_mask, self._seg_ns = other, slot_mask.copy(), int(num_slots)
+            self._seg_cursor = 0
+            self._seg_keys = other._row_key  # the segment never allocates: stable
+            return len(other._index)
+
+    def merge_segment(self, max_rows: int = 1 << 14) -> int:
+        """Move the next ``max_rows`` arena rows of the segment into this table, under one
+        table-lock hold; returns the rows the segment still holds (0: merged, the segment
+        is gone). A moved row keeps its value, slots, count and sequence number (it is not
+        a write); it is put in this table's change log so that "changed since V" stays
+        exact, and it goes to a fresh row past the high-water mark (a paged export reads
+        the segment first, then this table). Rows of other slots than the segment's
+        (never served) are dropped."""
+        with self._lock:
+            seg = self._seg
+            if seg is None:
+                return 0
+            c = self._seg_cursor
+            stop = min(seg._hwm, c + max(int(max_rows), 1))
+            sel = np.flatnonzero(seg._row_seq[c:stop] > 0)
+            if sel.size:
+                sel += c
+                keys = seg._row_key.take(sel)
+                ours = self._seg_mask[slot_of(keys, self._seg_ns)]
+                if not ours.all():
+                    seg._index.remove(keys[~ours])
+                    seg._row_seq[sel[~ours]] = 0
+                    keep = np.flatnonzero(ours)
+                    sel, keys = sel.take(keep), keys.take(keep)
+            if sel.size:
+                block = seg._gather_rows(sel)
+                # a key this table already holds (left over from an older owner of these
+                # slots): the segment's row wins, as a copy would have overwritten it
+                rows = self._index.find(keys)
+                miss = np.flatnonzero(rows < 0)
+                if miss.size:
+                    got, new_keys, new_rows = self._index.insert_new(keys.take(miss),
+                                                                     self._allocate_fresh)
+                    rows[miss] = got
+                    self._row_key[new_rows] = new_keys
+                self._scatter_rows(rows, block)
+                self._row_seq[rows] = seg._row_seq.take(sel)
+                self._row_count[rows] = seg._row_count.take(sel)
+                # logged under the newest number issued: "changed since V" for any V below
+                # a moved row's own number lists it (it is filtered by its row_seq)
+                self._log_write(self.sequence.value, rows)
+                seg._index.remove(keys)
+                seg._row_seq[sel] = 0  # not onto the free list: the segment never allocates
+                seg._row_count[sel] = 0
+            self._seg_cursor = stop
+            if stop >= seg._hwm or not len(seg._index):
+                self._seg = self._seg_mask = None  # _seg_keys stays for plans made before
+                return 0
+            return len(seg._index)
+
+    def merge_all(self, max_rows: int = 1 << 14) -> None:
+        """Merge the whole segment, releasing the lock between steps."""
+        while self.merge_segment(max_rows):
+            _yield()
 
 
 class EmbeddingStore:
