@@ -17,7 +17,8 @@ import zstandard
 
 from deeprec_ext.hashing import slot_of
 
-from checkpoint.format import (CHUNK_FIELDS, DIR_RE, READABLE_VERSIONS, KIND_ARRAY, KIND_END,
+from checkpoint.format import (CHUNK_FIELDS, DIR_RE, FLAG_RAW, READABLE_VERSIONS, KIND_ARRAY,
+                               KIND_END,
                                KIND_ROWS, KIND_TOMBSTONES, MANIFEST_FORMAT,
                                MANIFEST_NAME, CheckpointError, NoValidCheckpoint, crc32,
                                data_width, decode_header, header_size, manifest_checksum)
@@ -77,7 +78,8 @@ def load_manifest(ckpt_dir) -> dict:
             _req(isinstance(e["path"], str) and "/" not in e["path"] and e["path"][:1] != ".",
                  "file path")
             _req(e["type"] in ("rows", "dense"), "file type")
-            _req(type(e["size"]) is int and isinstance(e["sha256"], str), "file size/sha256")
+            _req(type(e["size"]) is int and (isinstance(e.get("sha256"), str) or (
+                m["version"] >= 3 and e.get("sha256") is None)), "file size/sha256")
             _req(isinstance(e["chunks"], list), "chunk index")
             if e["type"] == "rows":
                 _req(e["table"] in m["tables"], f"table of {e['path']}")
@@ -179,7 +181,15 @@ class RestoreInfo:
 
 
 # ----------------------------------------------------------------------------- verification
-def _decode_payload(comp: bytes, raw_len: int, where: str) -> bytes:
+def _decode_payload(comp: bytes, h: dict, where: str) -> bytes:
+    """A chunk's payload bytes: ``comp`` itself for a stored chunk (its crc32 was checked
+    by the caller), else the zstd frame decompressed (xxh64 content checksum checked)."""
+    raw_len = h["raw_len"]
+    if h["flags"] & FLAG_RAW:
+        if len(comp) != raw_len:
+            raise CheckpointError(f"{where}: stored payload of {len(comp)} bytes, expected "
+                                  f"{raw_len}")
+        return comp
     try:
         raw = zstandard.ZstdDecompressor().decompress(comp, max_output_size=raw_len)
     except zstandard.ZstdError as e:
@@ -213,7 +223,7 @@ def _check_chunk_header(buf, off: int, ch: list, name: str, num_slots: int, w: i
 
 
 def _deep_check(comp: bytes, h: dict, num_slots: int, where: str) -> None:
-    raw = _decode_payload(comp, h["raw_len"], where)
+    raw = _decode_payload(comp, h, where)
     if h["kind"] in (KIND_ROWS, KIND_TOMBSTONES):
         w = h["row_width"] if h["kind"] == KIND_ROWS else 0
         keys, rows = _split_rows(raw, h["n"], w, where)
@@ -228,8 +238,8 @@ def _deep_check(comp: bytes, h: dict, num_slots: int, where: str) -> None:
 
 def verify_file(ckpt_dir: Path, entry: dict, manifest: dict, deep: bool = True,
                 pool: ThreadPoolExecutor | None = None) -> None:
-    """Check one data file completely: size, sha256, every chunk header and payload
-    crc32, the END chunk; ``deep`` also decompresses (zstd content checksum, lengths,
+    """Check one data file completely: size, sha256 (formats 1-2; from format 3 on the
+    chunk crc32s cover every byte), every chunk header and payload crc32, the END chunk; ``deep`` also decompresses (zstd content checksum, lengths,
     slot ranges, finiteness). Raises CheckpointError naming the file and problem."""
     path = ckpt_dir / entry["path"]
     where_f = f"{ckpt_dir.name}/{entry['path']}"
@@ -243,7 +253,7 @@ def verify_file(ckpt_dir: Path, entry: dict, manifest: dict, deep: bool = True,
     if size != entry["size"]:
         raise CheckpointError(f"{where_f}: size {size} != {entry['size']} in the manifest "
                               f"({'truncated' if size < entry['size'] else 'extra bytes'})")
-    sha = hashlib.sha256()
+    sha = hashlib.sha256() if entry.get("sha256") is not None else None
     futures = deque()
     with open(path, "rb") as f:
         pos = 0
@@ -254,7 +264,8 @@ def verify_file(ckpt_dir: Path, entry: dict, manifest: dict, deep: bool = True,
             cname = name if name is not None else _array_name_of(entry, i)
             hlen = header_size(cname.encode("utf-8"))
             buf = f.read(hlen + ch[_CI["comp_len"]])
-            sha.update(buf)
+            if sha is not None:
+                sha.update(buf)
             if len(buf) != hlen + ch[_CI["comp_len"]]:
                 raise CheckpointError(f"{where}: truncated")
             h = _check_chunk_header(buf, pos, ch, cname, num_slots, w, where)
@@ -270,7 +281,8 @@ def verify_file(ckpt_dir: Path, entry: dict, manifest: dict, deep: bool = True,
                     _deep_check(comp, h, num_slots, where)
             pos += len(buf)
         rest = f.read()
-        sha.update(rest)
+        if sha is not None:
+            sha.update(rest)
     while futures:
         futures.popleft().result()
     where = f"{where_f}: END chunk at offset {pos}"
@@ -278,7 +290,7 @@ def verify_file(ckpt_dir: Path, entry: dict, manifest: dict, deep: bool = True,
     if h["kind"] != KIND_END or h["n"] != len(entry["chunks"]) or h["raw_len"] != pos \
             or h["header_len"] != len(rest):
         raise CheckpointError(f"{where}: bad END chunk")
-    if sha.hexdigest() != entry["sha256"]:
+    if sha is not None and sha.hexdigest() != entry["sha256"]:
         raise CheckpointError(f"{where_f}: sha256 mismatch")
 
 
@@ -724,7 +736,7 @@ def _load_chunk(path: Path, e: dict, ci: int, name: str, manifest: dict, w: int,
     finally:
         os.close(fd)
     where = f"{where_f}: chunk {ci}"
-    raw = _decode_payload(comp, h["raw_len"], where)
+    raw = _decode_payload(comp, h, where)
     if h["kind"] == KIND_ARRAY:
         return h, raw, None, len(comp)
     keys, rows = _split_rows(raw, h["n"], w if h["kind"] == KIND_ROWS else 0, where)
@@ -806,25 +818,67 @@ def _apply(plan: _Plan, chain, sink, slot_mask):
 
 
 # ----------------------------------------------------------------------------- retention
-def apply_retention(root, keep_chains: int = 2, verify: str = "full") -> list[str]:
+def _check_new(c: Checkpoint) -> None:
+    """Chunk-level check of the files of ``c`` (the checkpoint just committed): every
+    chunk header (against the manifest's index) and payload crc32 and the END chunk, no
+    decompression; problems go to ``c.problems``. Reads the bytes of ``c`` only."""
+    if not c.valid or c.level == "chunks":
+        return
+    c.level = "chunks"
+    plan = _Plan([c], None)
+    try:
+        _prevalidate(plan)
+    except CheckpointError as err:
+        c.problems.append(str(err))
+
+
+def apply_retention(root, keep_chains: int = 2, verify: str = "new") -> list[str]:
     """Delete checkpoints older than the newest ``keep_chains`` restorable chains (and
     older incomplete or corrupt ones). Never deletes the newest restorable chain, nor
     anything when no chain is restorable, nor anything newer than the oldest kept chain
-    (e.g. a checkpoint still being written). Returns the deleted directory names."""
+    (e.g. a checkpoint still being written). Returns the deleted directory names.
+
+    ``verify``: how the checkpoints are checked before chains are formed. ``"new"`` (the
+    default, run after each commit): manifests and file sizes of all, and every chunk's
+    header and crc32 of the newest checkpoint only -- what was just written, which
+    earlier runs have not seen; older ones were checked when they were the newest. Its
+    cost is proportional to the new checkpoint, so an incremental's retention pass does
+    not read the full it builds on. ``"manifest"``: manifests and sizes only; ``"full"``:
+    every byte of every checkpoint."""
     if isinstance(keep_chains, bool) or not isinstance(keep_chains, int) or keep_chains < 1:
         raise ValueError(f"keep_chains must be an integer >= 1, got {keep_chains!r}")
+    if verify not in ("new", "manifest", "full"):
+        raise ValueError(f"verify must be 'new', 'manifest' or 'full', got {verify!r}")
     root = Path(root)
-    chains = list_chains(root, verify)
-    if not chains:
-        log.warning("retention: no restorable checkpoint under %s; nothing deleted", root)
-        return []
-    kept = chains[:keep_chains]
-    floor = min(ch.root.id for ch in kept)
+    cks = scan(root, "full" if verify == "full" else "manifest")
+    if verify == "new":
+        newest = [c for c in cks if c.valid]
+        if newest:
+            _check_new(newest[-1])
+    while True:
+        chains = _chains(cks)
+        if not chains:
+            _warn_invalid(cks)
+            log.warning("retention: no restorable checkpoint under %s; nothing deleted", root)
+            return []
+        kept = chains[:keep_chains]
+        floor = min(ch.root.id for ch in kept)
+        doomed = [p for p in sorted(root.iterdir())
+                  if (m := DIR_RE.match(p.name)) and p.is_dir() and int(m.group(1)) < floor]
+        if not doomed or verify != "new":
+            break
+        # about to delete: first check every chunk of the chains kept instead (once per
+        # new chain, not per incremental), so bit rot in a kept checkpoint never costs the
+        # older chain that would replace it
+        unseen = [c for ch in kept for c in ch.checkpoints if c.level != "chunks"]
+        if not unseen:
+            break
+        for c in unseen:
+            _check_new(c)
+            c.level = "chunks"
+    _warn_invalid(cks)
     deleted = []
-    for p in sorted(root.iterdir()):
-        m = DIR_RE.match(p.name)
-        if not (m and p.is_dir() and int(m.group(1)) < floor):
-            continue
+    for p in doomed:
         trash = root / f".deleting-{p.name}-{os.getpid()}"
         os.replace(p, trash)  # atomic: readers never see a half-deleted checkpoint
         shutil.rmtree(trash, ignore_errors=True)

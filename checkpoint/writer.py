@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import copy
+import ctypes
+import ctypes.util
 import hashlib
 import json
 import logging
 import os
+import sys
 import threading
+import zlib
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +23,8 @@ import zstandard
 from deeprec_ext.hashing import DEFAULT_NUM_SLOTS, slot_of
 from deeprec_ext.store import EmbeddingTable
 
-from checkpoint.format import (CHUNK_FIELDS, FORMAT_VERSION, KIND_ARRAY, KIND_END, KIND_ROWS,
+import checkpoint.format as _fmt
+from checkpoint.format import (CHUNK_FIELDS, FLAG_RAW, KIND_ARRAY, KIND_END, KIND_ROWS,
                                KIND_TOMBSTONES, MANIFEST_FORMAT, MANIFEST_NAME, CheckpointError,
                                crc32, dir_name, encode_header, manifest_checksum, quote_name)
 
@@ -29,7 +34,70 @@ ROWS_PER_CHUNK = 1 << 16          # ~64k rows per chunk ...
 CHUNK_RAW_BYTES = 4 << 20         # ... but at most ~4 MB uncompressed (wide rows)
 TOMBSTONES_PER_CHUNK = 1 << 20    # tombstone chunks hold keys only
 ZSTD_LEVEL = 1                    # float rows barely compress; level 1 is ~2x faster than 3
-_EXTRA_IN_FLIGHT = 1              # chunks being compressed: one per thread, plus this
+# "auto": a chunk is compressed only when zstd pays, i.e. a sample of it (PROBE_FRACTION of
+# its bytes) shrinks by at least ZSTD_MIN_SAVING; otherwise it is stored as is (FLAG_RAW).
+# Trained float rows shrink by ~10% at level 1 for ~300 MB/s per core, less than a core
+# copies or the page cache takes them; constant or sparse columns (fresh optimizer slots,
+# zeros, sequential ids) shrink by 40-90% and compress at GB/s. See docs/BENCHMARKS.md.
+COMPRESS = "auto"                 # "auto" | "always" | "never"
+ZSTD_MIN_SAVING = 0.25
+PROBE_FRACTION = 1 / 16
+WRITEBACK_BYTES = 32 << 20        # start the disk write-back of every ~32 MB as it is written
+_EXTRA_IN_FLIGHT = 1              # chunks being encoded: one per thread, plus this
+_LITTLE = sys.byteorder == "little"
+
+
+def _load_sync_file_range():
+    """``sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE)`` (Linux): start the write-back
+    of a written range without waiting for it, so the final fsync finds little left to
+    write. None where unavailable (then the fsync does it all)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _write_all(fd: int, bufs) -> int:
+    """Write every buffer (bytes or C-contiguous arrays) to ``fd`` with writev, no join."""
+    views = [memoryview(b).cast("B") for b in bufs]
+    views = [v for v in views if v.nbytes]
+    total = sum(v.nbytes for v in views)
+    while views:
+        n = os.writev(fd, views[:512])
+        while n:
+            if n >= views[0].nbytes:
+                n -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
+    return total
+
+
+class _Writeback:
+    """Starts the disk write-back of a file's bytes as they are written (every
+    ``WRITEBACK_BYTES``), so the fsync that closes it overlaps the encoding instead of
+    following it."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.done = 0
+
+    def wrote(self, pos: int) -> None:
+        if _SYNC_FILE_RANGE is None or pos - self.done < WRITEBACK_BYTES:
+            return
+        if _SYNC_FILE_RANGE(self.fd, self.done, pos - self.done, _SYNC_FILE_RANGE_WRITE) == 0:
+            self.done = pos
 
 
 class CheckpointCancelled(Exception):
@@ -105,18 +173,18 @@ class CheckpointWriter:
     :meth:`file_entries` to the one writer that does (:meth:`add_file_entries`).
     """
 
-    def _close_file(self, f, sha, name: bytes, chunks: int, pos: int) -> int:
+    def _close_file(self, fd: int, sha, name: bytes, chunks: int, pos: int) -> int:
         """The END header that closes a data file, then fsync; returns the new offset."""
         end = encode_header(KIND_END, name, self.num_slots, 0, 0, chunks, 0, pos, 0, 0)
-        f.write(end)
-        sha.update(end)
-        f.flush()
-        os.fsync(f.fileno())
+        _write_all(fd, [end])
+        if sha is not None:
+            sha.update(end)
+        os.fsync(fd)
         return pos + len(end)
 
     def __init__(self, root, ckpt_id: int, kind: str = "full", parent: int | None = None,
                  num_slots: int = DEFAULT_NUM_SLOTS, level: int = ZSTD_LEVEL,
-                 threads: int | None = None):
+                 threads: int | None = None, compress: str | None = None):
         if kind not in ("full", "incr"):
             raise ValueError(f"kind must be 'full' or 'incr', got {kind!r}")
         if isinstance(ckpt_id, bool) or not isinstance(ckpt_id, (int, np.integer)) or ckpt_id < 0:
@@ -129,6 +197,12 @@ class CheckpointWriter:
         self.kind = kind
         self.num_slots = int(num_slots)
         self.level = int(level)
+        # the layout written: format 3, or (tests, tools) an older one exactly as it was
+        self.version = int(_fmt.FORMAT_VERSION)
+        compress = COMPRESS if compress is None else compress
+        if compress not in ("auto", "always", "never"):
+            raise ValueError(f"compress must be 'auto', 'always' or 'never', got {compress!r}")
+        self.compress = compress if self.version >= 3 else "always"
         self.threads = max(1, int(threads if threads is not None else min(4, os.cpu_count() or 1)))
         self._lock = threading.Lock()
         self._files: dict[str, dict] = {}
@@ -331,61 +405,91 @@ class CheckpointWriter:
 
     def _write_data_file(self, path: Path, name: str, parts) -> dict:
         """Write chunks given by ``parts`` (iterables of (kind, keys, rows, slot_lo,
-        slot_hi), in slot order), compressing up to one chunk per thread (plus one) while
-        the next is read; returns the file's manifest entry (size, sha256, raw_bytes,
-        chunk index)."""
+        slot_hi), in slot order), encoding up to one chunk per thread (plus one) while
+        the next is read; returns the file's manifest entry (size, sha256 (None from
+        format 3 on), raw_bytes, chunk index).
+
+        Each chunk is written with one writev of header + payload buffers (a stored
+        chunk: the gathered keys and rows themselves, no joined copy), and the disk
+        write-back of the file is started as it grows (:class:`_Writeback`)."""
         bname = name.encode("utf-8")
         pool = self._get_pool()
         window = deque()
         index = []
-        sha = hashlib.sha256()
+        sha = hashlib.sha256() if self.version < 3 else None
         pos = 0
         raw_total = 0
 
-        def drain_one(f):
+        def drain_one(fd, wb):
             nonlocal pos, raw_total
             kind, n, lo, hi, w, fut = window.popleft()
-            comp, raw_len, ccrc = fut.result()
+            bufs, raw_len, comp_len, ccrc, flags = fut.result()
             head = encode_header(kind, bname, self.num_slots, lo, hi, n, w, raw_len,
-                                 len(comp), ccrc)
-            f.write(head)
-            f.write(comp)
-            sha.update(head)
-            sha.update(comp)
-            index.append([pos, kind, n, lo, hi, raw_len, len(comp), ccrc])
-            pos += len(head) + len(comp)
+                                 comp_len, ccrc, flags)
+            _write_all(fd, [head, *bufs])
+            if sha is not None:
+                sha.update(head)
+                for b in bufs:
+                    sha.update(b)
+            index.append([pos, kind, n, lo, hi, raw_len, comp_len, ccrc])
+            pos += len(head) + comp_len
             raw_total += raw_len
+            wb.wrote(pos)
 
         self._created_files.append(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            with open(path, "wb") as f:
-                for part in parts:
-                    for kind, keys, rows, lo, hi in part:
-                        w = 0 if rows is None else int(rows.shape[1])
-                        while len(window) >= self.threads + _EXTRA_IN_FLIGHT:
-                            drain_one(f)
-                        window.append((kind, int(keys.size), lo, hi, w,
-                                       pool.submit(self._payload, keys, rows)))
-                        del keys, rows
-                while window:
-                    drain_one(f)
-                pos = self._close_file(f, sha, bname, len(index), pos)
+            wb = _Writeback(fd)
+            for part in parts:
+                for kind, keys, rows, lo, hi in part:
+                    w = 0 if rows is None else int(rows.shape[1])
+                    while len(window) >= self.threads + _EXTRA_IN_FLIGHT:
+                        drain_one(fd, wb)
+                    window.append((kind, int(keys.size), lo, hi, w,
+                                   pool.submit(self._encode, keys, rows)))
+                    del keys, rows
+            while window:
+                drain_one(fd, wb)
+            pos = self._close_file(fd, sha, bname, len(index), pos)
         finally:
-            for *_, fut in window:  # an error: do not leave compressions running
+            os.close(fd)
+            for *_, fut in window:  # an error: do not leave encodings running
                 fut.cancel()
-        return {"size": pos, "sha256": sha.hexdigest(), "raw_bytes": raw_total,
-                "chunks": index}
+        return {"size": pos, "sha256": sha.hexdigest() if sha is not None else None,
+                "raw_bytes": raw_total, "chunks": index}
 
-    def _payload(self, keys, rows):
-        """One chunk's compressed payload: ``keys int64 LE || rows float32 LE``."""
-        n = int(keys.size)
-        nbytes = 8 * n + (0 if rows is None else 4 * rows.size)
-        buf = np.empty(nbytes, dtype=np.uint8)
-        buf[:8 * n].view("<i8")[:] = keys
-        if rows is not None:
-            buf[8 * n:].view("<f4").reshape(rows.shape)[:] = rows
-        comp = self._compressor().compress(buf)
-        return comp, buf.nbytes, crc32(comp)
+    def _pays(self, views: list) -> bool:
+        """Whether zstd pays for a payload: a sample of it (PROBE_FRACTION of each part,
+        from its start) shrinks by at least ZSTD_MIN_SAVING at this writer's level."""
+        sample = [v[:max(4096, int(v.nbytes * PROBE_FRACTION))] for v in views]
+        n = sum(v.nbytes for v in sample)
+        if n == 0:
+            return False
+        comp = self._compressor().compress(b"".join(sample))
+        return len(comp) <= (1.0 - ZSTD_MIN_SAVING) * n
+
+    def _encode(self, keys, rows):
+        """One chunk's payload ``keys int64 LE || rows float32 LE`` (``keys``: any array
+        for a dense piece): ``(buffers, raw_len, comp_len, crc32, flags)``, either one zstd
+        frame or (format 3, where zstd does not pay) the arrays themselves, stored."""
+        if _LITTLE:
+            parts = [np.ascontiguousarray(keys)]
+            if rows is not None:
+                parts.append(np.ascontiguousarray(rows, dtype=np.float32))
+        else:  # pragma: no cover - the format is little-endian
+            parts = [np.ascontiguousarray(keys, dtype=keys.dtype.newbyteorder("<"))]
+            if rows is not None:
+                parts.append(np.ascontiguousarray(rows, dtype="<f4"))
+        views = [memoryview(p).cast("B") for p in parts]
+        raw_len = sum(v.nbytes for v in views)
+        if self.compress == "never" or (self.compress == "auto" and not self._pays(views)):
+            c = 0
+            for v in views:
+                c = zlib.crc32(v, c)
+            return views, raw_len, raw_len, c & 0xFFFFFFFF, FLAG_RAW
+        cobj = self._compressor().compressobj(size=raw_len)
+        comp = b"".join([*(cobj.compress(v) for v in views), cobj.flush()])
+        return [comp], raw_len, len(comp), crc32(comp), 0
 
     def write_dense(self, variables: dict, writer_id: str = "dense") -> dict:
         """Store named numeric numpy arrays (e.g. dense variables or other worker state
@@ -407,11 +511,11 @@ class CheckpointWriter:
         try:
             path = self.dir / fname
             self._created_files.append(path)
-            sha = hashlib.sha256()
+            sha = hashlib.sha256() if self.version < 3 else None
             index, pos, raw_total = [], 0, 0
             meta = {}
-            c = self._compressor()
-            with open(path, "wb") as f:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
                 for name, a in arrays.items():
                     meta[name] = {"dtype": a.dtype.str, "shape": list(a.shape),
                                   "chunks": 0}
@@ -419,26 +523,29 @@ class CheckpointWriter:
                     raw = a.reshape(-1).view(np.uint8)
                     for s in range(0, max(raw.size, 1), CHUNK_RAW_BYTES):
                         piece = raw[s:s + CHUNK_RAW_BYTES]
-                        comp = c.compress(piece)
-                        ccrc = crc32(comp)
+                        bufs, raw_len, comp_len, ccrc, flags = self._encode(piece, None)
                         head = encode_header(KIND_ARRAY, bname, self.num_slots, 0, 0,
-                                             piece.size, 0, piece.size, len(comp), ccrc)
-                        f.write(head)
-                        f.write(comp)
-                        sha.update(head)
-                        sha.update(comp)
-                        index.append([pos, KIND_ARRAY, piece.size, 0, 0, piece.size,
-                                      len(comp), ccrc])
-                        pos += len(head) + len(comp)
-                        raw_total += piece.size
+                                             piece.size, 0, raw_len, comp_len, ccrc, flags)
+                        _write_all(fd, [head, *bufs])
+                        if sha is not None:
+                            sha.update(head)
+                            for b in bufs:
+                                sha.update(b)
+                        index.append([pos, KIND_ARRAY, piece.size, 0, 0, raw_len,
+                                      comp_len, ccrc])
+                        pos += len(head) + comp_len
+                        raw_total += raw_len
                         meta[name]["chunks"] += 1
-                pos = self._close_file(f, sha, b"", len(index), pos)
+                pos = self._close_file(fd, sha, b"", len(index), pos)
+            finally:
+                os.close(fd)
         except BaseException:
             with self._lock:
                 self._files.pop(fname, None)
             raise
         entry = {"path": fname, "type": "dense", "writer": str(writer_id), "table": None,
-                 "size": pos, "sha256": sha.hexdigest(), "raw_bytes": raw_total,
+                 "size": pos, "sha256": sha.hexdigest() if sha is not None else None,
+                 "raw_bytes": raw_total,
                  "chunks": index, "arrays": meta}
         with self._lock:
             self._files[fname] = entry
@@ -521,7 +628,7 @@ class CheckpointWriter:
                                     tombstones=sum(e["tombstones"] for e in mine))
             now = time.time()
             body = {
-                "format": MANIFEST_FORMAT, "version": FORMAT_VERSION,
+                "format": MANIFEST_FORMAT, "version": self.version,
                 "id": self.id, "kind": self.kind, "parent": self.parent,
                 "parent_checksum": self._parent_checksum,
                 "created": now,

@@ -426,7 +426,8 @@ def test_retention_keeps_newest_chains(tmp_path):
         write(tmp_path, full + 1, s, "incr", parent=full, cuts=cuts)
     (tmp_path / "ckpt-00000009-full").mkdir()  # being written: no manifest yet
     corrupt(tmp_path, "ckpt-00000007-full", "bitflip")  # newest chain is bad
-    deleted = apply_retention(tmp_path, keep_chains=2)
+    # a bit flip in the chain's older checkpoint: found by reading every byte
+    deleted = apply_retention(tmp_path, keep_chains=2, verify="full")
     assert deleted == ["ckpt-00000001-full", "ckpt-00000002-incr"]
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == ["ckpt-00000003-full", "ckpt-00000004-incr", "ckpt-00000005-full",
