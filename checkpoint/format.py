@@ -104,7 +104,7 @@ def decode_header(buf: bytes, where: str) -> dict:
     if flags & FLAG_RAW and comp_len != raw_len:
         raise CheckpointError(f"{where}: stored chunk with comp_len {comp_len} != raw_len "
                               f"{raw_len}")
-    return {"kind": kind, "flags": flags, "num_slots": num_slots, "slot_lo": slot_lo,
+    return {"kind": kind, "version": version, "flags": flags, "num_slots": num_slots, "slot_lo": slot_lo,
             "slot_hi": slot_hi, "n": n, "row_width": row_width, "raw_len": raw_len,
             "comp_len": comp_len, "crc32": payload_crc,
             "name": bytes(buf[HEADER.size:end]).decode("utf-8", "replace"),

@@ -33,6 +33,12 @@ log = logging.getLogger("checkpoint")
 ROWS_PER_CHUNK = 1 << 16          # ~64k rows per chunk ...
 CHUNK_RAW_BYTES = 4 << 20         # ... but at most ~4 MB uncompressed (wide rows)
 TOMBSTONES_PER_CHUNK = 1 << 20    # tombstone chunks hold keys only
+# Full exports scan the arena sequentially, SCAN_SLICE_ROWS rows per table-lock hold, and
+# deal each slice's rows into SCAN_BUCKETS contiguous slot ranges; a bucket becomes a
+# chunk once it holds BUCKET_CHUNK_BYTES. Pending rows: about SCAN_BUCKETS x that.
+SCAN_SLICE_ROWS = 1 << 14
+SCAN_BUCKETS = 32
+BUCKET_CHUNK_BYTES = 2 << 20
 ZSTD_LEVEL = 1                    # float rows barely compress; level 1 is ~2x faster than 3
 # "auto": a chunk is compressed only when zstd pays, i.e. a sample of it (PROBE_FRACTION of
 # its bytes) shrinks by at least ZSTD_MIN_SAVING; otherwise it is stored as is (FLAG_RAW).
@@ -349,10 +355,14 @@ class CheckpointWriter:
                     else np.empty(0, np.int64))
             if tomb.size and slot_mask is not None:
                 tomb = tomb[slot_mask[slot_of(tomb, self.num_slots)]]
-            codes, row_bits = table.plan_export(export_mask, since_seq)
             written = [0]
             chunks = self._tombstone_chunks(tomb)
-            rows_chunks = self._row_chunks(table, info, codes, row_bits, written, cancelled)
+            if self.kind == "full":
+                rows_chunks = self._scan_chunks(table, info, slot_mask, written, cancelled)
+            else:  # the rows changed since since_seq, from the change log: a plan
+                codes, row_bits = table.plan_export(export_mask, since_seq)
+                rows_chunks = self._row_chunks(table, info, codes, row_bits, written,
+                                               cancelled)
             path = self.dir / fname
             entry = self._write_data_file(path, name, (*chunks, rows_chunks))
         except BaseException:
@@ -380,7 +390,7 @@ class CheckpointWriter:
         order = _slot_order(slots, self.num_slots)
         keys, slots = keys.take(order), slots.take(order)
         per = min(TOMBSTONES_PER_CHUNK, max(4096, -(-m // self.threads)))
-        return ([(KIND_TOMBSTONES, keys[s:s + per], None, int(slots[s]),
+        return ([(KIND_TOMBSTONES, [keys[s:s + per]], None, int(slots[s]),
                   int(slots[min(s + per, m) - 1]))] for s in range(0, m, per))
 
     def _row_chunks(self, table: EmbeddingTable, info: dict, codes: np.ndarray, row_bits: int,
@@ -401,7 +411,65 @@ class CheckpointWriter:
                 raise ValueError(f"table '{table.name}' was reconfigured while being written")
             if keys.size:
                 written[0] += int(keys.size)
-                yield KIND_ROWS, keys, rows, int(slots[0]), int(slots[-1])
+                yield KIND_ROWS, [keys], [rows], int(slots[0]), int(slots[-1])
+
+    def _scan_chunks(self, table: EmbeddingTable, info: dict, slot_mask, written: list,
+                     cancelled):
+        """Row chunks of a full export, streaming the arena in row order
+        (``EmbeddingTable.scan_live``: one sequential copy per slice under one short
+        table-lock hold) -- no plan, no global sort, no random gather over the table.
+
+        Each slice is sorted by slot (a radix sort of a few thousand rows) and dealt into
+        ``SCAN_BUCKETS`` contiguous slot ranges; a bucket is written as one chunk once it
+        holds about ``BUCKET_CHUNK_BYTES`` (its pieces are written as they are, no join).
+        A chunk's keys lie in its slot range, sorted by slot within each piece (format
+        3); a restore of some slots reads the chunks of the buckets they touch only."""
+        with_counts = bool(info.get("counts"))
+        w = info["row_width"] + (1 if with_counts else 0)
+        nb = max(1, min(SCAN_BUCKETS, self.num_slots))
+        span = -(-self.num_slots // nb)  # slots per bucket
+        target = max(256, BUCKET_CHUNK_BYTES // (8 + 4 * w))
+        pend = [[] for _ in range(nb)]
+        count = np.zeros(nb, dtype=np.int64)
+        edges = np.arange(nb + 1, dtype=np.int64) * span
+
+        def emit(b):
+            parts = pend[b]
+            pend[b] = []
+            count[b] = 0
+            return (KIND_ROWS, [p[0] for p in parts], [p[1] for p in parts],
+                    min(p[2] for p in parts), max(p[3] for p in parts))
+
+        row = 0
+        while row is not None:
+            _check_cancelled(cancelled)
+            keys, rows, row = table.scan_live(row, SCAN_SLICE_ROWS, with_counts=with_counts)
+            if rows.shape[1] != w:
+                raise ValueError(f"table '{table.name}' was reconfigured while being written")
+            if not keys.size:
+                continue
+            slots = slot_of(keys, self.num_slots)
+            if slot_mask is not None:
+                keep = slot_mask[slots]
+                if not keep.all():
+                    keep = np.flatnonzero(keep)
+                    keys, rows, slots = keys.take(keep), rows.take(keep, axis=0), \
+                        slots.take(keep)
+                    if not keys.size:
+                        continue
+            order = _slot_order(slots, self.num_slots)
+            keys, rows, slots = keys.take(order), rows.take(order, axis=0), slots.take(order)
+            written[0] += int(keys.size)
+            bounds = np.searchsorted(slots, edges)
+            for b in np.flatnonzero(bounds[1:] > bounds[:-1]).tolist():
+                s, e = int(bounds[b]), int(bounds[b + 1])
+                pend[b].append((keys[s:e], rows[s:e], int(slots[s]), int(slots[e - 1])))
+                count[b] += e - s
+                if count[b] >= target:
+                    yield emit(b)
+        for b in range(nb):
+            if count[b]:
+                yield emit(b)
 
     def _write_data_file(self, path: Path, name: str, parts) -> dict:
         """Write chunks given by ``parts`` (iterables of (kind, keys, rows, slot_lo,
@@ -442,10 +510,10 @@ class CheckpointWriter:
             wb = _Writeback(fd)
             for part in parts:
                 for kind, keys, rows, lo, hi in part:
-                    w = 0 if rows is None else int(rows.shape[1])
+                    w = 0 if rows is None else int(rows[0].shape[1])
                     while len(window) >= self.threads + _EXTRA_IN_FLIGHT:
                         drain_one(fd, wb)
-                    window.append((kind, int(keys.size), lo, hi, w,
+                    window.append((kind, sum(int(k.size) for k in keys), lo, hi, w,
                                    pool.submit(self._encode, keys, rows)))
                     del keys, rows
             while window:
@@ -468,18 +536,16 @@ class CheckpointWriter:
         comp = self._compressor().compress(b"".join(sample))
         return len(comp) <= (1.0 - ZSTD_MIN_SAVING) * n
 
-    def _encode(self, keys, rows):
-        """One chunk's payload ``keys int64 LE || rows float32 LE`` (``keys``: any array
-        for a dense piece): ``(buffers, raw_len, comp_len, crc32, flags)``, either one zstd
-        frame or (format 3, where zstd does not pay) the arrays themselves, stored."""
+    def _encode(self, keys: list, rows: list | None):
+        """One chunk's payload ``keys int64 LE || rows float32 LE`` from lists of pieces
+        (``keys``: any arrays for a dense piece): ``(buffers, raw_len, comp_len, crc32,
+        flags)``, either one zstd frame or (format 3, where zstd does not pay) the pieces
+        themselves, stored."""
+        arrays = list(keys) + (list(rows) if rows is not None else [])
         if _LITTLE:
-            parts = [np.ascontiguousarray(keys)]
-            if rows is not None:
-                parts.append(np.ascontiguousarray(rows, dtype=np.float32))
+            parts = [np.ascontiguousarray(a) for a in arrays]
         else:  # pragma: no cover - the format is little-endian
-            parts = [np.ascontiguousarray(keys, dtype=keys.dtype.newbyteorder("<"))]
-            if rows is not None:
-                parts.append(np.ascontiguousarray(rows, dtype="<f4"))
+            parts = [np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")) for a in arrays]
         views = [memoryview(p).cast("B") for p in parts]
         raw_len = sum(v.nbytes for v in views)
         if self.compress == "never" or (self.compress == "auto" and not self._pays(views)):
@@ -523,7 +589,7 @@ class CheckpointWriter:
                     raw = a.reshape(-1).view(np.uint8)
                     for s in range(0, max(raw.size, 1), CHUNK_RAW_BYTES):
                         piece = raw[s:s + CHUNK_RAW_BYTES]
-                        bufs, raw_len, comp_len, ccrc, flags = self._encode(piece, None)
+                        bufs, raw_len, comp_len, ccrc, flags = self._encode([piece], None)
                         head = encode_header(KIND_ARRAY, bname, self.num_slots, 0, 0,
                                              piece.size, 0, raw_len, comp_len, ccrc, flags)
                         _write_all(fd, [head, *bufs])
