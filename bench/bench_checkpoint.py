@@ -6,14 +6,17 @@
 One table, dim 16, Adagrad (value + accumulator), one gradient step on every row, so the
 accumulators are trained values, not the constant initial one. Then, in this order:
 
-1. ``tf.train.Checkpoint`` in a subprocess (TensorFlow is not imported here), on the SAME
-   values and accumulators (exported from the table, handed over as .npy files):
-   ``write`` (no fsync: TF does not sync, checked with strace), ``write`` + fsync of
-   every file it wrote (what a durable TF checkpoint costs), and ``read`` into fresh
-   variables. Best of ``--reps``.
-2. This format: full checkpoint = ``write_table`` + ``commit`` (fsync included) +
-   ``apply_retention(verify="new")``, as the AIMaster runs it; restore of the whole table
-   into an empty store. Best of ``--reps``.
+1. ``--reps`` rounds, each alternating ``tf.train.Checkpoint`` (in a subprocess driven
+   over stdin; TensorFlow is not imported here) on the SAME values and accumulators
+   (exported from the table, handed over as .npy files) with this format:
+   - TF ``write`` (no fsync: TF does not sync, checked with strace), then ours with
+     ``sync=False`` (``write_table`` + ``commit``, no fsync);
+   - TF ``write`` + fsync of every file and the directory (a durable TF checkpoint),
+     then ours as the AIMaster runs it: ``write_table`` + ``commit`` (fsync) +
+     ``apply_retention(verify="new")``, the retention timed apart;
+   - TF ``read`` into fresh variables, then our restore of the whole table into an
+     empty store.
+   Best of the rounds for each.
 3. Incremental at 5% touched rows (``--touched``), including its retention pass: time
    and bytes against the full's.
 4. One more full checkpoint while a thread pushes gradients and looks up rows in a loop:
@@ -64,69 +67,84 @@ def dir_bytes(path: str) -> int:
 
 
 # ------------------------------------------------------------------------------ TF side
-def tf_child(data_dir: str, reps: int) -> None:
-    """Runs in the subprocess: prints one JSON line."""
+def tf_child(data_dir: str) -> None:
+    """Runs in the subprocess, driven over stdin one command per line, so its runs
+    alternate with ours: ``write 0|1`` (1: fsync every file it wrote, and the directory),
+    ``read`` (a checkpoint is written first, untimed), ``quit``. Answers JSON lines."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
     values = np.load(os.path.join(data_dir, "values.npy"))
     accum = np.load(os.path.join(data_dir, "accum.npy"))
     v = tf.Variable(values, name="emb")
     a = tf.Variable(accum, name="emb_adagrad_accum")
-    del values
-    out = {"tensorflow": tf.__version__, "rows": int(v.shape[0]), "write_runs_ms": [],
-           "write_fsync_runs_ms": [], "read_runs_ms": []}
-    tmp = tempfile.mkdtemp(prefix="bench-ckpt-tf-", dir=data_dir)
     ckpt = tf.train.Checkpoint(emb=v, accum=a)
+    tmp = tempfile.mkdtemp(prefix="bench-ckpt-tf-", dir=data_dir)
+    print(json.dumps({"tensorflow": tf.__version__, "rows": int(v.shape[0])}), flush=True)
+    n = 0
     try:
-        for i in range(reps):
-            for durable in (False, True):
-                d = os.path.join(tmp, f"rep{i}-{int(durable)}")
-                t = time.perf_counter()
-                path = ckpt.write(os.path.join(d, "ckpt"))
-                if durable:
-                    for f in os.listdir(d):
-                        fd = os.open(os.path.join(d, f), os.O_RDONLY)
-                        os.fsync(fd)
-                        os.close(fd)
-                    fd = os.open(d, os.O_RDONLY)
+        for line in sys.stdin:
+            cmd = line.split()
+            if not cmd or cmd[0] == "quit":
+                break
+            n += 1
+            d = os.path.join(tmp, f"run{n}")
+            t = time.perf_counter()
+            path = ckpt.write(os.path.join(d, "ckpt"))
+            if cmd[0] == "write" and cmd[1] == "1":
+                for f in os.listdir(d):
+                    fd = os.open(os.path.join(d, f), os.O_RDONLY)
                     os.fsync(fd)
                     os.close(fd)
-                ms = (time.perf_counter() - t) * 1000
-                out["write_fsync_runs_ms" if durable else "write_runs_ms"].append(round(ms, 1))
-                out["bytes"] = dir_bytes(d)
-                if durable:
-                    v2 = tf.Variable(tf.zeros_like(v), name="emb")
-                    a2 = tf.Variable(tf.zeros_like(a), name="emb_adagrad_accum")
-                    t = time.perf_counter()
-                    tf.train.Checkpoint(emb=v2, accum=a2).read(path).assert_consumed()
-                    out["read_runs_ms"].append(round((time.perf_counter() - t) * 1000, 1))
-                    if i == 0:
-                        out["restored_exactly"] = bool(np.array_equal(v2.numpy(), v.numpy())
-                                                       and np.array_equal(a2.numpy(), accum))
-                    del v2, a2
-                shutil.rmtree(d, ignore_errors=True)
+                fd = os.open(d, os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+            ms = (time.perf_counter() - t) * 1000
+            out = {"ms": round(ms, 1), "bytes": dir_bytes(d)}
+            if cmd[0] == "read":
+                v2 = tf.Variable(tf.zeros_like(v), name="emb")
+                a2 = tf.Variable(tf.zeros_like(a), name="emb_adagrad_accum")
+                t = time.perf_counter()
+                tf.train.Checkpoint(emb=v2, accum=a2).read(path).assert_consumed()
+                out = {"ms": round((time.perf_counter() - t) * 1000, 1),
+                       "exact": bool(np.array_equal(v2.numpy(), values)
+                                     and np.array_equal(a2.numpy(), accum))}
+                del v2, a2
+            shutil.rmtree(d, ignore_errors=True)
+            print(json.dumps(out), flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    for k in ("write", "write_fsync", "read"):
-        out[f"{k}_ms"] = min(out[f"{k}_runs_ms"])
-    print(json.dumps(out), flush=True)
 
 
-def tf_reference(data_dir: str, reps: int, timeout: float = 900) -> dict:
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--tf-child", data_dir,
-                             "--reps", str(reps)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            stdin=subprocess.DEVNULL,
-                            env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2"))
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return {"error": f"timed out after {timeout}s"}
-    if proc.returncode != 0:
-        return {"error": f"exit {proc.returncode}: {err.strip()[-1500:]}"}
-    return json.loads(out.strip().splitlines()[-1])
+class TF:
+    """The TF subprocess (TensorFlow is not imported here)."""
+
+    def __init__(self, data_dir: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--tf-child", data_dir], cwd=REPO,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            text=True, start_new_session=True,
+            env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2"))
+        self.info = self._answer()
+
+    def _answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the TF subprocess exited ({self.proc.wait()})")
+        return json.loads(line)
+
+    def ask(self, cmd: str) -> dict:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
 
 
 # ------------------------------------------------------------------------------ our side
@@ -167,6 +185,7 @@ def full_checkpoint(root, ckpt_id, table, writer_cls=None, **kw) -> dict:
     apply_retention(root, keep_chains=2, verify="new")
     t3 = time.perf_counter()
     return {"ms": (t3 - t0) * 1000, "write_ms": (t1 - t0) * 1000, "commit_ms": (t2 - t1) * 1000,
+            "write_commit_ms": (t2 - t0) * 1000,
             "retention_ms": (t3 - t2) * 1000, "bytes": m["totals"]["bytes"],
             "raw_bytes": m["totals"]["raw_bytes"], "cut_seq": st["cut_seq"],
             "chunks": st["chunks"]}
@@ -188,7 +207,7 @@ def incr_checkpoint(root, ckpt_id, parent, since, table) -> dict:
 
 
 def best(runs: list[dict], key: str = "ms") -> dict:
-    b = dict(min(runs, key=lambda r: r[key]))
+    b = {k: v for k, v in min(runs, key=lambda r: r[key]).items() if k != "exact"}
     b["runs_ms"] = [round(r[key], 1) for r in runs]
     return {k: (round(v, 1) if isinstance(v, float) else v) for k, v in b.items()}
 
@@ -258,7 +277,7 @@ def main() -> None:
     ap.add_argument("--tf-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.tf_child:
-        tf_child(args.tf_child, args.reps)
+        tf_child(args.tf_child)
         return
     if args.quick:
         args.rows, args.reps = 500_000, 2
@@ -267,6 +286,7 @@ def main() -> None:
            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     logical = args.rows * 2 * DIM * 4
     res["logical_mb"] = round(logical / 1e6, 1)
+    tf = None
     try:
         t = time.perf_counter()
         store, table, keys = make_table(args.rows)
@@ -278,38 +298,60 @@ def main() -> None:
             np.save(os.path.join(work, "accum.npy"), rows[:, DIM:2 * DIM])
             del k, rows
             gc.collect()
-            res["tf"] = tf_reference(work, args.reps)
-            for f in ("values.npy", "accum.npy"):
-                os.remove(os.path.join(work, f))
-            print(f"tf.train.Checkpoint: {res['tf']}", flush=True)
-        root = os.path.join(work, "ckpt")
-        from checkpoint import restore
+            tf = TF(work)
+            res["tensorflow"] = tf.info["tensorflow"]
+        from checkpoint import CheckpointWriter, restore
         from deeprec_ext.store import EmbeddingStore
         kw = {} if args.compress is None else {"compress": args.compress}
-        fulls = [full_checkpoint(root, 1 + i, table, **kw) for i in range(args.reps)]
-        res["full"] = best(fulls)
-        print(f"full: {res['full']}", flush=True)
-        head = args.reps
-        restores = []
-        for _ in range(args.reps):
+        root = os.path.join(work, "ckpt")
+        scratch = os.path.join(work, "nosync")
+        runs = {k: [] for k in ("tf_write", "tf_write_fsync", "tf_read", "full", "full_nosync",
+                                "restore")}
+        # alternate: each of ours right after the TF run it is compared with
+        for i in range(args.reps):
+            if tf:
+                runs["tf_write"].append(tf.ask("write 0"))
+            t0 = time.perf_counter()
+            w = CheckpointWriter(scratch, 1 + i, "full", sync=False, **kw)
+            w.write_table("ps-0", table)
+            w.commit()
+            runs["full_nosync"].append({"ms": (time.perf_counter() - t0) * 1000})
+            shutil.rmtree(scratch, ignore_errors=True)
+            if tf:
+                runs["tf_write_fsync"].append(tf.ask("write 1"))
+            runs["full"].append(full_checkpoint(root, 1 + i, table, **kw))
+            if tf:
+                runs["tf_read"].append(tf.ask("read"))
             gc.collect()
             t = time.perf_counter()
             s2 = EmbeddingStore()
-            info = restore(root, s2, upto=head, exact=True)
-            restores.append({"ms": (time.perf_counter() - t) * 1000,
-                             "rows": len(s2["emb"]), "bytes_read": info.bytes_read})
+            info = restore(root, s2, upto=1 + i, exact=True)
+            runs["restore"].append({"ms": (time.perf_counter() - t) * 1000,
+                                    "rows": len(s2["emb"]), "bytes_read": info.bytes_read})
             del s2
-        res["restore"] = best(restores)
-        print(f"restore: {res['restore']}", flush=True)
+            print(f"rep {i + 1}: " + ", ".join(f"{k} {v[-1]['ms']:.0f} ms" for k, v in
+                                             runs.items() if v) + f"; load {uptime()}",
+                  flush=True)
+        if tf:
+            tf.close()
+            tf = None
+            res["tf"] = {k: best(runs[k]) for k in ("tf_write", "tf_write_fsync", "tf_read")}
+            res["tf"]["bytes"] = runs["tf_write"][0]["bytes"]
+            res["tf"]["read_exact"] = all(r["exact"] for r in runs["tf_read"])
+        res["full"] = best(runs["full"], "write_commit_ms")
+        res["full_nosync"] = best(runs["full_nosync"])
+        res["restore"] = best(runs["restore"])
         # incremental: 5% of the rows touched after the last full
         rng = np.random.default_rng(1)
         touched = keys[rng.choice(keys.size, int(args.touched * keys.size), replace=False)]
         table.apply_gradients(touched, rng.normal(0, 0.1, (touched.size, DIM))
                               .astype(np.float32))
-        since = fulls[-1]["cut_seq"]
+        head = args.reps
+        since = runs["full"][-1]["cut_seq"]
         incrs = [incr_checkpoint(root, 100 + i, head, since, table) for i in range(args.reps)]
         res["incr"] = best(incrs)
         res["incr"]["touched_rows"] = int(touched.size)
+        res["full_incl_retention_best_ms"] = round(min(r["ms"] for r in runs["full"]), 1)
         print(f"incr: {res['incr']}", flush=True)
         res["under_training"] = under_load(root, 200, table, keys)
         print(f"full while training: {res['under_training']}", flush=True)
@@ -317,10 +359,12 @@ def main() -> None:
             cls = old_writer_class(args.baseline)
             olds = [full_checkpoint(root, 300 + i, table, writer_cls=cls)
                     for i in range(args.reps)]
-            res["baseline"] = best(olds)
+            res["baseline"] = best(olds, "write_commit_ms")
             res["baseline"]["commit"] = args.baseline
             print(f"baseline writer ({args.baseline}): {res['baseline']}", flush=True)
     finally:
+        if tf:
+            tf.close()
         shutil.rmtree(work, ignore_errors=True)
     res["load_after"] = uptime()
     report(res, logical)
@@ -336,29 +380,34 @@ def report(res: dict, logical: int) -> None:
     full, rest, incr = res["full"], res["restore"], res["incr"]
     print()
     print(f"{res['rows']:,} rows x dim {DIM}, Adagrad: {res['logical_mb']} MB of values + "
-          f"accumulators; best of {res['reps']}; load {res['load_before']} -> "
-          f"{res['load_after']}")
-    lines = [("this format: full write (fsync, retention incl.)", full["ms"], full["bytes"]),
+          f"accumulators; best of {res['reps']}, runs alternated; load {res['load_before']} "
+          f"-> {res['load_after']}")
+    lines = [("this format: full write + commit, no fsync", res["full_nosync"]["ms"], None),
+             ("this format: full write + commit (fsync)", full["write_commit_ms"],
+              full["bytes"]),
+             ("  + retention pass (checks the new checkpoint)", full["retention_ms"], None),
              ("this format: restore, whole table", rest["ms"], None)]
     tf = res.get("tf", {})
-    if "write_ms" in tf:
-        lines += [("tf.train.Checkpoint write (no fsync)", tf["write_ms"], tf["bytes"]),
-                  ("tf.train.Checkpoint write + fsync", tf["write_fsync_ms"], tf["bytes"]),
-                  ("tf.train.Checkpoint read", tf["read_ms"], None)]
+    if tf:
+        lines += [("tf.train.Checkpoint write (no fsync)", tf["tf_write"]["ms"], tf["bytes"]),
+                  ("tf.train.Checkpoint write + fsync", tf["tf_write_fsync"]["ms"], tf["bytes"]),
+                  ("tf.train.Checkpoint read", tf["tf_read"]["ms"], None)]
     if "baseline" in res:
-        lines.append((f"writer of {res['baseline']['commit']} (before)", res["baseline"]["ms"],
-                      res["baseline"]["bytes"]))
+        lines.append((f"writer of {res['baseline']['commit']} (before), write + commit",
+                      res["baseline"]["write_commit_ms"], res["baseline"]["bytes"]))
     for what, ms, nbytes in lines:
         mb = "" if nbytes is None else f"{nbytes / 1e6:8.1f} MB on disk"
         print(f"  {what:52} {ms:9.1f} ms {mbs(ms):8.0f} MB/s  {mb}")
-    if "write_ms" in tf:
-        print(f"  write ratio (ours MB/s / TF MB/s): {tf['write_ms'] / full['ms']:.2f} vs TF "
-              f"without fsync, {tf['write_fsync_ms'] / full['ms']:.2f} vs TF + fsync "
-              f"(target >= 0.8)")
-        print(f"  restore ratio: {tf['read_ms'] / rest['ms']:.2f} (target >= 0.8)")
+    if tf:
+        print(f"  write ratio, ours / TF MB/s (target >= 0.8): "
+              f"{tf['tf_write']['ms'] / res['full_nosync']['ms']:.2f} both without fsync, "
+              f"{tf['tf_write_fsync']['ms'] / full['write_commit_ms']:.2f} both with fsync, "
+              f"{tf['tf_write']['ms'] / full['write_commit_ms']:.2f} ours with fsync vs TF without")
+        print(f"  restore ratio: {tf['tf_read']['ms'] / rest['ms']:.2f} (target >= 0.8)")
+    fi = res["full_incl_retention_best_ms"]
     print(f"  incremental ({incr['touched_rows']:,} rows touched): {incr['ms']:.1f} ms "
-          f"(retention {incr['retention_ms']:.1f} ms), {incr['bytes'] / 1e6:.1f} MB = "
-          f"{incr['ms'] / full['ms']:.1%} of the full's time, "
+          f"incl. retention ({incr['retention_ms']:.1f} ms), {incr['bytes'] / 1e6:.1f} MB = "
+          f"{incr['ms'] / fi:.1%} of the full's time incl. retention ({fi:.0f} ms), "
           f"{incr['bytes'] / full['bytes']:.1%} of its bytes (target <= 10%)")
     u = res["under_training"]
     print(f"  full while training: {u['ms']:.0f} ms; peak extra RSS {u['peak_extra_rss_mb']} MB "

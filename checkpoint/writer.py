@@ -37,8 +37,8 @@ TOMBSTONES_PER_CHUNK = 1 << 20    # tombstone chunks hold keys only
 # deal each slice's rows into SCAN_BUCKETS contiguous slot ranges; a bucket becomes a
 # chunk once it holds BUCKET_CHUNK_BYTES. Pending rows: about SCAN_BUCKETS x that.
 SCAN_SLICE_ROWS = 1 << 14
-SCAN_BUCKETS = 32
-BUCKET_CHUNK_BYTES = 2 << 20
+SCAN_BUCKETS = 16
+BUCKET_CHUNK_BYTES = 1 << 20
 ZSTD_LEVEL = 1                    # float rows barely compress; level 1 is ~2x faster than 3
 # "auto": a chunk is compressed only when zstd pays, i.e. a sample of it (PROBE_FRACTION of
 # its bytes) shrinks by at least ZSTD_MIN_SAVING; otherwise it is stored as is (FLAG_RAW).
@@ -100,7 +100,7 @@ class _Writeback:
         self.done = 0
 
     def wrote(self, pos: int) -> None:
-        if _SYNC_FILE_RANGE is None or pos - self.done < WRITEBACK_BYTES:
+        if self.fd is None or _SYNC_FILE_RANGE is None or pos - self.done < WRITEBACK_BYTES:
             return
         if _SYNC_FILE_RANGE(self.fd, self.done, pos - self.done, _SYNC_FILE_RANGE_WRITE) == 0:
             self.done = pos
@@ -185,12 +185,13 @@ class CheckpointWriter:
         _write_all(fd, [end])
         if sha is not None:
             sha.update(end)
-        os.fsync(fd)
+        if self.sync:
+            os.fsync(fd)
         return pos + len(end)
 
     def __init__(self, root, ckpt_id: int, kind: str = "full", parent: int | None = None,
                  num_slots: int = DEFAULT_NUM_SLOTS, level: int = ZSTD_LEVEL,
-                 threads: int | None = None, compress: str | None = None):
+                 threads: int | None = None, compress: str | None = None, sync: bool = True):
         if kind not in ("full", "incr"):
             raise ValueError(f"kind must be 'full' or 'incr', got {kind!r}")
         if isinstance(ckpt_id, bool) or not isinstance(ckpt_id, (int, np.integer)) or ckpt_id < 0:
@@ -203,6 +204,9 @@ class CheckpointWriter:
         self.kind = kind
         self.num_slots = int(num_slots)
         self.level = int(level)
+        # sync=False: no fsync/write-back (benchmarks against writers that do not sync,
+        # scratch copies); a crash may then leave a committed checkpoint incomplete
+        self.sync = bool(sync)
         # the layout written: format 3, or (tests, tools) an older one exactly as it was
         self.version = int(_fmt.FORMAT_VERSION)
         compress = COMPRESS if compress is None else compress
@@ -256,7 +260,8 @@ class CheckpointWriter:
             raise ValueError("a full checkpoint has no parent")
 
         self.dir.mkdir(exist_ok=True)
-        _fsync_dir(self.root)
+        if self.sync:
+            _fsync_dir(self.root)
 
     # -- context manager ----------------------------------------------------------------
     def __enter__(self):
@@ -357,7 +362,7 @@ class CheckpointWriter:
                 tomb = tomb[slot_mask[slot_of(tomb, self.num_slots)]]
             written = [0]
             chunks = self._tombstone_chunks(tomb)
-            if self.kind == "full":
+            if self.kind == "full" and self.version >= 3:
                 rows_chunks = self._scan_chunks(table, info, slot_mask, written, cancelled)
             else:  # the rows changed since since_seq, from the change log: a plan
                 codes, row_bits = table.plan_export(export_mask, since_seq)
@@ -507,7 +512,7 @@ class CheckpointWriter:
         self._created_files.append(path)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            wb = _Writeback(fd)
+            wb = _Writeback(fd if self.sync else None)
             for part in parts:
                 for kind, keys, rows, lo, hi in part:
                     w = 0 if rows is None else int(rows[0].shape[1])
@@ -714,14 +719,17 @@ class CheckpointWriter:
             }
             body["checksum"] = manifest_checksum(body)
             blob = json.dumps(body, indent=1, sort_keys=True, allow_nan=False).encode("utf-8")
-            _fsync_dir(self.dir)  # directory entries of the data files
+            if self.sync:
+                _fsync_dir(self.dir)  # directory entries of the data files
             tmp = self.dir / f".{MANIFEST_NAME}.tmp-{os.getpid()}-{threading.get_ident()}"
             with open(tmp, "wb") as f:
                 f.write(blob)
                 f.flush()
-                os.fsync(f.fileno())
+                if self.sync:
+                    os.fsync(f.fileno())
             os.replace(tmp, self.dir / MANIFEST_NAME)
-            _fsync_dir(self.dir)
+            if self.sync:
+                _fsync_dir(self.dir)
             self._committed = True
         log.info("checkpoint %s committed: %d files, %d rows, %d tombstones, %d bytes",
                  self.dir.name, len(files), body["totals"]["rows"],
