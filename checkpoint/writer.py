@@ -301,16 +301,19 @@ class CheckpointWriter:
         writer reported for the previous checkpoint of the chain). ``slot_mask`` (bool
         [num_slots]) restricts the rows and deletions to the slots this writer owns.
 
-        Streaming, in bounded memory: the sequence watermark ``cut_seq`` is read first,
-        then a plan of the rows to write sorted by slot (8 bytes per row, no row copied;
-        ``EmbeddingTable.plan_export``), then the rows are read chunk by chunk, each under
-        one short table-lock hold (``gather_planned``), and compressed and written while
-        the next chunk is read. The table keeps serving lookups and pushes throughout;
-        no copy of the table is ever held. Every write with a sequence number <= cut_seq
-        is in this checkpoint (or an earlier one of the chain): a row rewritten after
-        the plan is written with its newer value, a row deleted or reused after it is
-        skipped (its change is after the cut, so the next incremental has it). Writes
-        after the cut may appear twice, harmlessly.
+        Streaming, in bounded memory: the sequence watermark ``cut_seq`` is read first.
+        A full checkpoint (format 3) then scans the arena in row order, a slice of
+        ``SCAN_SLICE_ROWS`` rows per short table-lock hold (``EmbeddingTable.scan_live``),
+        and deals each slice, sorted by slot, into ``SCAN_BUCKETS`` slot ranges written
+        as chunks of ~``BUCKET_CHUNK_BYTES`` (:meth:`_scan_chunks`). An incremental reads
+        a plan of the changed rows sorted by slot (8 bytes per row, from the change log;
+        ``EmbeddingTable.plan_export``), then the rows chunk by chunk
+        (``gather_planned``). Chunks are encoded and written while the next is read. The
+        table keeps serving lookups and pushes throughout; no copy of the table is ever
+        held. Every write with a sequence number <= cut_seq is in this checkpoint (or an
+        earlier one of the chain): a row rewritten after it was read is in the next
+        incremental, a row deleted before it was read is skipped (its change is after
+        the cut). Writes after the cut may appear twice, harmlessly.
 
         ``cancelled``: a callable polled between chunks; when it returns True the write
         stops with :class:`CheckpointCancelled`. Returns stats: writer, table, file,
