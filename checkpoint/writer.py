@@ -90,6 +90,19 @@ def _write_all(fd: int, bufs) -> int:
     return total
 
 
+class _Done:
+    """An encoding finished in the calling thread, in the writer's window of futures."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+    def cancel(self):
+        return False
+
+
 class _Writeback:
     """Starts the disk write-back of a file's bytes as they are written (every
     ``WRITEBACK_BYTES``), so the fsync that closes it overlaps the encoding instead of
@@ -521,8 +534,15 @@ class CheckpointWriter:
                     w = 0 if rows is None else int(rows[0].shape[1])
                     while len(window) >= self.threads + _EXTRA_IN_FLIGHT:
                         drain_one(fd, wb)
-                    window.append((kind, sum(int(k.size) for k in keys), lo, hi, w,
-                                   pool.submit(self._encode, keys, rows)))
+                    views, raw_len = self._views(keys, rows)
+                    if self.compress == "never" or (self.compress == "auto"
+                                                    and not self._pays(views)):
+                        # stored: a crc32 (GIL released) right here; handing ~1 MB to a
+                        # thread and back costs more than that on a busy host
+                        job = _Done(self._stored(views, raw_len))
+                    else:
+                        job = pool.submit(self._compressed, views, raw_len)
+                    window.append((kind, sum(int(k.size) for k in keys), lo, hi, w, job))
                     del keys, rows
             while window:
                 drain_one(fd, wb)
@@ -549,18 +569,30 @@ class CheckpointWriter:
         (``keys``: any arrays for a dense piece): ``(buffers, raw_len, comp_len, crc32,
         flags)``, either one zstd frame or (format 3, where zstd does not pay) the pieces
         themselves, stored."""
+        views, raw_len = self._views(keys, rows)
+        if self.compress == "never" or (self.compress == "auto" and not self._pays(views)):
+            return self._stored(views, raw_len)
+        return self._compressed(views, raw_len)
+
+    @staticmethod
+    def _views(keys: list, rows: list | None):
+        """Byte views of a payload's pieces (keys first, then rows) and its length."""
         arrays = list(keys) + (list(rows) if rows is not None else [])
         if _LITTLE:
             parts = [np.ascontiguousarray(a) for a in arrays]
         else:  # pragma: no cover - the format is little-endian
             parts = [np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")) for a in arrays]
         views = [memoryview(p).cast("B") for p in parts]
-        raw_len = sum(v.nbytes for v in views)
-        if self.compress == "never" or (self.compress == "auto" and not self._pays(views)):
-            c = 0
-            for v in views:
-                c = zlib.crc32(v, c)
-            return views, raw_len, raw_len, c & 0xFFFFFFFF, FLAG_RAW
+        return views, sum(v.nbytes for v in views)
+
+    @staticmethod
+    def _stored(views: list, raw_len: int):
+        c = 0
+        for v in views:
+            c = zlib.crc32(v, c)
+        return views, raw_len, raw_len, c & 0xFFFFFFFF, FLAG_RAW
+
+    def _compressed(self, views: list, raw_len: int):
         cobj = self._compressor().compressobj(size=raw_len)
         comp = b"".join([*(cobj.compress(v) for v in views), cobj.flush()])
         return [comp], raw_len, len(comp), crc32(comp), 0
