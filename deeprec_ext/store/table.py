@@ -611,10 +611,11 @@ class EmbeddingTable:
     def load_rows(self, keys: np.ndarray, rows: np.ndarray) -> int:
         """Bulk :meth:`import_rows` for restores: int64 ``keys`` [n] and float32 ``rows``
         [n, row_width + 1] (update count last), from a checksummed checkpoint, so the
-        finiteness check of ``import_rows`` is skipped. Rows of keys new to the table
-        that land on consecutive arena rows (an empty or growing table: always) are
-        copied with one sequential slice assignment instead of a scatter. Same effect
-        as ``import_rows`` otherwise (one new sequence number, last duplicate wins)."""
+        finiteness check of ``import_rows`` is skipped. Keys are found or placed in one
+        probing pass (``HashIndex.find_or_insert``), and a batch of distinct new keys
+        landing on consecutive arena rows (a fresh or growing table) is copied with one
+        slice assignment instead of a scatter. Same effect as ``import_rows`` otherwise
+        (one new sequence number, present keys overwritten, last duplicate wins)."""
         keys = _check_keys(keys)
         rows = np.asarray(rows)
         if rows.dtype != np.float32 or rows.shape != (keys.size, self._width + 1):
@@ -627,12 +628,9 @@ class EmbeddingTable:
         with self._lock:
             if self._width != width:
                 raise ValueError(f"table '{self.name}' was reconfigured during a load")
-            found = self._index.find(keys)
-            if not (found < 0).all():  # overwrites: the general path
-                return self._upsert(keys, np.ascontiguousarray(rows[:, :width]),
-                                    full_rows=True, only_if_absent=False, counts=counts)
             seq = self.sequence.next()
-            got, new_keys, new_rows = self._index.insert_new(keys, self._allocate)
+            # one probing pass finds the present keys and places the new ones
+            got, new_keys, new_rows = self._index.find_or_insert(keys, self._allocate)
             self._row_key[new_rows] = new_keys
             r0 = int(got[0])
             if new_rows.size == n and int(got[-1]) == r0 + n - 1 and \
