@@ -84,7 +84,9 @@ an old watermark would silently skip rows. ``write_table`` also rejects a
 Restore applies, for each checkpoint of the chain in order: dropped tables, then
 tombstones (all writers), then rows. A key deleted and re-inserted between two
 checkpoints is therefore present. Tables are created from the manifest configs.
-Restore writes rows with ``import_rows`` (bit-exact value + optimizer slots) and
+Restore writes rows with ``load_rows`` (``import_rows`` without the finiteness pass, for
+checksummed rows: bit-exact value + optimizer slots + count; keys found or placed in one
+hash probing pass, new rows copied as one slice), 64k rows per call, and
 deletes with ``log_tombstone=False``. Afterwards ``RestoreInfo.sequence`` is the
 store's counter, the ``since_seq`` for an incremental on top of the restored
 checkpoint (or write a new full one).
