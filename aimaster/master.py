@@ -1052,10 +1052,11 @@ class JobMaster:
         self._ckpt_chain = {"id": ckpt_id, "n": (chain["n"] + 1) if incr else 1,
                             "since": {k: json.loads(r.cut_json) for k, r in results.items()}}
         self._last_ckpt = self.clock()
-        # manifest checks (checksum, file sizes), not a sha256 of the whole chain after
-        # every commit; restores still verify every chunk they read
+        # manifest checks (checksum, file sizes) of every checkpoint, and the chunk crc32s
+        # of the one just committed only: never a read of the whole chain after a commit;
+        # restores still verify every chunk they read
         deleted = apply_retention(self.checkpoint_dir, self.config.checkpoint_keep_chains,
-                                  verify="manifest")
+                                  verify="new")
         event = {"kind": "checkpoint", "id": ckpt_id, "type": kind,
                  "rows": sum(r.rows for r in results.values()),
                  "bytes": sum(r.bytes for r in results.values()),

@@ -15,26 +15,35 @@ Layout
 A checkpoint exists only once its ``manifest.json`` does. The manifest holds id, kind,
 parent id and the parent manifest's checksum (an incremental never attaches to a
 rewritten parent), creation time, ``num_slots``, per-table config (dim, initializer,
-optimizer, row_width; carried forward through a chain), per-file size, sha256 and a
-chunk index, per-(writer, table) sequence watermarks, the caller's opaque ``extra``
+optimizer, row_width; carried forward through a chain), per-file size and a chunk
+index (and a sha256 per file in formats 1-2), per-(writer, table) sequence watermarks, the caller's opaque ``extra``
 (the AIMaster's data-shard queues, dense variable info), and a sha256 over its own
 canonical JSON, so a bit flip in the manifest itself (e.g. in a learning rate) is
 caught as well, not just unparseable JSON.
 
 Data files are a sequence of chunks (see :mod:`checkpoint.format`): a header (magic,
 version, kind rows|tombstones|array, table name, num_slots, slot range, n, row_width,
-raw and compressed length, crc32 of the compressed bytes, crc32 of the header) and one
-zstd frame of ``keys int64 LE || rows float32 LE [n, row_width + 1]`` (value + optimizer
-slots, exactly the arena row, then the row's update count; format 2, marked ``"counts":
-true`` in the manifest's table info. Format-1 checkpoints, without the count column,
-are still read). zstd adds its own xxh64 content checksum, so corrupt
-bytes are caught before and after decompression. An END chunk closes each file.
+raw and stored length, crc32 of the stored bytes, crc32 of the header) and the payload
+``keys int64 LE || rows float32 LE [n, row_width + 1]`` (value + optimizer slots,
+exactly the arena row, then the row's update count; format 2, marked ``"counts": true``
+in the manifest's table info. Format-1 checkpoints, without the count column, are still
+read). The payload is one zstd frame (with its own xxh64 content checksum) where zstd
+pays -- the writer compresses a sample of each chunk (1/16) and compresses the chunk
+only if the sample shrank by >= 25% -- and is stored as is otherwise (header flag RAW,
+format 3): trained float rows shrink by ~10% at zstd level 1 for about five times the
+write time, while constant slots, zeros or sequential ids shrink far more and compress at
+GB/s. An END chunk closes each file. Format 3 drops the per-file sha256: the chunk index
+tiles the file, and the header and payload crc32s cover every byte of it. Formats 1 and
+2 are still read and verified (sha256 included).
 
 Keyed by slot
 -------------
-Rows are sorted by routing slot (``deeprec_ext.hashing.slot_of``) before chunking (~64k
-rows or ~4 MB per chunk; readers take any chunk size), and each chunk records its inclusive
-slot range, in the header and in the manifest's chunk index. A restore with a slot mask
+Each chunk records the inclusive range of the routing slots
+(``deeprec_ext.hashing.slot_of``) of its keys, in the header and in the manifest's chunk
+index (readers take any chunk size). A full checkpoint (format 3) deals its rows into 16
+contiguous slot ranges and writes a range's rows as a chunk of ~1 MB once it has that
+many, so its chunks each lie within one range (sorted by slot piecewise); an incremental,
+and formats 1-2, sort the rows by slot before chunking. A restore with a slot mask
 (what one PS of a new layout owns) reads only chunks whose range intersects the mask,
 and hashes keys only for chunks partly inside it. The AIMaster's routing gives each PS
 contiguous slot ranges, so a PS of an N-PS job reads about 1/N of the bytes. That is how
@@ -46,14 +55,20 @@ Full and incremental
 --------------------
 ``write_table`` reads the table's sequence counter (``cut_seq``) **before** exporting,
 and, for incrementals, ``tombstones_since``. It then streams, holding no copy of the
-table: a plan of the rows to write sorted by slot (``EmbeddingTable.plan_export``: 8
-bytes per row, the table scanned in slices of 256k rows under short lock holds, or read
-from its change log for an incremental), then chunk by chunk the rows themselves
-(``gather_planned``, 8k rows per lock hold), compressed on a small thread pool while
-the next chunk is read. Peak extra memory is the plan plus a few chunks (about 3% of a
-4M-row Adagrad table), and lookups and pushes are served between the lock holds. A row
-rewritten after the plan is written with its newer value; one deleted (or its row
-reused by another slot's key) after it is skipped: both changes are after the cut. The
+table. A full checkpoint scans the arena in row order (``EmbeddingTable.scan_live``:
+16k rows per lock hold, one sequential copy, nothing hashed under the lock), sorts each
+slice by slot outside the lock and deals it into the 16 slot ranges; no global sort and
+no random gather over the table. An incremental reads a plan of the changed rows from
+the change log, sorted by slot (``EmbeddingTable.plan_export``: 8 bytes per row), then
+the rows (``gather_planned``, 8k rows per lock hold). Chunks are encoded (sample,
+compress or crc32) on a small thread pool while the next is read, and written with one
+writev each; the disk write-back starts every 32 MB (``sync_file_range``) so that the
+closing fsync overlaps the export. Peak extra memory is the pending chunks and the
+slices they come from (tens of MB), and lookups and pushes are served between the lock
+holds. A row rewritten after it was read is in the checkpoint with its older value and
+in the next incremental with its newer; a row deleted before it was read is skipped:
+both changes are after the cut. (A key deleted and re-created at a later row while the
+scan runs may be written twice; the later copy, written later, wins on restore.) The
 incremental of the next checkpoint uses ``since_seq = cut_seq``: rows written at or
 before the cut are in this checkpoint or an earlier one of the chain; writes after it
 may appear twice, harmlessly (upserts). Every step of an incremental (change log,
@@ -69,7 +84,9 @@ an old watermark would silently skip rows. ``write_table`` also rejects a
 Restore applies, for each checkpoint of the chain in order: dropped tables, then
 tombstones (all writers), then rows. A key deleted and re-inserted between two
 checkpoints is therefore present. Tables are created from the manifest configs.
-Restore writes rows with ``import_rows`` (bit-exact value + optimizer slots) and
+Restore writes rows with ``load_rows`` (``import_rows`` without the finiteness pass, for
+checksummed rows: bit-exact value + optimizer slots + count; keys found or placed in one
+hash probing pass, new rows copied as one slice), 64k rows per call, and
 deletes with ``log_tombstone=False``. Afterwards ``RestoreInfo.sequence`` is the
 store's counter, the ``since_seq`` for an incremental on top of the restored
 checkpoint (or write a new full one).
@@ -77,8 +94,8 @@ checkpoint (or write a new full one).
 Verification and fallback
 -------------------------
 ``list_chains``/``verify``/``python -m checkpoint inspect`` read every byte: manifest
-checksum, file size, sha256 of each file, header crc, payload crc32, zstd content
-checksum, slot ranges, finiteness, END chunk. ``restore`` checks, before it applies
+checksum, file size, sha256 of each file (formats 1-2), header crc, payload crc32, zstd
+content checksum, slot ranges, finiteness, END chunk. ``restore`` checks, before it applies
 anything, the manifests and file sizes of all checkpoints (a truncated file is
 caught here) and then the header and crc32 of every chunk it is about to read
 (``verify="full"``: every byte of the chain). It never checks the chunks it will not
@@ -93,21 +110,26 @@ coordinator picks it (``list_chains``) and passes ``upto=id, exact=True``.
 Retention
 ---------
 ``apply_retention(root, keep_chains)`` keeps the newest ``keep_chains`` restorable
-chains and everything newer than their oldest full. Incomplete or corrupt checkpoints
+chains and everything newer than their oldest full. By default (``verify="new"``) it
+checks every manifest and file size but reads only the newest checkpoint's chunks
+(header + crc32): the one just committed. Before it deletes anything it also reads the
+chunks of the chains it keeps (once per new chain), so a checkpoint that rotted after
+its commit never costs the chain that would replace it. Incomplete or corrupt checkpoints
 in that range are left alone: one may still be in the middle of being written. A
 directory is renamed away before ``rmtree``, so a reader never sees half of one.
 
 Choices that differ from the issue's sketch
 -------------------------------------------
-* Checksum: crc32 (``zlib``, >1 GB/s, stdlib) per chunk and header, plus zstd's
-  xxh64 content checksum, plus sha256 per file and per manifest. There is no separate
-  xxhash dependency.
-* zstd level 1: float rows compress by only ~10% at any level, and level 3 is about
-  2x slower. A byte-shuffle filter gained ~9% more but halved throughput in numpy.
+* Checksum: crc32 (``zlib``, ~3 GB/s, stdlib) per chunk and header, plus zstd's
+  xxh64 content checksum for compressed chunks, plus sha256 per manifest (and per file
+  in formats 1-2). There is no separate xxhash dependency.
+* zstd level 1 where it pays, stored otherwise: float rows compress by only ~10% at any
+  level (level 1: ~300 MB/s per core; level 3 about 2x slower; negative levels gain
+  nothing on them). A byte-shuffle filter gained ~9% more but halved throughput in numpy.
 * Chunk slot ranges, not a per-row slot column: the slot is derivable, and a column
   would add 2-4 bytes per row.
-* Compression runs on a thread pool (zstd, crc32 and hashlib release the GIL),
-  pipelined with the file writes. Restore decompresses ahead on a pool too.
+* Encoding runs on a thread pool (zstd and crc32 release the GIL), pipelined with
+  the file writes (``min(4, cpu count)`` threads). Restore decompresses ahead on a pool too.
 * Each writer's table file is exported under short lock holds (slices). A checkpoint
   is therefore not a single point in time across tables or PS (the job trains
   asynchronously anyway), but the chain is exact per row up to each writer's cut.

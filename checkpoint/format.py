@@ -5,11 +5,13 @@ Chunk (all integers little-endian)::
     fixed header  HEADER struct (54 bytes, see below)
     table name    name_len bytes of UTF-8
     header crc    u32 crc32 of fixed header + name
-    payload       comp_len bytes: one zstd frame (with content size and xxh64 content
-                  checksum) of  keys int64[n] || rows float32[n, row_width]   (rows/tombstones)
-                                or the raw bytes of a piece of a dense array   (array)
+    payload       comp_len bytes of  keys int64[n] || rows float32[n, row_width]  (rows/tombstones)
+                                  or a piece of a dense array's raw bytes        (array)
+                  either as one zstd frame (with content size and xxh64 content checksum)
+                  or, with flag RAW (format 3), stored as is (comp_len == raw_len)
 
-Fixed header fields: magic ``DRCK``, format version (u16), kind (u8), flags (u8, 0),
+Fixed header fields: magic ``DRCK``, format version (u16), kind (u8), flags (u8: 0, or
+``FLAG_RAW`` from format 3 on),
 num_slots (u32), slot_lo, slot_hi (u32: inclusive range of the routing slots of the keys in
 the chunk), n (u64: rows, keys, or bytes for an array piece), row_width (u32: floats per row,
 0 for tombstones/arrays), raw_len (u64: decompressed length), comp_len (u64), payload crc32
@@ -29,8 +31,12 @@ import zlib
 
 MAGIC = b"DRCK"
 # 2: rows carry each row's update count as a last float32 column (table info "counts")
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 3: a chunk's payload may be stored uncompressed (flag RAW) when zstd does not pay, and
+#    files carry no sha256 (the manifest's "sha256" is null): the header crc32 and the
+#    payload crc32 of every chunk, whose index tiles the file, cover every byte already
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+FLAG_RAW = 1  # payload stored as is, not as a zstd frame (format 3)
 MANIFEST_FORMAT = "deeprec-ext-checkpoint"
 MANIFEST_NAME = "manifest.json"
 
@@ -63,8 +69,9 @@ def crc32(data) -> int:
 
 
 def encode_header(kind: int, name: bytes, num_slots: int, slot_lo: int, slot_hi: int, n: int,
-                  row_width: int, raw_len: int, comp_len: int, payload_crc: int) -> bytes:
-    fixed = HEADER.pack(MAGIC, FORMAT_VERSION, kind, 0, num_slots, slot_lo, slot_hi, n,
+                  row_width: int, raw_len: int, comp_len: int, payload_crc: int,
+                  flags: int = 0) -> bytes:
+    fixed = HEADER.pack(MAGIC, FORMAT_VERSION, kind, flags, num_slots, slot_lo, slot_hi, n,
                         row_width, raw_len, comp_len, payload_crc, len(name))
     head = fixed + name
     return head + CRC.pack(crc32(head))
@@ -92,7 +99,12 @@ def decode_header(buf: bytes, where: str) -> dict:
         raise CheckpointError(f"{where}: unsupported chunk format version {version}")
     if kind not in KIND_NAMES:
         raise CheckpointError(f"{where}: unknown chunk kind {kind}")
-    return {"kind": kind, "flags": flags, "num_slots": num_slots, "slot_lo": slot_lo,
+    if flags & ~FLAG_RAW or (flags and version < 3):
+        raise CheckpointError(f"{where}: unknown chunk flags {flags:#x}")
+    if flags & FLAG_RAW and comp_len != raw_len:
+        raise CheckpointError(f"{where}: stored chunk with comp_len {comp_len} != raw_len "
+                              f"{raw_len}")
+    return {"kind": kind, "version": version, "flags": flags, "num_slots": num_slots, "slot_lo": slot_lo,
             "slot_hi": slot_hi, "n": n, "row_width": row_width, "raw_len": raw_len,
             "comp_len": comp_len, "crc32": payload_crc,
             "name": bytes(buf[HEADER.size:end]).decode("utf-8", "replace"),

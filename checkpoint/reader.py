@@ -8,7 +8,7 @@ import os
 import shutil
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +17,8 @@ import zstandard
 
 from deeprec_ext.hashing import slot_of
 
-from checkpoint.format import (CHUNK_FIELDS, DIR_RE, READABLE_VERSIONS, KIND_ARRAY, KIND_END,
+from checkpoint.format import (CHUNK_FIELDS, DIR_RE, FLAG_RAW, READABLE_VERSIONS, KIND_ARRAY,
+                               KIND_END,
                                KIND_ROWS, KIND_TOMBSTONES, MANIFEST_FORMAT,
                                MANIFEST_NAME, CheckpointError, NoValidCheckpoint, crc32,
                                data_width, decode_header, header_size, manifest_checksum)
@@ -27,6 +28,8 @@ log = logging.getLogger("checkpoint")
 _CI = {f: i for i, f in enumerate(CHUNK_FIELDS)}
 _LEVELS = ("manifest", "chunks", "full")
 _READ_THREADS = min(4, os.cpu_count() or 1)
+_IMPORT_ROWS = 1 << 16  # rows handed to the target store per call (small chunks are batched)
+_TASK_BYTES = 8 << 20   # chunk bytes read and decoded per thread task
 
 
 # ----------------------------------------------------------------------------- manifest
@@ -77,7 +80,8 @@ def load_manifest(ckpt_dir) -> dict:
             _req(isinstance(e["path"], str) and "/" not in e["path"] and e["path"][:1] != ".",
                  "file path")
             _req(e["type"] in ("rows", "dense"), "file type")
-            _req(type(e["size"]) is int and isinstance(e["sha256"], str), "file size/sha256")
+            _req(type(e["size"]) is int and (isinstance(e.get("sha256"), str) or (
+                m["version"] >= 3 and e.get("sha256") is None)), "file size/sha256")
             _req(isinstance(e["chunks"], list), "chunk index")
             if e["type"] == "rows":
                 _req(e["table"] in m["tables"], f"table of {e['path']}")
@@ -179,7 +183,15 @@ class RestoreInfo:
 
 
 # ----------------------------------------------------------------------------- verification
-def _decode_payload(comp: bytes, raw_len: int, where: str) -> bytes:
+def _decode_payload(comp: bytes, h: dict, where: str) -> bytes:
+    """A chunk's payload bytes: ``comp`` itself for a stored chunk (its crc32 was checked
+    by the caller), else the zstd frame decompressed (xxh64 content checksum checked)."""
+    raw_len = h["raw_len"]
+    if h["flags"] & FLAG_RAW:
+        if len(comp) != raw_len:
+            raise CheckpointError(f"{where}: stored payload of {len(comp)} bytes, expected "
+                                  f"{raw_len}")
+        return comp
     try:
         raw = zstandard.ZstdDecompressor().decompress(comp, max_output_size=raw_len)
     except zstandard.ZstdError as e:
@@ -213,13 +225,16 @@ def _check_chunk_header(buf, off: int, ch: list, name: str, num_slots: int, w: i
 
 
 def _deep_check(comp: bytes, h: dict, num_slots: int, where: str) -> None:
-    raw = _decode_payload(comp, h["raw_len"], where)
+    raw = _decode_payload(comp, h, where)
     if h["kind"] in (KIND_ROWS, KIND_TOMBSTONES):
         w = h["row_width"] if h["kind"] == KIND_ROWS else 0
         keys, rows = _split_rows(raw, h["n"], w, where)
         if keys.size:
             s = slot_of(keys, num_slots)
-            if s.min() < h["slot_lo"] or s.max() > h["slot_hi"] or (np.diff(s) < 0).any():
+            # formats 1-2 sort a chunk's keys by slot; format 3 only bounds them (a full
+            # export writes a bucket's pieces, each sorted, as one chunk)
+            if s.min() < h["slot_lo"] or s.max() > h["slot_hi"] or (
+                    h["version"] < 3 and (np.diff(s) < 0).any()):
                 raise CheckpointError(f"{where}: keys outside the chunk's slot range "
                                       f"[{h['slot_lo']}, {h['slot_hi']}]")
         if rows is not None and not np.isfinite(rows).all():
@@ -228,8 +243,8 @@ def _deep_check(comp: bytes, h: dict, num_slots: int, where: str) -> None:
 
 def verify_file(ckpt_dir: Path, entry: dict, manifest: dict, deep: bool = True,
                 pool: ThreadPoolExecutor | None = None) -> None:
-    """Check one data file completely: size, sha256, every chunk header and payload
-    crc32, the END chunk; ``deep`` also decompresses (zstd content checksum, lengths,
+    """Check one data file completely: size, sha256 (formats 1-2; from format 3 on the
+    chunk crc32s cover every byte), every chunk header and payload crc32, the END chunk; ``deep`` also decompresses (zstd content checksum, lengths,
     slot ranges, finiteness). Raises CheckpointError naming the file and problem."""
     path = ckpt_dir / entry["path"]
     where_f = f"{ckpt_dir.name}/{entry['path']}"
@@ -243,7 +258,7 @@ def verify_file(ckpt_dir: Path, entry: dict, manifest: dict, deep: bool = True,
     if size != entry["size"]:
         raise CheckpointError(f"{where_f}: size {size} != {entry['size']} in the manifest "
                               f"({'truncated' if size < entry['size'] else 'extra bytes'})")
-    sha = hashlib.sha256()
+    sha = hashlib.sha256() if entry.get("sha256") is not None else None
     futures = deque()
     with open(path, "rb") as f:
         pos = 0
@@ -254,7 +269,8 @@ def verify_file(ckpt_dir: Path, entry: dict, manifest: dict, deep: bool = True,
             cname = name if name is not None else _array_name_of(entry, i)
             hlen = header_size(cname.encode("utf-8"))
             buf = f.read(hlen + ch[_CI["comp_len"]])
-            sha.update(buf)
+            if sha is not None:
+                sha.update(buf)
             if len(buf) != hlen + ch[_CI["comp_len"]]:
                 raise CheckpointError(f"{where}: truncated")
             h = _check_chunk_header(buf, pos, ch, cname, num_slots, w, where)
@@ -270,7 +286,8 @@ def verify_file(ckpt_dir: Path, entry: dict, manifest: dict, deep: bool = True,
                     _deep_check(comp, h, num_slots, where)
             pos += len(buf)
         rest = f.read()
-        sha.update(rest)
+        if sha is not None:
+            sha.update(rest)
     while futures:
         futures.popleft().result()
     where = f"{where_f}: END chunk at offset {pos}"
@@ -278,7 +295,7 @@ def verify_file(ckpt_dir: Path, entry: dict, manifest: dict, deep: bool = True,
     if h["kind"] != KIND_END or h["n"] != len(entry["chunks"]) or h["raw_len"] != pos \
             or h["header_len"] != len(rest):
         raise CheckpointError(f"{where}: bad END chunk")
-    if sha.hexdigest() != entry["sha256"]:
+    if sha is not None and sha.hexdigest() != entry["sha256"]:
         raise CheckpointError(f"{where_f}: sha256 mismatch")
 
 
@@ -471,6 +488,8 @@ class _StoreSink:
         table = self.store.get(name)
         if self.reset_optimizer:  # values only: the optimizer slots start from their initial state
             table.insert(keys, np.ascontiguousarray(rows[:, :table.dim]))
+        elif rows.shape[1] == table.row_width + 1 and hasattr(table, "load_rows"):
+            table.load_rows(keys, rows)  # checksummed rows with counts: the bulk path
         else:
             table.import_rows(keys, rows)
 
@@ -716,15 +735,22 @@ def restore(root, store_or_callback, slot_mask: np.ndarray | None = None,
                        bytes_read=nbytes, seconds=time.perf_counter() - t0, sequence=seq)
 
 
-def _load_chunk(path: Path, e: dict, ci: int, name: str, manifest: dict, w: int,
-                slot_mask, partial: bool, where_f: str):
+def _load_chunks(path: Path, e: dict, group: list, manifest: dict, w: int, slot_mask,
+                 where_f: str) -> list:
+    """:func:`_load_chunk` for each ``(chunk index, name, partial)`` of ``group``."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        comp, h = _read_chunk(fd, e, ci, name, manifest, w, where_f)
+        return [_load_chunk(fd, e, ci, name, manifest, w, slot_mask, partial, where_f)
+                for ci, name, partial in group]
     finally:
         os.close(fd)
+
+
+def _load_chunk(fd: int, e: dict, ci: int, name: str, manifest: dict, w: int,
+                slot_mask, partial: bool, where_f: str):
+    comp, h = _read_chunk(fd, e, ci, name, manifest, w, where_f)
     where = f"{where_f}: chunk {ci}"
-    raw = _decode_payload(comp, h["raw_len"], where)
+    raw = _decode_payload(comp, h, where)
     if h["kind"] == KIND_ARRAY:
         return h, raw, None, len(comp)
     keys, rows = _split_rows(raw, h["n"], w if h["kind"] == KIND_ROWS else 0, where)
@@ -760,11 +786,23 @@ def _apply(plan: _Plan, chain, sink, slot_mask):
                     stats.setdefault(name, {"rows": 0, "deleted": 0})
             for phase in (KIND_TOMBSTONES, KIND_ROWS, KIND_ARRAY):
                 jobs = deque()
+                batch: dict[str, list] = {}  # rows per table, imported _IMPORT_ROWS at a time
+
+                def flush(table):
+                    parts = batch.pop(table, [])
+                    if len(parts) == 1:
+                        sink.rows(table, *parts[0])
+                    elif parts:
+                        sink.rows(table, np.concatenate([p[0] for p in parts]),
+                                  np.concatenate([p[1] for p in parts]))
 
                 def finish(job):
-                    nonlocal nbytes
                     e, fut = job
-                    h, keys, rows, n = fut.result()
+                    for res in fut.result():
+                        finish_one(e, *res)
+
+                def finish_one(e, h, keys, rows, n):
+                    nonlocal nbytes
                     nbytes += n
                     if h["kind"] == KIND_TOMBSTONES:
                         if keys.size:
@@ -772,7 +810,10 @@ def _apply(plan: _Plan, chain, sink, slot_mask):
                         stats[e["table"]]["deleted"] += int(keys.size)
                     elif h["kind"] == KIND_ROWS:
                         if keys.size:
-                            sink.rows(e["table"], keys, rows)
+                            parts = batch.setdefault(e["table"], [])
+                            parts.append((keys, rows))
+                            if sum(p[0].size for p in parts) >= _IMPORT_ROWS:
+                                flush(e["table"])
                         stats[e["table"]]["rows"] += int(keys.size)
                     else:
                         dense_parts.setdefault(h["name"], []).append(keys)
@@ -783,17 +824,26 @@ def _apply(plan: _Plan, chain, sink, slot_mask):
                             dense_parts[name] = []
                             dense_meta[name] = meta
                     w = data_width(m["tables"][e["table"]]) if e["type"] == "rows" else 0
-                    for ci, kind, partial in sel:
-                        if kind != phase:
-                            continue
+                    # a task reads a run of chunks (~_TASK_BYTES): fewer hand-offs between
+                    # threads, which cost more than a 1 MB chunk's work on a busy host
+                    group, size = [], 0
+                    todo = [(ci, partial) for ci, kind, partial in sel if kind == phase]
+                    for j, (ci, partial) in enumerate(todo):
                         name = e["table"] if e["type"] == "rows" else _array_name_of(e, ci)
-                        fut = pool.submit(_load_chunk, c.path / e["path"], e, ci, name, m, w,
-                                          slot_mask, partial, f"{c.name}/{e['path']}")
+                        group.append((ci, name, partial))
+                        size += e["chunks"][ci][_CI["comp_len"]]
+                        if size < _TASK_BYTES and j + 1 < len(todo):
+                            continue
+                        fut = pool.submit(_load_chunks, c.path / e["path"], e, group, m, w,
+                                          slot_mask, f"{c.name}/{e['path']}")
+                        group, size = [], 0
                         jobs.append((e, fut))
                         while len(jobs) > 2 * _READ_THREADS:
                             finish(jobs.popleft())
                 while jobs:
                     finish(jobs.popleft())
+                for table in list(batch):
+                    flush(table)
     dense = {}
     for name, meta in dense_meta.items():
         blob = b"".join(bytes(p) for p in dense_parts.get(name, []))
@@ -806,25 +856,106 @@ def _apply(plan: _Plan, chain, sink, slot_mask):
 
 
 # ----------------------------------------------------------------------------- retention
-def apply_retention(root, keep_chains: int = 2, verify: str = "full") -> list[str]:
+def _check_chunk(*args) -> None:
+    """:func:`_read_chunk` for its checks only (the bytes are dropped at once)."""
+    _read_chunk(*args)
+
+
+def _check_new(c: Checkpoint) -> None:
+    """Chunk-level check of the files of ``c`` (the checkpoint just committed): every
+    chunk header (against the manifest's index) and payload crc32 and the END chunk, no
+    decompression; problems go to ``c.problems``. Reads the bytes of ``c`` only."""
+    if not c.valid or c.level == "chunks":
+        return
+    c.level = "chunks"
+    with ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="ckpt-verify") as pool:
+        for e in c.manifest["files"]:
+            where_f = f"{c.name}/{e['path']}"
+            try:
+                fd = os.open(c.path / e["path"], os.O_RDONLY)
+            except OSError as err:
+                c.problems.append(f"{where_f}: {err}")
+                continue
+            try:
+                if os.fstat(fd).st_size != e["size"]:
+                    raise CheckpointError(f"{where_f}: size {os.fstat(fd).st_size} != "
+                                          f"{e['size']} in the manifest")
+                w = data_width(c.manifest["tables"].get(e["table"], {})) \
+                    if e["type"] == "rows" else 0
+                pos = 0
+                futs = deque()
+                try:
+                    for ci, ch in enumerate(e["chunks"]):
+                        if ch[0] != pos:
+                            raise CheckpointError(f"{where_f}: chunk {ci}: chunk index not "
+                                                  "contiguous")
+                        name = e["table"] if e["type"] == "rows" else _array_name_of(e, ci)
+                        pos += header_size(name.encode("utf-8")) + ch[_CI["comp_len"]]
+                        futs.append(pool.submit(_check_chunk, fd, e, ci, name, c.manifest, w,
+                                                where_f))
+                        while len(futs) > 2 * _READ_THREADS:  # bounded memory
+                            futs.popleft().result()
+                    while futs:
+                        futs.popleft().result()
+                finally:
+                    wait(futs)  # no read may outlive the descriptor
+                _check_end(fd, e, where_f)
+                c.verified_chunks.update((e["path"], ci) for ci in range(len(e["chunks"])))
+            except CheckpointError as err:
+                c.problems.append(str(err))
+            except OSError as err:
+                c.problems.append(f"{where_f}: {err}")
+            finally:
+                os.close(fd)
+
+
+def apply_retention(root, keep_chains: int = 2, verify: str = "new") -> list[str]:
     """Delete checkpoints older than the newest ``keep_chains`` restorable chains (and
     older incomplete or corrupt ones). Never deletes the newest restorable chain, nor
     anything when no chain is restorable, nor anything newer than the oldest kept chain
-    (e.g. a checkpoint still being written). Returns the deleted directory names."""
+    (e.g. a checkpoint still being written). Returns the deleted directory names.
+
+    ``verify``: how the checkpoints are checked before chains are formed. ``"new"`` (the
+    default, run after each commit): manifests and file sizes of all, and every chunk's
+    header and crc32 of the newest checkpoint only -- what was just written, which
+    earlier runs have not seen; older ones were checked when they were the newest. Its
+    cost is proportional to the new checkpoint, so an incremental's retention pass does
+    not read the full it builds on. ``"manifest"``: manifests and sizes only; ``"full"``:
+    every byte of every checkpoint."""
     if isinstance(keep_chains, bool) or not isinstance(keep_chains, int) or keep_chains < 1:
         raise ValueError(f"keep_chains must be an integer >= 1, got {keep_chains!r}")
+    if verify not in ("new", "manifest", "full"):
+        raise ValueError(f"verify must be 'new', 'manifest' or 'full', got {verify!r}")
     root = Path(root)
-    chains = list_chains(root, verify)
-    if not chains:
-        log.warning("retention: no restorable checkpoint under %s; nothing deleted", root)
-        return []
-    kept = chains[:keep_chains]
-    floor = min(ch.root.id for ch in kept)
+    cks = scan(root, "full" if verify == "full" else "manifest")
+    if verify == "new":
+        newest = [c for c in cks if c.valid]
+        if newest:
+            _check_new(newest[-1])
+    while True:
+        chains = _chains(cks)
+        if not chains:
+            _warn_invalid(cks)
+            log.warning("retention: no restorable checkpoint under %s; nothing deleted", root)
+            return []
+        kept = chains[:keep_chains]
+        floor = min(ch.root.id for ch in kept)
+        doomed = [p for p in sorted(root.iterdir())
+                  if (m := DIR_RE.match(p.name)) and p.is_dir() and int(m.group(1)) < floor]
+        if not doomed or verify != "new":
+            break
+        # about to delete: first check every chunk of the chains kept instead (once per
+        # new chain, not per incremental), so bit rot in a kept checkpoint never costs the
+        # older chain that would replace it
+        unseen = [c for ch in kept for c in ch.checkpoints if c.level != "chunks"]
+        if not unseen:
+            break
+        for c in unseen:
+            _check_new(c)
+            c.level = "chunks"
+    _warn_invalid(cks)
     deleted = []
-    for p in sorted(root.iterdir()):
-        m = DIR_RE.match(p.name)
-        if not (m and p.is_dir() and int(m.group(1)) < floor):
-            continue
+    for p in doomed:
         trash = root / f".deleting-{p.name}-{os.getpid()}"
         os.replace(p, trash)  # atomic: readers never see a half-deleted checkpoint
         shutil.rmtree(trash, ignore_errors=True)

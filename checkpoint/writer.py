@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import copy
+import ctypes
+import ctypes.util
 import hashlib
 import json
 import logging
 import os
+import sys
 import threading
+import zlib
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +23,8 @@ import zstandard
 from deeprec_ext.hashing import DEFAULT_NUM_SLOTS, slot_of
 from deeprec_ext.store import EmbeddingTable
 
-from checkpoint.format import (CHUNK_FIELDS, FORMAT_VERSION, KIND_ARRAY, KIND_END, KIND_ROWS,
+import checkpoint.format as _fmt
+from checkpoint.format import (CHUNK_FIELDS, FLAG_RAW, KIND_ARRAY, KIND_END, KIND_ROWS,
                                KIND_TOMBSTONES, MANIFEST_FORMAT, MANIFEST_NAME, CheckpointError,
                                crc32, dir_name, encode_header, manifest_checksum, quote_name)
 
@@ -28,8 +33,90 @@ log = logging.getLogger("checkpoint")
 ROWS_PER_CHUNK = 1 << 16          # ~64k rows per chunk ...
 CHUNK_RAW_BYTES = 4 << 20         # ... but at most ~4 MB uncompressed (wide rows)
 TOMBSTONES_PER_CHUNK = 1 << 20    # tombstone chunks hold keys only
+# Full exports scan the arena sequentially, SCAN_SLICE_ROWS rows per table-lock hold, and
+# deal each slice's rows into SCAN_BUCKETS contiguous slot ranges; a bucket becomes a
+# chunk once it holds BUCKET_CHUNK_BYTES. Pending rows: about SCAN_BUCKETS x that.
+SCAN_SLICE_ROWS = 1 << 14
+SCAN_BUCKETS = 16
+BUCKET_CHUNK_BYTES = 1 << 20
 ZSTD_LEVEL = 1                    # float rows barely compress; level 1 is ~2x faster than 3
-_EXTRA_IN_FLIGHT = 1              # chunks being compressed: one per thread, plus this
+# "auto": a chunk is compressed only when zstd pays, i.e. a sample of it (PROBE_FRACTION of
+# its bytes) shrinks by at least ZSTD_MIN_SAVING; otherwise it is stored as is (FLAG_RAW).
+# Trained float rows shrink by ~10% at level 1 for ~300 MB/s per core, less than a core
+# copies or the page cache takes them; constant or sparse columns (fresh optimizer slots,
+# zeros, sequential ids) shrink by 40-90% and compress at GB/s. See docs/BENCHMARKS.md.
+COMPRESS = "auto"                 # "auto" | "always" | "never"
+ZSTD_MIN_SAVING = 0.25
+PROBE_FRACTION = 1 / 16
+WRITEBACK_BYTES = 32 << 20        # start the disk write-back of every ~32 MB as it is written
+_EXTRA_IN_FLIGHT = 1              # chunks being encoded: one per thread, plus this
+_LITTLE = sys.byteorder == "little"
+
+
+def _load_sync_file_range():
+    """``sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE)`` (Linux): start the write-back
+    of a written range without waiting for it, so the final fsync finds little left to
+    write. None where unavailable (then the fsync does it all)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _write_all(fd: int, bufs) -> int:
+    """Write every buffer (bytes or C-contiguous arrays) to ``fd`` with writev, no join."""
+    views = [memoryview(b).cast("B") for b in bufs]
+    views = [v for v in views if v.nbytes]
+    total = sum(v.nbytes for v in views)
+    while views:
+        n = os.writev(fd, views[:512])
+        while n:
+            if n >= views[0].nbytes:
+                n -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
+    return total
+
+
+class _Done:
+    """An encoding finished in the calling thread, in the writer's window of futures."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+    def cancel(self):
+        return False
+
+
+class _Writeback:
+    """Starts the disk write-back of a file's bytes as they are written (every
+    ``WRITEBACK_BYTES``), so the fsync that closes it overlaps the encoding instead of
+    following it."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.done = 0
+
+    def wrote(self, pos: int) -> None:
+        if self.fd is None or _SYNC_FILE_RANGE is None or pos - self.done < WRITEBACK_BYTES:
+            return
+        if _SYNC_FILE_RANGE(self.fd, self.done, pos - self.done, _SYNC_FILE_RANGE_WRITE) == 0:
+            self.done = pos
 
 
 class CheckpointCancelled(Exception):
@@ -105,18 +192,19 @@ class CheckpointWriter:
     :meth:`file_entries` to the one writer that does (:meth:`add_file_entries`).
     """
 
-    def _close_file(self, f, sha, name: bytes, chunks: int, pos: int) -> int:
+    def _close_file(self, fd: int, sha, name: bytes, chunks: int, pos: int) -> int:
         """The END header that closes a data file, then fsync; returns the new offset."""
         end = encode_header(KIND_END, name, self.num_slots, 0, 0, chunks, 0, pos, 0, 0)
-        f.write(end)
-        sha.update(end)
-        f.flush()
-        os.fsync(f.fileno())
+        _write_all(fd, [end])
+        if sha is not None:
+            sha.update(end)
+        if self.sync:
+            os.fsync(fd)
         return pos + len(end)
 
     def __init__(self, root, ckpt_id: int, kind: str = "full", parent: int | None = None,
                  num_slots: int = DEFAULT_NUM_SLOTS, level: int = ZSTD_LEVEL,
-                 threads: int | None = None):
+                 threads: int | None = None, compress: str | None = None, sync: bool = True):
         if kind not in ("full", "incr"):
             raise ValueError(f"kind must be 'full' or 'incr', got {kind!r}")
         if isinstance(ckpt_id, bool) or not isinstance(ckpt_id, (int, np.integer)) or ckpt_id < 0:
@@ -129,6 +217,15 @@ class CheckpointWriter:
         self.kind = kind
         self.num_slots = int(num_slots)
         self.level = int(level)
+        # sync=False: no fsync/write-back (benchmarks against writers that do not sync,
+        # scratch copies); a crash may then leave a committed checkpoint incomplete
+        self.sync = bool(sync)
+        # the layout written: format 3, or (tests, tools) an older one exactly as it was
+        self.version = int(_fmt.FORMAT_VERSION)
+        compress = COMPRESS if compress is None else compress
+        if compress not in ("auto", "always", "never"):
+            raise ValueError(f"compress must be 'auto', 'always' or 'never', got {compress!r}")
+        self.compress = compress if self.version >= 3 else "always"
         self.threads = max(1, int(threads if threads is not None else min(4, os.cpu_count() or 1)))
         self._lock = threading.Lock()
         self._files: dict[str, dict] = {}
@@ -176,7 +273,8 @@ class CheckpointWriter:
             raise ValueError("a full checkpoint has no parent")
 
         self.dir.mkdir(exist_ok=True)
-        _fsync_dir(self.root)
+        if self.sync:
+            _fsync_dir(self.root)
 
     # -- context manager ----------------------------------------------------------------
     def __enter__(self):
@@ -216,16 +314,19 @@ class CheckpointWriter:
         writer reported for the previous checkpoint of the chain). ``slot_mask`` (bool
         [num_slots]) restricts the rows and deletions to the slots this writer owns.
 
-        Streaming, in bounded memory: the sequence watermark ``cut_seq`` is read first,
-        then a plan of the rows to write sorted by slot (8 bytes per row, no row copied;
-        ``EmbeddingTable.plan_export``), then the rows are read chunk by chunk, each under
-        one short table-lock hold (``gather_planned``), and compressed and written while
-        the next chunk is read. The table keeps serving lookups and pushes throughout;
-        no copy of the table is ever held. Every write with a sequence number <= cut_seq
-        is in this checkpoint (or an earlier one of the chain): a row rewritten after
-        the plan is written with its newer value, a row deleted or reused after it is
-        skipped (its change is after the cut, so the next incremental has it). Writes
-        after the cut may appear twice, harmlessly.
+        Streaming, in bounded memory: the sequence watermark ``cut_seq`` is read first.
+        A full checkpoint (format 3) then scans the arena in row order, a slice of
+        ``SCAN_SLICE_ROWS`` rows per short table-lock hold (``EmbeddingTable.scan_live``),
+        and deals each slice, sorted by slot, into ``SCAN_BUCKETS`` slot ranges written
+        as chunks of ~``BUCKET_CHUNK_BYTES`` (:meth:`_scan_chunks`). An incremental reads
+        a plan of the changed rows sorted by slot (8 bytes per row, from the change log;
+        ``EmbeddingTable.plan_export``), then the rows chunk by chunk
+        (``gather_planned``). Chunks are encoded and written while the next is read. The
+        table keeps serving lookups and pushes throughout; no copy of the table is ever
+        held. Every write with a sequence number <= cut_seq is in this checkpoint (or an
+        earlier one of the chain): a row rewritten after it was read is in the next
+        incremental, a row deleted before it was read is skipped (its change is after
+        the cut). Writes after the cut may appear twice, harmlessly.
 
         ``cancelled``: a callable polled between chunks; when it returns True the write
         stops with :class:`CheckpointCancelled`. Returns stats: writer, table, file,
@@ -275,10 +376,16 @@ class CheckpointWriter:
                     else np.empty(0, np.int64))
             if tomb.size and slot_mask is not None:
                 tomb = tomb[slot_mask[slot_of(tomb, self.num_slots)]]
-            codes, row_bits = table.plan_export(export_mask, since_seq)
             written = [0]
             chunks = self._tombstone_chunks(tomb)
-            rows_chunks = self._row_chunks(table, info, codes, row_bits, written, cancelled)
+            # a table serving a promoted replica as a segment (until its background
+            # merge ends) has rows outside its arena: the plan covers both
+            if self.kind == "full" and self.version >= 3 and not table.segment_rows():
+                rows_chunks = self._scan_chunks(table, info, slot_mask, written, cancelled)
+            else:  # the rows changed since since_seq, from the change log: a plan
+                codes, row_bits = table.plan_export(export_mask, since_seq)
+                rows_chunks = self._row_chunks(table, info, codes, row_bits, written,
+                                               cancelled)
             path = self.dir / fname
             entry = self._write_data_file(path, name, (*chunks, rows_chunks))
         except BaseException:
@@ -306,7 +413,7 @@ class CheckpointWriter:
         order = _slot_order(slots, self.num_slots)
         keys, slots = keys.take(order), slots.take(order)
         per = min(TOMBSTONES_PER_CHUNK, max(4096, -(-m // self.threads)))
-        return ([(KIND_TOMBSTONES, keys[s:s + per], None, int(slots[s]),
+        return ([(KIND_TOMBSTONES, [keys[s:s + per]], None, int(slots[s]),
                   int(slots[min(s + per, m) - 1]))] for s in range(0, m, per))
 
     def _row_chunks(self, table: EmbeddingTable, info: dict, codes: np.ndarray, row_bits: int,
@@ -327,65 +434,170 @@ class CheckpointWriter:
                 raise ValueError(f"table '{table.name}' was reconfigured while being written")
             if keys.size:
                 written[0] += int(keys.size)
-                yield KIND_ROWS, keys, rows, int(slots[0]), int(slots[-1])
+                yield KIND_ROWS, [keys], [rows], int(slots[0]), int(slots[-1])
+
+    def _scan_chunks(self, table: EmbeddingTable, info: dict, slot_mask, written: list,
+                     cancelled):
+        """Row chunks of a full export, streaming the arena in row order
+        (``EmbeddingTable.scan_live``: one sequential copy per slice under one short
+        table-lock hold) -- no plan, no global sort, no random gather over the table.
+
+        Each slice is sorted by slot (a radix sort of a few thousand rows) and dealt into
+        ``SCAN_BUCKETS`` contiguous slot ranges; a bucket is written as one chunk once it
+        holds about ``BUCKET_CHUNK_BYTES`` (its pieces are written as they are, no join).
+        A chunk's keys lie in its slot range, sorted by slot within each piece (format
+        3); a restore of some slots reads the chunks of the buckets they touch only."""
+        with_counts = bool(info.get("counts"))
+        w = info["row_width"] + (1 if with_counts else 0)
+        nb = max(1, min(SCAN_BUCKETS, self.num_slots))
+        span = -(-self.num_slots // nb)  # slots per bucket
+        target = max(256, BUCKET_CHUNK_BYTES // (8 + 4 * w))
+        pend = [[] for _ in range(nb)]
+        count = np.zeros(nb, dtype=np.int64)
+        edges = np.arange(nb + 1, dtype=np.int64) * span
+
+        def emit(b):
+            parts = pend[b]
+            pend[b] = []
+            count[b] = 0
+            return (KIND_ROWS, [p[0] for p in parts], [p[1] for p in parts],
+                    min(p[2] for p in parts), max(p[3] for p in parts))
+
+        row = 0
+        while row is not None:
+            _check_cancelled(cancelled)
+            keys, rows, row = table.scan_live(row, SCAN_SLICE_ROWS, with_counts=with_counts)
+            if rows.shape[1] != w:
+                raise ValueError(f"table '{table.name}' was reconfigured while being written")
+            if not keys.size:
+                continue
+            slots = slot_of(keys, self.num_slots)
+            if slot_mask is not None:
+                keep = slot_mask[slots]
+                if not keep.all():
+                    keep = np.flatnonzero(keep)
+                    keys, rows, slots = keys.take(keep), rows.take(keep, axis=0), \
+                        slots.take(keep)
+                    if not keys.size:
+                        continue
+            order = _slot_order(slots, self.num_slots)
+            keys, rows, slots = keys.take(order), rows.take(order, axis=0), slots.take(order)
+            written[0] += int(keys.size)
+            bounds = np.searchsorted(slots, edges)
+            for b in np.flatnonzero(bounds[1:] > bounds[:-1]).tolist():
+                s, e = int(bounds[b]), int(bounds[b + 1])
+                pend[b].append((keys[s:e], rows[s:e], int(slots[s]), int(slots[e - 1])))
+                count[b] += e - s
+                if count[b] >= target:
+                    yield emit(b)
+        for b in range(nb):
+            if count[b]:
+                yield emit(b)
 
     def _write_data_file(self, path: Path, name: str, parts) -> dict:
         """Write chunks given by ``parts`` (iterables of (kind, keys, rows, slot_lo,
-        slot_hi), in slot order), compressing up to one chunk per thread (plus one) while
-        the next is read; returns the file's manifest entry (size, sha256, raw_bytes,
-        chunk index)."""
+        slot_hi), in slot order), encoding up to one chunk per thread (plus one) while
+        the next is read; returns the file's manifest entry (size, sha256 (None from
+        format 3 on), raw_bytes, chunk index).
+
+        Each chunk is written with one writev of header + payload buffers (a stored
+        chunk: the gathered keys and rows themselves, no joined copy), and the disk
+        write-back of the file is started as it grows (:class:`_Writeback`)."""
         bname = name.encode("utf-8")
         pool = self._get_pool()
         window = deque()
         index = []
-        sha = hashlib.sha256()
+        sha = hashlib.sha256() if self.version < 3 else None
         pos = 0
         raw_total = 0
 
-        def drain_one(f):
+        def drain_one(fd, wb):
             nonlocal pos, raw_total
             kind, n, lo, hi, w, fut = window.popleft()
-            comp, raw_len, ccrc = fut.result()
+            bufs, raw_len, comp_len, ccrc, flags = fut.result()
             head = encode_header(kind, bname, self.num_slots, lo, hi, n, w, raw_len,
-                                 len(comp), ccrc)
-            f.write(head)
-            f.write(comp)
-            sha.update(head)
-            sha.update(comp)
-            index.append([pos, kind, n, lo, hi, raw_len, len(comp), ccrc])
-            pos += len(head) + len(comp)
+                                 comp_len, ccrc, flags)
+            _write_all(fd, [head, *bufs])
+            if sha is not None:
+                sha.update(head)
+                for b in bufs:
+                    sha.update(b)
+            index.append([pos, kind, n, lo, hi, raw_len, comp_len, ccrc])
+            pos += len(head) + comp_len
             raw_total += raw_len
+            wb.wrote(pos)
 
         self._created_files.append(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            with open(path, "wb") as f:
-                for part in parts:
-                    for kind, keys, rows, lo, hi in part:
-                        w = 0 if rows is None else int(rows.shape[1])
-                        while len(window) >= self.threads + _EXTRA_IN_FLIGHT:
-                            drain_one(f)
-                        window.append((kind, int(keys.size), lo, hi, w,
-                                       pool.submit(self._payload, keys, rows)))
-                        del keys, rows
-                while window:
-                    drain_one(f)
-                pos = self._close_file(f, sha, bname, len(index), pos)
+            wb = _Writeback(fd if self.sync else None)
+            for part in parts:
+                for kind, keys, rows, lo, hi in part:
+                    w = 0 if rows is None else int(rows[0].shape[1])
+                    while len(window) >= self.threads + _EXTRA_IN_FLIGHT:
+                        drain_one(fd, wb)
+                    views, raw_len = self._views(keys, rows)
+                    if self.compress == "never" or (self.compress == "auto"
+                                                    and not self._pays(views)):
+                        # stored: a crc32 (GIL released) right here; handing ~1 MB to a
+                        # thread and back costs more than that on a busy host
+                        job = _Done(self._stored(views, raw_len))
+                    else:
+                        job = pool.submit(self._compressed, views, raw_len)
+                    window.append((kind, sum(int(k.size) for k in keys), lo, hi, w, job))
+                    del keys, rows
+            while window:
+                drain_one(fd, wb)
+            pos = self._close_file(fd, sha, bname, len(index), pos)
         finally:
-            for *_, fut in window:  # an error: do not leave compressions running
+            os.close(fd)
+            for *_, fut in window:  # an error: do not leave encodings running
                 fut.cancel()
-        return {"size": pos, "sha256": sha.hexdigest(), "raw_bytes": raw_total,
-                "chunks": index}
+        return {"size": pos, "sha256": sha.hexdigest() if sha is not None else None,
+                "raw_bytes": raw_total, "chunks": index}
 
-    def _payload(self, keys, rows):
-        """One chunk's compressed payload: ``keys int64 LE || rows float32 LE``."""
-        n = int(keys.size)
-        nbytes = 8 * n + (0 if rows is None else 4 * rows.size)
-        buf = np.empty(nbytes, dtype=np.uint8)
-        buf[:8 * n].view("<i8")[:] = keys
-        if rows is not None:
-            buf[8 * n:].view("<f4").reshape(rows.shape)[:] = rows
-        comp = self._compressor().compress(buf)
-        return comp, buf.nbytes, crc32(comp)
+    def _pays(self, views: list) -> bool:
+        """Whether zstd pays for a payload: a sample of it (PROBE_FRACTION of each part,
+        from its start) shrinks by at least ZSTD_MIN_SAVING at this writer's level."""
+        sample = [v[:max(4096, int(v.nbytes * PROBE_FRACTION))] for v in views]
+        n = sum(v.nbytes for v in sample)
+        if n == 0:
+            return False
+        comp = self._compressor().compress(b"".join(sample))
+        return len(comp) <= (1.0 - ZSTD_MIN_SAVING) * n
+
+    def _encode(self, keys: list, rows: list | None):
+        """One chunk's payload ``keys int64 LE || rows float32 LE`` from lists of pieces
+        (``keys``: any arrays for a dense piece): ``(buffers, raw_len, comp_len, crc32,
+        flags)``, either one zstd frame or (format 3, where zstd does not pay) the pieces
+        themselves, stored."""
+        views, raw_len = self._views(keys, rows)
+        if self.compress == "never" or (self.compress == "auto" and not self._pays(views)):
+            return self._stored(views, raw_len)
+        return self._compressed(views, raw_len)
+
+    @staticmethod
+    def _views(keys: list, rows: list | None):
+        """Byte views of a payload's pieces (keys first, then rows) and its length."""
+        arrays = list(keys) + (list(rows) if rows is not None else [])
+        if _LITTLE:
+            parts = [np.ascontiguousarray(a) for a in arrays]
+        else:  # pragma: no cover - the format is little-endian
+            parts = [np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")) for a in arrays]
+        views = [memoryview(p).cast("B") for p in parts]
+        return views, sum(v.nbytes for v in views)
+
+    @staticmethod
+    def _stored(views: list, raw_len: int):
+        c = 0
+        for v in views:
+            c = zlib.crc32(v, c)
+        return views, raw_len, raw_len, c & 0xFFFFFFFF, FLAG_RAW
+
+    def _compressed(self, views: list, raw_len: int):
+        cobj = self._compressor().compressobj(size=raw_len)
+        comp = b"".join([*(cobj.compress(v) for v in views), cobj.flush()])
+        return [comp], raw_len, len(comp), crc32(comp), 0
 
     def write_dense(self, variables: dict, writer_id: str = "dense") -> dict:
         """Store named numeric numpy arrays (e.g. dense variables or other worker state
@@ -407,11 +619,11 @@ class CheckpointWriter:
         try:
             path = self.dir / fname
             self._created_files.append(path)
-            sha = hashlib.sha256()
+            sha = hashlib.sha256() if self.version < 3 else None
             index, pos, raw_total = [], 0, 0
             meta = {}
-            c = self._compressor()
-            with open(path, "wb") as f:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
                 for name, a in arrays.items():
                     meta[name] = {"dtype": a.dtype.str, "shape": list(a.shape),
                                   "chunks": 0}
@@ -419,26 +631,29 @@ class CheckpointWriter:
                     raw = a.reshape(-1).view(np.uint8)
                     for s in range(0, max(raw.size, 1), CHUNK_RAW_BYTES):
                         piece = raw[s:s + CHUNK_RAW_BYTES]
-                        comp = c.compress(piece)
-                        ccrc = crc32(comp)
+                        bufs, raw_len, comp_len, ccrc, flags = self._encode([piece], None)
                         head = encode_header(KIND_ARRAY, bname, self.num_slots, 0, 0,
-                                             piece.size, 0, piece.size, len(comp), ccrc)
-                        f.write(head)
-                        f.write(comp)
-                        sha.update(head)
-                        sha.update(comp)
-                        index.append([pos, KIND_ARRAY, piece.size, 0, 0, piece.size,
-                                      len(comp), ccrc])
-                        pos += len(head) + len(comp)
-                        raw_total += piece.size
+                                             piece.size, 0, raw_len, comp_len, ccrc, flags)
+                        _write_all(fd, [head, *bufs])
+                        if sha is not None:
+                            sha.update(head)
+                            for b in bufs:
+                                sha.update(b)
+                        index.append([pos, KIND_ARRAY, piece.size, 0, 0, raw_len,
+                                      comp_len, ccrc])
+                        pos += len(head) + comp_len
+                        raw_total += raw_len
                         meta[name]["chunks"] += 1
-                pos = self._close_file(f, sha, b"", len(index), pos)
+                pos = self._close_file(fd, sha, b"", len(index), pos)
+            finally:
+                os.close(fd)
         except BaseException:
             with self._lock:
                 self._files.pop(fname, None)
             raise
         entry = {"path": fname, "type": "dense", "writer": str(writer_id), "table": None,
-                 "size": pos, "sha256": sha.hexdigest(), "raw_bytes": raw_total,
+                 "size": pos, "sha256": sha.hexdigest() if sha is not None else None,
+                 "raw_bytes": raw_total,
                  "chunks": index, "arrays": meta}
         with self._lock:
             self._files[fname] = entry
@@ -521,7 +736,7 @@ class CheckpointWriter:
                                     tombstones=sum(e["tombstones"] for e in mine))
             now = time.time()
             body = {
-                "format": MANIFEST_FORMAT, "version": FORMAT_VERSION,
+                "format": MANIFEST_FORMAT, "version": self.version,
                 "id": self.id, "kind": self.kind, "parent": self.parent,
                 "parent_checksum": self._parent_checksum,
                 "created": now,
@@ -541,14 +756,17 @@ class CheckpointWriter:
             }
             body["checksum"] = manifest_checksum(body)
             blob = json.dumps(body, indent=1, sort_keys=True, allow_nan=False).encode("utf-8")
-            _fsync_dir(self.dir)  # directory entries of the data files
+            if self.sync:
+                _fsync_dir(self.dir)  # directory entries of the data files
             tmp = self.dir / f".{MANIFEST_NAME}.tmp-{os.getpid()}-{threading.get_ident()}"
             with open(tmp, "wb") as f:
                 f.write(blob)
                 f.flush()
-                os.fsync(f.fileno())
+                if self.sync:
+                    os.fsync(f.fileno())
             os.replace(tmp, self.dir / MANIFEST_NAME)
-            _fsync_dir(self.dir)
+            if self.sync:
+                _fsync_dir(self.dir)
             self._committed = True
         log.info("checkpoint %s committed: %d files, %d rows, %d tombstones, %d bytes",
                  self.dir.name, len(files), body["totals"]["rows"],

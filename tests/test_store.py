@@ -766,3 +766,64 @@ class TestChangeLog:
         assert t.tombstones_since(0).tolist() == list(range(100, 110))
         with pytest.raises(LogTrimmed):  # the replica gets a full copy instead
             t.tombstones_since(replica, include_moved=True)
+
+
+# --------------------------------------------------------------------------- bulk loads
+def test_hash_index_find_or_insert_matches_find_then_insert():
+    """One probing pass = find + insert_new: same rows for every key (present, new,
+    duplicated), new keys get their rows in input order, also after deletions."""
+    rng = np.random.default_rng(21)
+    for trial in range(120):
+        idx, ref, nxt = HashIndex(16), {}, [0]
+
+        def alloc(m):
+            nxt[0] += m
+            return np.arange(nxt[0] - m, nxt[0])
+
+        for step in range(6):
+            if trial % 2:
+                keys = rng.integers(-50, 50, rng.integers(0, 80))
+            else:
+                keys = rng.integers(-2**63, 2**63 - 1, rng.integers(0, 300))
+            keys = keys.astype(np.int64)
+            if step == 3 and trial % 3 == 0 and ref:
+                gone = np.array(list(ref)[:5], dtype=np.int64)
+                idx.remove(gone)
+                for g in gone.tolist():
+                    ref.pop(g)
+            had_deleted = idx.num_deleted
+            rows, new_keys, new_rows = idx.find_or_insert(keys, alloc)
+            fresh = list(dict.fromkeys(k for k in keys.tolist() if k not in ref))
+            assert sorted(new_keys.tolist()) == sorted(fresh)
+            if not had_deleted and len(set(keys.tolist())) == keys.size:
+                assert new_keys.tolist() == fresh  # input order
+            ref.update(zip(new_keys.tolist(), new_rows.tolist()))
+            assert rows.tolist() == [ref[k] for k in keys.tolist()]
+            np.testing.assert_array_equal(idx.find(keys), rows)
+            assert len(idx) == len(ref)
+
+
+def test_load_rows_is_import_rows_without_the_checks():
+    """EmbeddingTable.load_rows (restores) leaves the table exactly as import_rows does:
+    fresh keys, present keys, duplicates (last wins), counts, after deletions."""
+    rng = np.random.default_rng(22)
+    opt = {"name": "adagrad", "learning_rate": 0.1}
+    a = EmbeddingTable("a", 4, optimizer=opt)
+    b = EmbeddingTable("b", 4, optimizer=opt)
+    for step in range(5):
+        keys = rng.integers(0, 3000, 1500).astype(np.int64)
+        if step == 0:
+            keys = np.unique(keys)  # all new, distinct: the sequential path
+        rows = rng.normal(size=(keys.size, a.row_width + 1)).astype(np.float32)
+        rows[:, -1] = rng.integers(0, 100, keys.size)
+        a.import_rows(keys, rows)
+        b.load_rows(keys, rows)
+        if step == 2:
+            gone = keys[:200]
+            a.delete(gone)
+            b.delete(gone)
+    ka, ra, _ = a.export_rows(with_counts=True)
+    kb, rb, _ = b.export_rows(with_counts=True)
+    oa, ob = np.argsort(ka), np.argsort(kb)
+    np.testing.assert_array_equal(ka[oa], kb[ob])
+    np.testing.assert_array_equal(ra[oa].view(np.uint32), rb[ob].view(np.uint32))

@@ -291,6 +291,75 @@ class HashIndex:
         self._vals[new_pos] = new_rows + 1
         return self._vals[pos] - 1, self._keys[new_pos], new_rows
 
+    def find_or_insert(self, keys, allocate) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Row of every key, inserting the absent ones (duplicates allowed), in ONE probing
+        pass instead of :meth:`find` then :meth:`insert_new` (bulk loads: restores).
+
+        While the index holds no deleted positions, the first non-full position of a
+        key's chain proves it absent and is where it goes, so a key is found or placed
+        in the same walk; with deleted positions it falls back to find + insert_new.
+        ``allocate(m)`` is called once with the number of distinct new keys; their rows
+        are handed out in input order (of one occurrence each), so a batch of distinct
+        new keys gets its rows in input order (consecutive from a fresh arena). Returns
+        ``(rows, new_keys, new_rows)`` like :meth:`insert_new`."""
+        keys = _as_keys(keys)
+        n = keys.size
+        if n == 0:
+            e = np.empty(0, dtype=np.int64)
+            return e, e, e
+        if self._deleted:
+            rows = self.find(keys)
+            miss = np.flatnonzero(rows < 0)
+            got, new_keys, new_rows = self.insert_new(keys.take(miss), allocate)
+            rows[miss] = got
+            return rows, new_keys, new_rows
+        self.reserve(n)
+        if self._deleted:  # pragma: no cover - reserve() rehashes, which drops them
+            return self.find_or_insert(keys, allocate)
+        tk, tv, ts, mask = self._keys, self._vals, self._state, self._mask
+        out = np.empty(n, dtype=np.int64)
+        p = self._home(keys)
+        idx = np.arange(n)
+        kq = keys
+        filled = []
+        while idx.size:
+            st = ts.take(p)
+            keep = np.ones(idx.size, dtype=bool)
+            fi = np.flatnonzero(st == FULL)
+            if fi.size:  # a full position holding the key: found
+                hit = fi[tk[p.take(fi)] == kq.take(fi)]
+                out[idx.take(hit)] = p.take(hit)
+                keep[hit] = False
+            fe = np.flatnonzero(st != FULL)  # empty: the key is absent, claim it (_claim)
+            if fe.size:
+                cp = p.take(fe)
+                cid = idx.take(fe) + 1
+                tv[cp] = cid
+                won = tv[cp] == cid
+                wf = fe[won]
+                wp = cp[won]
+                tk[wp] = kq.take(wf)
+                ts[wp] = FULL
+                out[idx.take(wf)] = wp
+                filled.append(wp)
+                keep[wf] = False
+                lf, lp = fe[~won], cp[~won]
+                if lf.size:  # losers carrying the winner's key are duplicates
+                    dup = tk[lp] == kq.take(lf)
+                    out[idx.take(lf[dup])] = lp[dup]
+                    keep[lf[dup]] = False
+            sel = np.flatnonzero(keep)
+            idx, p, kq = idx.take(sel), p.take(sel), kq.take(sel)
+            p += 1
+            p &= mask
+        new_pos = np.concatenate(filled) if filled else np.empty(0, dtype=np.int64)
+        # rows in input order: each new position's claimant batch index is in _vals
+        new_pos = new_pos.take(np.argsort(tv[new_pos], kind="stable"))
+        new_rows = np.asarray(allocate(new_pos.size), dtype=np.int64)
+        tv[new_pos] = new_rows + 1
+        self._size += new_pos.size
+        return tv[out] - 1, tk[new_pos], new_rows
+
     def remove(self, keys) -> np.ndarray:
         """Remove keys; returns the removed row per input key (-1 where absent)."""
         keys = _as_keys(keys)

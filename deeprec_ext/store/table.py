@@ -669,6 +669,47 @@ class EmbeddingTable:
         return self._upsert(keys, np.ascontiguousarray(rows[:, :self._width]), full_rows=True,
                             only_if_absent=False, counts=counts)
 
+    def load_rows(self, keys: np.ndarray, rows: np.ndarray) -> int:
+        """Bulk :meth:`import_rows` for restores: int64 ``keys`` [n] and float32 ``rows``
+        [n, row_width + 1] (update count last), from a checksummed checkpoint, so the
+        finiteness check of ``import_rows`` is skipped. Keys are found or placed in one
+        probing pass (``HashIndex.find_or_insert``), and a batch of distinct new keys
+        landing on consecutive arena rows (a fresh or growing table) is copied with one
+        slice assignment instead of a scatter. Same effect as ``import_rows`` otherwise
+        (one new sequence number, present keys overwritten, last duplicate wins)."""
+        keys = _check_keys(keys)
+        rows = np.asarray(rows)
+        if rows.dtype != np.float32 or rows.shape != (keys.size, self._width + 1):
+            return self.import_rows(keys, rows)
+        n = int(keys.size)
+        if n == 0:
+            return 0
+        width = self._width
+        counts = np.clip(rows[:, width], 0, 2**32 - 1).astype(np.uint32)
+        with self._lock:
+            if self._width != width:
+                raise ValueError(f"table '{self.name}' was reconfigured during a load")
+            seq = self.sequence.next()
+            # one probing pass finds the present keys and places the new ones
+            got, new_keys, new_rows = self._index.find_or_insert(keys, self._allocate)
+            self._row_key[new_rows] = new_keys
+            r0 = int(got[0])
+            if new_rows.size == n and int(got[-1]) == r0 + n - 1 and \
+                    (n == 1 or bool((np.diff(got) == 1).all())):
+                self._arena[r0:r0 + n] = rows[:, :width]
+                self._row_seq[r0:r0 + n] = seq
+                self._row_count[r0:r0 + n] = counts
+                self._log_write(seq, got)
+                return seq
+            if self._find_duplicates(got) is not None:  # last occurrence wins
+                last = self._last_occurrences(got)
+                got, rows, counts = got.take(last), rows.take(last, axis=0), counts.take(last)
+            self._scatter_rows(got, np.ascontiguousarray(rows[:, :width]))
+            self._row_seq[got] = seq
+            self._row_count[got] = counts
+            self._log_write(seq, got)
+            return seq
+
     def _upsert(self, keys, data, full_rows: bool, only_if_absent: bool, counts=None) -> int:
         if keys.size == 0:
             return 0
@@ -1108,6 +1149,34 @@ class EmbeddingTable:
             if ok.size:
                 live[p.take(ok)] = True
                 put(p.take(ok), self, found.take(ok))
+
+    def scan_live(self, row_start: int, max_rows: int, with_counts: bool = False):
+        """Live rows of arena rows ``[row_start, row_start + max_rows)``, in row order, read
+        under one table-lock hold: ``(keys, rows, next_row)``; ``rows`` float32
+        [n, row_width (+1 update count)], each row self-consistent; ``next_row`` is None
+        once the scan reached the end of the arena. Full exports stream the table with it
+        (checkpoints): one sequential copy per slice, nothing hashed under the lock."""
+        extra = 1 if with_counts else 0
+        with self._lock:
+            width = self._width
+            stop = min(self._hwm, int(row_start) + int(max_rows))
+            start = min(int(row_start), stop)
+            live = self._row_seq[start:stop] > 0
+            n = int(np.count_nonzero(live))
+            out = np.empty((n, width + extra), dtype=np.float32)
+            if n == stop - start:  # no free rows in the slice: plain sequential copies
+                keys = self._row_key[start:stop].copy()
+                out[:, :width] = self._arena[start:stop]
+                if extra:
+                    out[:, width] = self._row_count[start:stop]
+            else:
+                sel = np.flatnonzero(live)
+                sel += start
+                keys = self._row_key.take(sel)
+                out[:, :width] = self._gather_rows(sel)
+                if extra:
+                    out[:, width] = self._row_count.take(sel)
+            return keys, out, (stop if stop < self._hwm else None)
 
     def export_keys(self, keys, with_counts: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Full rows (value + slots [+ count]) of those ``keys`` that exist: ``(keys, rows)``."""
