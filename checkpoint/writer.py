@@ -380,7 +380,7 @@ class CheckpointWriter:
             chunks = self._tombstone_chunks(tomb)
             # a table serving a promoted replica as a segment (until its background
             # merge ends) has rows outside its arena: the plan covers both
-            if self.kind == "full" and self.version >= 3 and not table.segment_rows():
+            if self.kind == "full" and self.version >= 3 and not table.segment_rows:
                 rows_chunks = self._scan_chunks(table, info, slot_mask, written, cancelled)
             else:  # the rows changed since since_seq, from the change log: a plan
                 codes, row_bits = table.plan_export(export_mask, since_seq)
