@@ -327,6 +327,8 @@ def shard_batches(ctx: "WorkerContext", batch_size: int, poll_seconds: float = 0
                 reader.close()
                 buf.extend(records)
                 ctx.tracker.add(s.shard_id, len(records), s.start, next_pos)
+                if not records:  # a range inside one long record: DONE once those before are
+                    ctx.tracker.advance(0)
                 while len(buf) >= batch_size and not ctx.stop_requested.is_set():
                     yield emit(batch_size)
                 continue

@@ -262,3 +262,26 @@ def test_tf_record_dataset_matches_the_python_reader(tmp_path):
     assert len(ranges) > 3
     assert list(record_dataset(ranges, "tfrecord").as_numpy_iterator()) == \
         [r.numpy() for r in tf.data.TFRecordDataset(path)] == [b"p%d" % i for i in range(40)]
+
+
+def test_tracker_returns_positions_and_completes_empty_shards():
+    from deeprec_ext.worker import ShardTracker
+    done, back = [], []
+    t = ShardTracker(done.extend, lambda ids, pos: back.extend(zip(ids, pos)))
+    t.add(1, 3, 0, np.array([5, 9, 14]))
+    t.add(2, 0, 14, np.zeros(0, np.int64))       # a range holding no record
+    t.add(3, 2, 20, np.array([26, 30]))
+    for n in (2, 2):
+        t.emitted(n)
+    t.advance(0)
+    assert done == []                            # shard 2 waits for shard 1
+    t.advance(1)
+    assert done == []
+    t.advance(1)                                 # 4 records: shards 1 and 2 done
+    assert done == [1, 2]
+    t.finish()                                   # 1 of shard 3's records trained
+    assert back == [(3, 26)]
+    t = ShardTracker(done.extend, lambda ids, pos: back.extend(zip(ids, pos)))
+    t.add(7, 2, 40, np.array([45, 50]))
+    t.finish()                                   # nothing trained: its hand-out start
+    assert back[-1] == (7, 40)
