@@ -117,8 +117,8 @@ def main() -> int:
     print("\nrecords/s over the first %d shards (%d records, %.0f MB; median of %d):"
           % (len(some), n, some[-1].end / 1e6, a.repeat))
 
-    def count(ds):
-        return ds.reduce(np.int64(0), lambda c, _: c + 1).numpy()
+    def count(ds):  # batched, so the count does not cost a step per record
+        return ds.batch(4096).reduce(np.int64(0), lambda c, x: c + tf.size(x, tf.int64)).numpy()
 
     def python_path():
         return sum(len(read_shard(path, s.start, s.end, s.format, s.size)[0]) for s in some)
