@@ -285,3 +285,42 @@ def test_tracker_returns_positions_and_completes_empty_shards():
     t.add(7, 2, 40, np.array([45, 50]))
     t.finish()                                   # nothing trained: its hand-out start
     assert back[-1] == (7, 40)
+
+
+def test_job_over_every_format_trains_every_record_once(start_job, tmp_path):
+    """An AIMaster job over gzip text, CSV with CRLF, TFRecord and Parquet files: the
+    counting worker (records are integer ids) pushes +1 per record; every id ends at 1."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from deeprec_ext.client import PSClient
+    from tests.conftest import ROOT, wait_for
+    per = 3000
+    ids = [np.arange(k * per, (k + 1) * per) for k in range(4)]
+    with gzip.open(tmp_path / "a.txt.gz", "wb") as f:
+        f.write(b"".join(b"%d\n" % i for i in ids[0]))
+    (tmp_path / "b.csv").write_bytes(b"".join(b"%d\r\n" % i for i in ids[1]))
+    (tmp_path / "c.tfrecord").write_bytes(_tfrecord_bytes([b"%d" % i for i in ids[2]]))
+    pq.write_table(pa.table({"id": ids[3]}), tmp_path / "d.parquet", row_group_size=500)
+    files = [str(tmp_path / n) for n in ("a.txt.gz", "b.csv", "c.tfrecord", "d.parquet")]
+    job = start_job({
+        "name": "formats", "ps": {"replicas": 1},
+        "worker": {"replicas": 2, "command": ["{python}", str(ROOT / "tests" / "counting_worker.py")],
+                   "env": {"COUNTING_DELAY": "0", "COUNTING_BATCH": "500", "PYTHONPATH": str(ROOT),
+                           "COUNTING_HOLD_FILE": str(tmp_path / "release")}},
+        "data": {"files": files, "bytes_per_shard": 4000},
+        "master": {"heartbeat_seconds": 0.5},
+    })
+    wait_for(lambda: job.status()["shards"]["todo"] == 0 and job.status()["shards"]["doing"] == 0,
+             120, "every shard DONE")
+    client = PSClient.connect(job.address, timeout=30)
+    got = client.lookup("records", np.arange(4 * per, dtype=np.int64), insert_missing=False)[:, 0]
+    client.close()
+    (tmp_path / "release").write_text("")
+    assert job.wait(60) == 0, job.output()[-3000:]
+    assert np.bincount(np.clip(got.astype(np.int64), 0, 3), minlength=4).tolist() == [0, 4 * per, 0, 0]
+    shards = job.state()["shards"]["shards"]
+    formats = {os.path.basename(s["path"]): s["format"] for s in shards}
+    assert formats == {"a.txt.gz": "text.gz", "b.csv": "text", "c.tfrecord": "tfrecord",
+                       "d.parquet": "parquet"}
+    assert sum(1 for s in shards if s["path"].endswith("b.csv")) > 3
