@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from aimaster.config import ConfigError, parse_job
-from aimaster.shards import (STREAM_END, Shard, ShardQueue, detect_format, make_shards,
+from aimaster.shards import (STREAM_END, ShardQueue, detect_format, make_shards,
                              tfrecord_boundaries)
 from deeprec_ext.data.ranges import read_shard, read_text_range
 
