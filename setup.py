@@ -32,6 +32,8 @@ setup(
         "pydantic>=2.6,<3",
         "rich>=13,<16",
         "prometheus-client>=0.20,<1",
+        # Parquet data files: footers (row groups) on the AIMaster, row groups on workers
+        "pyarrow>=25,<26",
     ],
     extras_require={
         "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "grpcio-tools>=1.85.1,<2",

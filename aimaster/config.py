@@ -19,6 +19,8 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Stric
 
 from deeprec_ext.hashing import DEFAULT_NUM_SLOTS
 
+DEFAULT_BYTES_PER_SHARD = 4 << 20
+
 
 class ConfigError(ValueError):
     """The job file or a flag is wrong; the message names the field."""
@@ -80,9 +82,27 @@ class DataSection(_Section):
     files: Union[list[StrictStr], StrictStr] = Field(default_factory=list, description=(
         "Paths or glob patterns (a list, or one string). Each pattern must match a file; "
         "matches are sorted within a pattern. Without files the job has no shards."))
-    records_per_shard: StrictInt = Field(10_000, ge=1, description=(
-        "Lines per shard; a shard never spans two files."))
+    bytes_per_shard: Optional[StrictInt] = Field(None, ge=1, description=(
+        "Shard size in bytes of the file (default 4194304 = 4 MiB); a shard never spans "
+        "two files. The AIMaster only `stat`s files: a shard is a byte range whose "
+        "records are those that begin in it (docs/guide-data.md). Parquet: whole row "
+        "groups; a compressed (`.gz`) file is one shard."))
+    records_per_shard: Optional[StrictInt] = Field(None, ge=1, description=(
+        "Deprecated, an approximation: `bytes_per_shard` = this x the mean line length "
+        "of the first 64 KiB of the first file. Set `bytes_per_shard` instead; not both."))
+    format: Literal["auto", "text", "text.gz", "tfrecord", "tfrecord.gz", "parquet"] = Field(
+        "auto", description=(
+            "`auto`: by file name (`.tfrecord`/`.tfrecords`/`.tfr`: TFRecord, "
+            "`.parquet`/`.pq`: Parquet, else newline text such as CSV/TSV; a `.gz` suffix: "
+            "gzip). A given format applies to every file (`.gz` files still count as gzip)."))
     epochs: StrictInt = Field(1, ge=1, description="Passes over the whole file list.")
+
+    @model_validator(mode="after")
+    def _one_shard_size(self):
+        if self.bytes_per_shard is not None and self.records_per_shard is not None:
+            raise ValueError("data: set bytes_per_shard or the deprecated records_per_shard, "
+                             "not both")
+        return self
 
 
 class MasterSection(_Section):
@@ -366,8 +386,20 @@ class RoleConfig:
 @dataclass(frozen=True)
 class DataConfig:
     files: tuple[str, ...] = ()
-    records_per_shard: int = 10_000
+    bytes_per_shard: int | None = None
+    records_per_shard: int | None = None  # deprecated: see shard_bytes
     epochs: int = 1
+    format: str = "auto"
+
+    def shard_bytes(self, files: list[str]) -> int:
+        """``bytes_per_shard``; the deprecated ``records_per_shard`` is converted with the
+        mean line length of a 64 KiB sample of the first file; default 4 MiB."""
+        if self.bytes_per_shard is not None:
+            return self.bytes_per_shard
+        if self.records_per_shard is not None:
+            from aimaster.shards import bytes_for_records
+            return bytes_for_records(files, self.records_per_shard)
+        return DEFAULT_BYTES_PER_SHARD
 
     def resolved_files(self) -> list[str]:
         out: list[str] = []
@@ -471,7 +503,9 @@ def parse_job(doc) -> JobConfig:
     return JobConfig(
         name=f.name, num_slots=f.num_slots, ps=_role(f.ps), worker=_role(f.worker),
         data=DataConfig(files=tuple([files] if isinstance(files, str) else files),
-                        records_per_shard=f.data.records_per_shard, epochs=f.data.epochs),
+                        bytes_per_shard=f.data.bytes_per_shard,
+                        records_per_shard=f.data.records_per_shard, epochs=f.data.epochs,
+                        format=f.data.format),
         host=m.host, port=m.port, state_dir=m.state_dir,
         lease_seconds=float(m.lease_seconds), heartbeat_seconds=float(m.heartbeat_seconds),
         ps_start_timeout=float(m.ps_start_timeout), progress_seconds=float(m.progress_seconds),

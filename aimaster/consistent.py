@@ -34,6 +34,7 @@ from aimaster.migration import MigrationError
 from aimaster.plugins import MasterPlugin
 from aimaster.registry import MemberState
 from aimaster.shards import virtual_rank_shards
+from deeprec_ext.data.ranges import read_shard
 from deeprec_ext.proto import master_pb2, sync_pb2, sync_pb2_grpc
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -78,8 +79,14 @@ class StepCoordinator(sync_pb2_grpc.SyncCoordinatorServicer):
         shards = master.all_shards()
         for r in range(self.virtual_workers):
             mine = virtual_rank_shards(shards, r, self.virtual_workers)
-            ends = np.cumsum([s.records for s in mine]).tolist()
+            ends = np.cumsum([self._records_of(s) for s in mine]).tolist()
             self._shards.append(list(zip([s.shard_id for s in mine], ends)))
+
+    @staticmethod
+    def _records_of(shard) -> int:
+        """Records of a shard: the step barrier needs every virtual rank's record count, so
+        sync mode reads its shards once at start (async mode never reads data files)."""
+        return len(read_shard(shard.path, shard.start, shard.end, shard.format, shard.size)[0])
 
     def _total(self, rank: int) -> int:
         return self._shards[rank][-1][1] if self._shards[rank] else 0
@@ -92,7 +99,7 @@ class StepCoordinator(sync_pb2_grpc.SyncCoordinatorServicer):
         if not self.master.has_data:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this job has no data section")
         out = [master_pb2.Shard(shard_id=s.shard_id, path=os.path.abspath(s.path), start=s.start,
-                                end=s.end, data_epoch=s.data_epoch)
+                                end=s.end, data_epoch=s.data_epoch, size=s.size, format=s.format)
                for s in virtual_rank_shards(self.master.all_shards(), r, self.virtual_workers)]
         return sync_pb2.VirtualShardsResponse(shards=out)
 

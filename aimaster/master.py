@@ -134,7 +134,11 @@ class JobMaster:
                 self.epoch = int(previous.get("epoch", 0))
                 log.warning("resuming job %s from checkpoint %d", self.config.name, head.id)
                 if extra.get("shards"):
-                    return ShardQueue.from_state(extra["shards"])
+                    try:
+                        return ShardQueue.from_state(extra["shards"])
+                    except ValueError as exc:
+                        raise RuntimeError(f"cannot resume job {self.config.name}'s data "
+                                           f"position: {exc}") from None
             else:
                 # without a checkpoint the model of the interrupted run is gone; resuming its
                 # data position without its model would skip data: keep it aside, start over
@@ -143,9 +147,18 @@ class JobMaster:
                             "state is kept in %s.interrupted", self.config.name, self.store.path)
         if not files:
             return None
-        shards = make_shards(files, self.config.data.records_per_shard, self.config.data.epochs)
-        log.info("data: %d files, %d records, %d shards x %d epoch(s)", len(files),
-                 sum(s.records for s in shards), len(shards), self.config.data.epochs)
+        per_shard = self.config.data.shard_bytes(files)
+        if self.config.data.records_per_shard is not None:
+            log.warning("data.records_per_shard is deprecated: using bytes_per_shard=%d "
+                        "(estimated from %s); set data.bytes_per_shard", per_shard, files[0])
+        try:
+            shards = make_shards(files, per_shard, self.config.data.epochs,
+                                 self.config.data.format)
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(f"data: {exc}") from None
+        log.info("data: %d files, %d bytes, %d shards of <= %d bytes x %d epoch(s)", len(files),
+                 sum(os.path.getsize(p) for p in files), len(shards) // self.config.data.epochs,
+                 per_shard, self.config.data.epochs)
         return ShardQueue(shards)
 
     def _save(self) -> None:
@@ -1279,13 +1292,17 @@ class JobMaster:
         return state, shard
 
     def report_shards(self, worker_id: str, done: list[int], returned: list[int],
-                      progress: list[int]) -> list[int]:
-        """Done and handed-back shards of a worker; returns the done ids it did not hold."""
+                      positions: list[int]) -> list[int]:
+        """Done and handed-back shards of a worker (``positions``: where each returned
+        shard's untrained records begin); returns the done ids it did not hold."""
         taken = self.shards.complete(worker_id, done)
         if returned:
-            back = self.shards.give_back(worker_id, returned, dict(zip(returned, progress)))
+            starts = [self.shards.position(s) for s in returned]
+            back = self.shards.give_back(worker_id, returned, dict(zip(returned, positions)))
             self.record_event("shards_returned", worker=worker_id, shards=back,
-                              progress=[int(p) for p in progress[:len(returned)]])
+                              positions=[int(p) for p in positions[:len(returned)]],
+                              progress=[max(int(p) - s, 0) if s is not None else 0
+                                        for p, s in zip(positions, starts)])
         self._save()
         return sorted(set(done) - set(taken))
 

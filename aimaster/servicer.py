@@ -82,7 +82,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             return master_pb2.GetShardResponse(
                 status=master_pb2.GetShardResponse.SHARD,
                 shard=master_pb2.Shard(shard_id=shard.shard_id, path=os.path.abspath(shard.path),
-                                       start=shard.start, end=shard.end, data_epoch=shard.data_epoch))
+                                       start=shard.start, end=shard.end, data_epoch=shard.data_epoch,
+                                       size=shard.size, format=shard.format))
         status = master_pb2.GetShardResponse.FINISHED if state == ShardState.DONE \
             else master_pb2.GetShardResponse.WAIT
         return master_pb2.GetShardResponse(status=status)
@@ -90,12 +91,17 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     def ReportShard(self, request, context):
         if self.m.shards is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this job has no data section")
-        if request.returned_progress and len(request.returned_progress) != len(request.returned_shard_ids):
+        if request.returned_progress:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          "returned_progress must have one entry per returned shard")
+                          "returned_progress (records of a line-range shard) comes from a worker "
+                          "of an older version: shards are byte ranges now and a returned shard "
+                          "carries returned_positions; upgrade the worker's deeprec_ext")
+        if request.returned_positions and len(request.returned_positions) != len(request.returned_shard_ids):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "returned_positions must have one entry per returned shard")
         missing = self.m.report_shards(request.worker_id, list(request.done_shard_ids),
                                        list(request.returned_shard_ids),
-                                       list(request.returned_progress))
+                                       list(request.returned_positions))
         if missing:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"shards {missing} are not DOING for {request.worker_id!r} "

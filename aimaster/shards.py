@@ -1,14 +1,34 @@
-"""The data-shard service: record ranges move TODO -> DOING -> DONE.
+"""The data-shard service: byte ranges of files move TODO -> DOING -> DONE.
+
+A shard is ``(file, start, end)`` in the file's *position* unit (see ``FORMATS``): bytes
+for plain text and TFRecord, rows for Parquet, and for a compressed file (one shard per
+file: it cannot be split) bytes of the decompressed stream. A shard owns the records that
+*begin* in ``[start, end)``: the record that crosses ``end`` is read to its end by this
+shard and skipped by the next one, so every record is read exactly once and none is split
+(``deeprec_ext.data.ranges`` reads them). The AIMaster lists and ``stat``s files, it does
+not read them (exceptions, documented in docs/guide-data.md: TFRecord files, whose record
+headers are walked once; Parquet footers; the 64 KiB sample of the deprecated
+``records_per_shard``).
 
 A DOING shard belongs to one worker; when that worker dies or leaves, its shards go back
 to the front of TODO, so no record is skipped and none is trained twice by a live worker.
+A worker that leaves cleanly reports, per shard, the position where its untrained records
+begin; the shard is handed out again from there.
 """
 from __future__ import annotations
 
+import os
+import struct
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass
 from enum import Enum
+
+# position unit per format; "gz" formats are one shard per file
+FORMATS = ("text", "text.gz", "tfrecord", "tfrecord.gz", "parquet")
+STREAM_END = 1 << 62  # ``end`` of a compressed file's shard: the end of the stream
+STATE_UNIT = "position-v2"  # to_state marker: shards are byte/row ranges, not line ranges
+SAMPLE_BYTES = 64 << 10
 
 
 class ShardState(str, Enum):
@@ -25,14 +45,45 @@ class Shard:
     start: int
     end: int
     data_epoch: int = 0
+    size: int = 0        # file size in bytes (at job start), for the reader
+    format: str = "text"
 
     @property
     def records(self) -> int:
-        return self.end - self.start
+        """Length in position units (bytes, or rows for Parquet); kept for callers that
+        only compare or sum shard sizes."""
+        return max(min(self.end, self.size or self.end) - self.start, 0)
+
+
+def detect_format(path: str, configured: str = "auto") -> str:
+    """The configured format, with ``.gz`` added for gzip files; ``auto``: by extension
+    (``.tfrecord``/``.tfrecords``/``.tfr``, ``.parquet``/``.pq``, else text)."""
+    name = path.lower()
+    gz = name.endswith((".gz", ".gzip"))
+    if gz:
+        name = name.rsplit(".", 1)[0]
+    if configured != "auto":
+        base = configured.removesuffix(".gz")
+        if base not in ("text", "tfrecord", "parquet"):
+            raise ValueError(f"unknown data format {configured!r}; one of auto, {', '.join(FORMATS)}")
+        gz = gz or configured.endswith(".gz")
+    elif name.endswith((".tfrecord", ".tfrecords", ".tfr")):
+        base = "tfrecord"
+    elif name.endswith((".parquet", ".pq")):
+        base = "parquet"
+    else:
+        base = "text"
+    if base == "parquet":
+        if gz:
+            raise ValueError(f"{path}: a gzip-compressed Parquet file is not supported "
+                             "(Parquet compresses its own pages)")
+        return base
+    return base + (".gz" if gz else "")
 
 
 def count_records(path: str) -> int:
-    """Lines in a file (a last line without a newline counts), in 16 MiB binary chunks."""
+    """Lines in a file (a last line without a newline counts), in 16 MiB binary chunks.
+    Not used to make shards (the AIMaster does not read data files); kept for tools."""
     n, last = 0, b"\n"
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
@@ -41,14 +92,96 @@ def count_records(path: str) -> int:
     return n + (last != b"\n")
 
 
-def make_shards(files: list[str], records_per_shard: int, epochs: int = 1) -> list[Shard]:
-    sizes = [(p, count_records(p)) for p in files]
+def mean_record_bytes(path: str, sample: int = SAMPLE_BYTES) -> float:
+    """Mean line length (newline included) over the first ``sample`` bytes of a text file:
+    the approximation behind the deprecated ``records_per_shard``."""
+    with open(path, "rb") as f:
+        head = f.read(sample)
+    lines = head.count(b"\n")
+    return len(head) / lines if lines else float(max(len(head), 1))
+
+
+def tfrecord_boundaries(path: str, every: int) -> list[int]:
+    """Record boundaries of a TFRecord file about ``every`` bytes apart (first 0, last the
+    file size), found by reading each record's 12-byte header (``pread``; the data is
+    skipped, not read). Raises ValueError on a truncated file."""
+    size = os.path.getsize(path)
+    out, pos, nxt = [0], 0, every
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while pos < size:
+            head = os.pread(fd, 8, pos)
+            if len(head) < 8:
+                raise ValueError(f"{path}: truncated TFRecord header at byte {pos}")
+            (length,) = struct.unpack("<Q", head)
+            pos += 16 + length
+            if pos > size:
+                raise ValueError(f"{path}: TFRecord at byte {out[-1]}.. runs past the end of "
+                                 f"the file ({size} bytes): truncated or not a TFRecord file")
+            if pos >= nxt and pos < size:
+                out.append(pos)
+                nxt = pos + every
+    finally:
+        os.close(fd)
+    out.append(size)
+    return out if size else [0]
+
+
+def parquet_row_groups(path: str) -> list[int]:
+    """Row counts of a Parquet file's row groups, from its footer."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:  # pragma: no cover - pyarrow is a dependency
+        raise ValueError(f"{path}: Parquet needs pyarrow ({exc})") from None
+    md = pq.ParquetFile(path).metadata
+    return [md.row_group(i).num_rows for i in range(md.num_row_groups)]
+
+
+def _ranges(path: str, fmt: str, size: int, bytes_per_shard: int) -> list[tuple[int, int]]:
+    if fmt.endswith(".gz"):
+        return [(0, STREAM_END)] if size else []
+    if fmt == "text":
+        return [(s, min(size, s + bytes_per_shard)) for s in range(0, size, bytes_per_shard)]
+    if fmt == "tfrecord":
+        b = tfrecord_boundaries(path, bytes_per_shard)
+        return list(zip(b[:-1], b[1:]))
+    # parquet: whole row groups, as many as fit in bytes_per_shard of the file (at least one)
+    groups, out, row, first = parquet_row_groups(path), [], 0, 0
+    per_row = size / max(sum(groups), 1)
+    for n in groups:
+        if row > first and (row + n - first) * per_row > bytes_per_shard:
+            out.append((first, row))
+            first = row
+        row += n
+    if row > first:
+        out.append((first, row))
+    return out
+
+
+def make_shards(files: list[str], bytes_per_shard: int, epochs: int = 1,
+                fmt: str = "auto") -> list[Shard]:
+    """Shards of about ``bytes_per_shard`` bytes, from the files' sizes (``stat``)."""
+    if bytes_per_shard <= 0:
+        raise ValueError(f"bytes_per_shard must be positive, got {bytes_per_shard}")
+    per_file = []
+    for p in files:
+        f, size = detect_format(p, fmt), os.path.getsize(p)
+        per_file.append((p, f, size, _ranges(p, f, size, bytes_per_shard)))
     shards: list[Shard] = []
     for epoch in range(epochs):
-        for path, n in sizes:
-            for start in range(0, n, records_per_shard):
-                shards.append(Shard(len(shards), path, start, min(n, start + records_per_shard), epoch))
+        for path, f, size, ranges in per_file:
+            for start, end in ranges:
+                shards.append(Shard(len(shards), path, start, end, epoch, size, f))
     return shards
+
+
+def bytes_for_records(files: list[str], records_per_shard: int) -> int:
+    """Deprecated ``records_per_shard`` -> bytes: records x the mean line length of a
+    64 KiB sample of the first file (an approximation: shards hold about that many
+    records)."""
+    if not files:
+        return 1
+    return max(1, int(round(records_per_shard * mean_record_bytes(files[0]))))
 
 
 def virtual_rank_shards(shards: list[Shard], rank: int, virtual_workers: int) -> list[Shard]:
@@ -66,13 +199,14 @@ class ShardQueue:
         self._todo: deque[int] = deque(s.shard_id for s in shards)
         self._doing: dict[int, str] = {}
         self._done: set[int] = set()
-        self._resume: dict[int, int] = {}  # shard id -> first untrained record
+        self._resume: dict[int, int] = {}  # shard id -> position of its first untrained record
         self._shard_dicts: list[dict] | None = None  # to_state's shard list (never mutated)
 
     def _handout(self, sid: int) -> Shard:
         s = self._shards[sid]
         start = self._resume.get(sid, s.start)
-        return s if start == s.start else Shard(s.shard_id, s.path, start, s.end, s.data_epoch)
+        return s if start == s.start else Shard(s.shard_id, s.path, start, s.end, s.data_epoch,
+                                                s.size, s.format)
 
     def assign(self, worker_id: str) -> tuple[ShardState | None, Shard | None]:
         """(DOING, shard) if one was assigned; (None, None) to wait; (DONE, None) when finished."""
@@ -99,25 +233,36 @@ class ShardQueue:
 
     def give_back(self, worker_id: str, shard_ids=None, progress: dict | None = None) -> list[int]:
         """Return a worker's DOING shards (all of them if ``shard_ids`` is None) to TODO's
-        front. ``progress`` maps shard id -> records of its hand-out already trained: the
-        shard is handed out again from there (a worker that left cleanly); without it the
-        whole hand-out is repeated (a worker that died mid-shard)."""
+        front. ``progress`` maps shard id -> the position (byte offset; row for Parquet)
+        where the shard's first untrained record begins, i.e. the end of the last record
+        trained: the shard is handed out again from there (a worker that left cleanly).
+        Without it, or with a position outside the hand-out, the whole hand-out is
+        repeated (a worker that died mid-shard)."""
         progress = progress or {}
         with self._lock:
             mine = sorted(s for s, w in self._doing.items() if w == worker_id
                           and (shard_ids is None or s in set(shard_ids)))
             for sid in reversed(mine):
                 del self._doing[sid]
-                start = self._resume.get(sid, self._shards[sid].start)
-                consumed = min(max(int(progress.get(sid, 0)), 0), self._shards[sid].end - start)
-                if start + consumed >= self._shards[sid].end:
+                shard = self._shards[sid]
+                start = self._resume.get(sid, shard.start)
+                pos = int(progress.get(sid, start))
+                if not start <= pos <= max(shard.end, start):
+                    pos = start
+                if pos >= shard.end:
                     self._done.add(sid)
                     self._resume.pop(sid, None)
                     continue
-                if consumed:
-                    self._resume[sid] = start + consumed
+                if pos > start:
+                    self._resume[sid] = pos
                 self._todo.appendleft(sid)
             return mine
+
+    def position(self, sid: int) -> int | None:
+        """Where shard ``sid``'s next hand-out starts (None: no such shard)."""
+        with self._lock:
+            s = self._shards.get(sid)
+            return None if s is None else self._resume.get(sid, s.start)
 
     def all_shards(self) -> list[Shard]:
         return sorted(self._shards.values(), key=lambda s: s.shard_id)
@@ -156,14 +301,22 @@ class ShardQueue:
         with self._lock:
             if self._shard_dicts is None:  # the shard list never changes: built once
                 self._shard_dicts = [asdict(s) for s in self._shards.values()]
-            return {"shards": list(self._shard_dicts),
+            return {"unit": STATE_UNIT, "shards": list(self._shard_dicts),
                     "todo": list(self._todo), "doing": dict(self._doing), "done": sorted(self._done),
                     "resume": {str(k): v for k, v in self._resume.items()}}
 
     @classmethod
     def from_state(cls, state: dict) -> "ShardQueue":
         """Rebuild from a saved state; shards that were DOING go back to TODO (their owner
-        may be gone), in front of the rest."""
+        may be gone), in front of the rest. A state written before shards were byte
+        ranges (line ranges, no ``unit``) cannot be resumed: ValueError says so."""
+        if state.get("unit") != STATE_UNIT and state.get("shards"):
+            raise ValueError(
+                "the saved data position uses line-range shards (written by an older "
+                "version); this version's shards are byte ranges, so that position cannot "
+                "be resumed. Finish the job with the older version, or start the data over: "
+                "restart the job with a new state_dir (its checkpoints can still seed the "
+                "model through checkpoint.init_from)")
         q = cls([Shard(**s) for s in state["shards"]])
         q._done = set(state["done"])
         q._resume = {int(k): v for k, v in state.get("resume", {}).items()}

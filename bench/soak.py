@@ -354,6 +354,13 @@ class Round:
             p.write_text("\n".join(map(str, ids)) + "\n")
             self.files.append(str(p))
         self.base = {p: f * self.per_file for f, p in enumerate(self.files)}
+        # shards are byte ranges holding the lines that begin in them: per file, the
+        # byte offset where each line (record id base + i) begins
+        self.line_starts = {}
+        for p in self.files:
+            with open(p, "rb") as fh:
+                nl = np.flatnonzero(np.frombuffer(fh.read(), np.uint8) == ord("\n"))
+            self.line_starts[p] = np.concatenate([[0], nl[:-1] + 1]).astype(np.int64)
         self.ps_min, self.ps_max = max(2, a.ps - 1), a.ps + 1
         self.w_min, self.w_max = max(1, a.workers - 1), a.workers + 1
         self.spec = {
@@ -493,8 +500,9 @@ class Round:
         out = []
         for sid in ids:
             s = by_id[int(sid)]
-            b = self.base[s["path"]]
-            out.append((int(sid), b + s["start"], b + s["end"]))
+            b, starts = self.base[s["path"]], self.line_starts[s["path"]]
+            first, end = np.searchsorted(starts, [s["start"], s["end"]])
+            out.append((int(sid), b + int(first), b + int(end)))
         return out
 
     def done_mask(self, state: dict) -> np.ndarray:

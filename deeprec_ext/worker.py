@@ -6,7 +6,6 @@ read into the input pipeline, but when the last batch holding them has been trai
 """
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
@@ -23,6 +22,7 @@ import numpy as np
 
 from deeprec_ext.batching import StepBatcher
 from deeprec_ext.client import PSClient
+from deeprec_ext.data.ranges import read_shard
 from deeprec_ext.grpc_util import RetryPolicy, call_with_retry
 from deeprec_ext.launcher import launcher_alive, watch_launcher
 from deeprec_ext.member import MEMBER_ID_ENV, MasterSession, master_address_from_env
@@ -38,7 +38,9 @@ class ShardTracker:
     The input source hands out shards in order and records the size of every batch it
     emits; batches are trained in that order, so after each trained batch we know exactly
     how many records were trained. A shard is DONE once that count passes its end: not
-    when its records were read into the pipeline, which would lose them on a crash.
+    when its records were read into the pipeline, which would lose them on a crash. For a
+    shard not fully trained the tracker knows where its untrained records begin (the
+    position after its last trained record), which is what a leaving worker hands back.
     """
 
     def __init__(self, report_done: Callable[[list[int]], None],
@@ -46,15 +48,18 @@ class ShardTracker:
         self._report_done = report_done
         self._give_back = give_back
         self._lock = threading.Lock()
-        self._pending: deque[tuple[int, int, int]] = deque()  # (shard_id, cumulative end, records)
+        # (shard_id, cumulative end, records, hand-out start, next_pos per record)
+        self._pending: deque[tuple] = deque()
         self._batches: deque[int] = deque()               # sizes of emitted, untrained batches
         self.handed_out = 0
         self.trained = 0
 
-    def add(self, shard_id: int, records: int) -> None:
+    def add(self, shard_id: int, records: int, start: int = 0, next_pos=None) -> None:
+        """A shard's ``records`` entered the input; ``next_pos[i]`` is where the record
+        after record ``i`` begins (``aimaster.shards``), ``start`` the hand-out's start."""
         with self._lock:
             self.handed_out += records
-            self._pending.append((shard_id, self.handed_out, records))
+            self._pending.append((shard_id, self.handed_out, records, start, next_pos))
 
     def emitted(self, batch_records: int) -> None:
         """The input source emitted a batch of this many records."""
@@ -76,12 +81,17 @@ class ShardTracker:
         return n
 
     def finish(self, exhausted: bool = False) -> None:
-        """End of training: shards not fully trained go back to the master with how many
-        of their records were trained, so another worker continues exactly there."""
+        """End of training: shards not fully trained go back to the master with the
+        position where their first untrained record begins, so another worker continues
+        exactly there."""
         with self._lock:
-            done = [s for s, end, _ in self._pending if end <= self.trained]
-            rest = [(s, min(max(self.trained - (end - n), 0), n))
-                    for s, end, n in self._pending if end > self.trained]
+            done = [p[0] for p in self._pending if p[1] <= self.trained]
+            rest = []
+            for sid, end, n, start, next_pos in self._pending:
+                if end <= self.trained:
+                    continue
+                k = min(max(self.trained - (end - n), 0), n)  # records of it trained
+                rest.append((sid, int(next_pos[k - 1]) if k and next_pos is not None else start))
             self._pending.clear()
             self._batches.clear()
         if done:
@@ -258,9 +268,9 @@ class WorkerContext:
             # lapsed; that worker will train it, so nothing is lost.
             log.warning("shards %s not accepted as done: %s", shard_ids, exc.details())
 
-    def _give_back(self, shard_ids: list[int], progress: list[int]) -> None:
+    def _give_back(self, shard_ids: list[int], positions: list[int]) -> None:
         req = master_pb2.ReportShardRequest(worker_id=self.worker_id, returned_shard_ids=shard_ids,
-                                            returned_progress=progress)
+                                            returned_positions=positions)
         try:
             self.session.stub.ReportShard(req, timeout=10)
         except grpc.RpcError as exc:
@@ -300,31 +310,26 @@ class WorkerContext:
         self.session.close("finished")
 
 
-class LineCursor:
-    """An open file plus the index of its next line, so consecutive shards of one file
-    are read without re-skipping from the start."""
+class ShardReader:
+    """Reads shards (``deeprec_ext.data.ranges``: one ``pread`` of the byte range for
+    text and TFRecord, whatever the shard's place in the file). The last shard read is
+    kept, so a virtual worker that reads a shard in steps reads it once."""
 
     def __init__(self):
-        self.path, self.fh, self.next_line = None, None, 0
+        self._key, self._value = None, None
 
-    def read(self, path: str, start: int, end: int) -> list[bytes]:
-        if path != self.path or start < self.next_line:
-            self.close()
-            self.path, self.fh, self.next_line = path, open(path, "rb"), 0
-        if start > self.next_line:
-            for _ in itertools.islice(self.fh, start - self.next_line):
-                pass
-        lines = [line.rstrip(b"\r\n") for line in itertools.islice(self.fh, end - start)]
-        self.next_line = start + len(lines)
-        if len(lines) != end - start:
-            raise ValueError(f"{path}: shard wants lines [{start}, {end}) but the file has "
-                             f"{self.next_line} lines")
-        return lines
+    def read(self, shard) -> tuple[list[bytes], object]:
+        """``(records, next_pos)`` of a ``master_pb2.Shard`` (or ``aimaster.shards.Shard``)."""
+        fmt = getattr(shard, "format", "") or "text"
+        key = (shard.path, shard.start, shard.end, fmt)
+        if key != self._key:
+            self._value = read_shard(shard.path, shard.start, shard.end, fmt,
+                                     getattr(shard, "size", 0) or None)
+            self._key = key
+        return self._value
 
     def close(self) -> None:
-        if self.fh is not None:
-            self.fh.close()
-        self.path, self.fh, self.next_line = None, None, 0
+        self._key, self._value = None, None
 
 
 def shard_batches(ctx: "WorkerContext", batch_size: int, poll_seconds: float = 0.2):
@@ -334,7 +339,7 @@ def shard_batches(ctx: "WorkerContext", batch_size: int, poll_seconds: float = 0
     in an unfinished batch would otherwise wait for shards other workers hold while they
     wait for it) and stops taking shards once the worker is asked to leave.
     """
-    cursor = LineCursor()
+    reader = ShardReader()
     buf: list[bytes] = []
 
     def emit(n):
@@ -348,8 +353,12 @@ def shard_batches(ctx: "WorkerContext", batch_size: int, poll_seconds: float = 0
             resp = ctx.try_next_shard()
             if resp.status == master_pb2.GetShardResponse.SHARD:
                 s = resp.shard
-                buf.extend(cursor.read(s.path, s.start, s.end))
-                ctx.tracker.add(s.shard_id, s.end - s.start)
+                records, next_pos = reader.read(s)
+                reader.close()
+                buf.extend(records)
+                ctx.tracker.add(s.shard_id, len(records), s.start, next_pos)
+                if not records:  # a range inside one long record: DONE once those before are
+                    ctx.tracker.advance(0)
                 while len(buf) >= batch_size and not ctx.stop_requested.is_set():
                     yield emit(batch_size)
                 continue
@@ -360,7 +369,7 @@ def shard_batches(ctx: "WorkerContext", batch_size: int, poll_seconds: float = 0
             ctx.settle()  # our own last shard may be what the others wait for
             time.sleep(poll_seconds)
     finally:
-        cursor.close()
+        reader.close()
 
 
 _context: WorkerContext | None = None

@@ -36,7 +36,9 @@ def _value_for(path: str, kind: str):
                 "consistency.virtual_workers": 4, "autoscale.ps_cpu_low": 0.2,
                 "autoscale.memory_headroom": 0.3, "master.heartbeat_seconds": 0.5,
                 "export.dtype": "float16", "replication.mode": "sync", "autoscale.recovery": "wait",
-                "kubernetes.image_pull_policy": "Always"}
+                "kubernetes.image_pull_policy": "Always", "data.format": "tfrecord",
+                # deprecated, and not with bytes_per_shard: null is its documented default
+                "data.records_per_shard": None}
     if path in specials:
         return specials[path]
     if kind.startswith("boolean"):

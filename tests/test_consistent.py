@@ -27,7 +27,9 @@ pytestmark = pytest.mark.timeout(1500)
 def sync_data(tmp_path_factory):
     from examples.criteo.generate import generate
     out = tmp_path_factory.mktemp("criteo-sync")
-    # exactly 200 steps: 4 ranks x 10 shards x 640 records = 4 x 200 x 32
+    # about 200 steps: 4 ranks x 10 shards x ~640 records = 4 x 200 x 32 (shards are byte
+    # ranges of ~640 records: a rank may hold a few records less, and the run stops at
+    # the step where the first rank runs out)
     return generate(str(out), rows=V * MICRO * STEPS, files=2, seed=11)
 
 
@@ -82,7 +84,9 @@ def run(start_job, data, subdir, workers=1, ps=1, throttle_ms=0, during=None, ma
     state = job.state()
     events = state["events"]
     fin = [e for e in events if e["kind"] == "sync_finished"]
-    assert fin and fin[0]["steps"] == STEPS and fin[0]["untrained_records"] == 0, events[-10:]
+    assert fin and STEPS - 5 <= fin[0]["steps"] <= STEPS, events[-10:]
+    # every record is either trained or reported untrained (the ranks' leftovers)
+    assert fin[0]["steps"] * V * MICRO + fin[0]["untrained_records"] == V * MICRO * STEPS, fin
     # the AIMaster's final checkpoint holds the model (no call in the training script)
     assert any(e["kind"] == "checkpoint" and e["final"] for e in events)
     return final_model(job), events

@@ -65,9 +65,11 @@ def test_count_records_and_shards(tmp_path):
     b = tmp_path / "b.txt"
     b.write_bytes(b"x\ny\nz")  # no trailing newline: 3 records
     assert count_records(str(a)) == 25 and count_records(str(b)) == 3
-    shards = make_shards([str(a), str(b)], 10, epochs=2)
-    assert [(s.start, s.end) for s in shards[:4]] == [(0, 10), (10, 20), (20, 25), (0, 3)]
-    assert sum(s.records for s in shards) == 2 * 28
+    size_a = a.stat().st_size  # 140 bytes
+    shards = make_shards([str(a), str(b)], 64, epochs=2)  # byte ranges, from stat alone
+    assert [(s.start, s.end) for s in shards[:4]] == [(0, 64), (64, 128), (128, size_a), (0, 5)]
+    assert {(s.size, s.format) for s in shards} == {(size_a, "text"), (5, "text")}
+    assert sum(s.records for s in shards) == 2 * (size_a + 5)
     assert {s.data_epoch for s in shards} == {0, 1}
 
 

@@ -243,9 +243,17 @@ def test_line_dataset_for_ranges(small_data):
     path = small_data["train"][1]
     with open(path) as f:
         all_lines = f.read().splitlines()
-    ranges = [(path, 10, 25), (SAMPLE, 3, 5), (path, 999, 1000),
-              (path, 7, 7), (path, 0, 2)]
     sample = _sample_lines()
+
+    def at(p, lines, i):  # byte offset of line i (ranges are byte ranges)
+        return sum(len(x) + 1 for x in lines[:i])
+
+    # a range [a, b) holds the lines that begin in it: line-start offsets select
+    # lines exactly; an offset inside a line moves to the next line
+    ranges = [(path, at(path, all_lines, 10), at(path, all_lines, 25)),
+              (SAMPLE, at(SAMPLE, sample, 3) - 5, at(SAMPLE, sample, 5) - 2),
+              (path, at(path, all_lines, 999), at(path, all_lines, 1000) + 10),
+              (path, 7, 7), (path, 0, at(path, all_lines, 1) + 1)]
     expected = all_lines[10:25] + sample[3:5] + all_lines[999:1000] + \
         all_lines[0:2]
 
@@ -391,7 +399,7 @@ def test_tf1_deepfm_with_eager_disabled():
         tf.compat.v1.disable_eager_execution()
         from tests.test_criteo_example import _tf1_train_losses
         from examples.criteo import reader
-        ranges = [({SAMPLE!r}, 0, 10), ({SAMPLE!r}, 10, 20)]
+        ranges = [({SAMPLE!r}, 0, 1000), ({SAMPLE!r}, 1000, 1 << 40)]  # bytes
         ds = reader.criteo_dataset_for_ranges(lambda: iter(ranges), 20)
         it = tf.compat.v1.data.make_initializable_iterator(ds.repeat())
         features, label = it.get_next()

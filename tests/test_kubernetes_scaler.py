@@ -455,7 +455,8 @@ class _Job:
     def worker_leaves(self, w: str, trained: int = 40) -> None:
         self.api.timeline.append(("drained", (w,)))
         shard = self.held.pop(w)
-        self.shards.give_back(w, [shard.shard_id], {shard.shard_id: trained})
+        # the position where its untrained records begin: ``trained`` bytes in
+        self.shards.give_back(w, [shard.shard_id], {shard.shard_id: shard.start + trained})
         self.registry.mark(w, MemberState.LEFT)
         rt, index = naming.replica_of(w)
         self.api.put_pod(rt, index, state={"terminated": {"exitCode": 0, "reason": "Completed"}},

@@ -24,7 +24,7 @@ import numpy as np
 from deeprec_ext.grpc_util import call_with_retry
 from deeprec_ext.proto import master_pb2, master_pb2_grpc, sync_pb2, sync_pb2_grpc
 from deeprec_ext.sync.client import SyncPSClient
-from deeprec_ext.worker import LineCursor, WorkerContext
+from deeprec_ext.worker import ShardReader, WorkerContext
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +60,13 @@ class StepModel(Protocol):
 
 class VirtualWorker:
     """One logical worker: rank, next step, data cursor (shard k of its list, records of
-    it consumed) and a numpy Generator. ``state_json`` round-trips all of it."""
+    it consumed: a shard's records are the same whoever reads them) and a numpy Generator. ``state_json`` round-trips all of it."""
 
     def __init__(self, rank: int, step: int, shards: list, shard: int, offset: int,
                  rng: np.random.Generator):
         self.rank, self.step, self.shards = rank, step, shards
         self.shard, self.offset, self.rng = shard, offset, rng
-        self._cursor = LineCursor()
+        self._reader = ShardReader()
         self.sent_state = ""
 
     @classmethod
@@ -93,16 +93,16 @@ class VirtualWorker:
         while len(out) < n:
             if self.shard >= len(self.shards):
                 raise RuntimeError(f"virtual worker {self.rank} ran out of data at step {self.step}")
-            s = self.shards[self.shard]
-            take = min(n - len(out), s.end - s.start - self.offset)
-            out.extend(self._cursor.read(s.path, s.start + self.offset, s.start + self.offset + take))
+            records, _ = self._reader.read(self.shards[self.shard])
+            take = min(n - len(out), len(records) - self.offset)
+            out.extend(records[self.offset:self.offset + take])
             self.offset += take
-            if self.offset >= s.end - s.start:
+            if self.offset >= len(records):
                 self.shard, self.offset = self.shard + 1, 0
         return out
 
     def close(self) -> None:
-        self._cursor.close()
+        self._reader.close()
 
 
 class SyncTrainer:

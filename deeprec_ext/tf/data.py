@@ -1,7 +1,8 @@
 """A tf.data source fed by the AIMaster's data-shard service.
 
-Shards are (file, record range) over line-oriented files (one record per line, such as
-Criteo TSV). The source batches lines itself so that it can flush a short batch before it
+Shards are byte ranges of files (records: lines of text such as Criteo TSV, TFRecord
+payloads, or Parquet rows as TSV lines; docs/guide-data.md); each is read with one
+``pread`` of its range (``deeprec_ext.data.ranges``). The source batches lines itself so that it can flush a short batch before it
 waits for more shards: otherwise a worker whose last records sit in an unfinished batch
 would wait for shards other workers hold, while they wait for it. A shard is reported DONE
 only once the batches holding its records have been trained (see ``ShardTracker``); a

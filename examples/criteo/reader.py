@@ -23,10 +23,11 @@ and in TF1 graph mode (``tf.compat.v1`` + ``Session``).
 
 from __future__ import annotations
 
-import collections.abc
 import os
 
 import tensorflow as tf
+
+from deeprec_ext.data.tf_dataset import record_dataset
 
 NUM_DENSE = 13
 NUM_CAT = 26
@@ -95,60 +96,27 @@ def _batch_and_parse(lines_ds, batch_size, vocab_size, drop_remainder=False):
     return ds.prefetch(tf.data.AUTOTUNE)
 
 
-_RANGE_SIGNATURE = (tf.TensorSpec([], tf.string),
-                    tf.TensorSpec([], tf.int64),
-                    tf.TensorSpec([], tf.int64))
+def line_dataset_for_ranges(ranges, compression_type=None, num_parallel_reads=None):
+    """Lines of byte ranges, in order.
 
-
-def _ranges_to_dataset(ranges):
-    if isinstance(ranges, tf.data.Dataset):
-        return ranges
-    if callable(ranges):        # generator function: re-iterable
-        gen = ranges
-    elif isinstance(ranges, collections.abc.Sequence):
-        items = [(os.fspath(p), int(s), int(e)) for p, s, e in ranges]
-        if items:
-            paths, starts, ends = zip(*items)
-            return tf.data.Dataset.from_tensor_slices(
-                (list(paths), list(starts), list(ends)))
-        gen = lambda: iter(())  # noqa: E731
-    else:                       # one-shot iterable (e.g. a generator)
-        it = iter(ranges)
-        gen = lambda: it        # noqa: E731
-
-    def typed():
-        for p, s, e in gen():
-            yield os.fspath(p), int(s), int(e)
-
-    return tf.data.Dataset.from_generator(typed,
-                                          output_signature=_RANGE_SIGNATURE)
-
-
-def line_dataset_for_ranges(ranges, compression_type=None, buffer_size=None):
-    """Lines of record ranges, in order.
-
-    ``ranges`` is a ``tf.data.Dataset`` of ``(path, start_record,
-    end_record)`` triples (end exclusive), a list/tuple of such triples, a
-    callable returning an iterable of triples (re-iterated on every pass, the
-    usual way to plug in a data-shard service), or any other iterable
-    (consumed once).  Each range yields
-    ``TextLineDataset(path).skip(start).take(end - start)``.
+    ``ranges`` is a ``tf.data.Dataset`` of ``(path, start_byte, end_byte)`` triples, a
+    list/tuple of such triples, a callable returning an iterable of triples (re-iterated
+    on every pass, the usual way to plug in a data-shard service), or any other iterable
+    (consumed once). A range yields the lines that *begin* in ``[start, end)``, the one
+    crossing ``end`` read to its end, so adjacent ranges read every line once
+    (``deeprec_ext.data.ranges``). The range is read with one seek, wherever it lies in
+    the file; the split into lines runs in the graph. With ``compression_type="GZIP"``
+    positions are bytes of the decompressed stream (use ``(path, 0, 2**62)`` for a whole
+    file).
     """
-    ds = _ranges_to_dataset(ranges)
-
-    def read(path, start, end):
-        start = tf.cast(start, tf.int64)
-        end = tf.cast(end, tf.int64)
-        lines = tf.data.TextLineDataset(path, compression_type=compression_type,
-                                        buffer_size=buffer_size)
-        return lines.skip(start).take(tf.maximum(end - start, 0))
-
-    return ds.flat_map(read)
+    fmt = "text.gz" if (compression_type or "").upper() == "GZIP" else "text"
+    return record_dataset(ranges, fmt,
+                          num_parallel_reads=num_parallel_reads or tf.data.AUTOTUNE)
 
 
 def criteo_dataset_for_ranges(ranges, batch_size, vocab_size=None,
                               drop_remainder=False, **kwargs):
-    """Parsed (features, label) batches of the lines of record ranges."""
+    """Parsed (features, label) batches of the lines of byte ranges."""
     return _batch_and_parse(line_dataset_for_ranges(ranges, **kwargs),
                             batch_size, vocab_size, drop_remainder)
 

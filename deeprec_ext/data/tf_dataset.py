@@ -1,0 +1,100 @@
+"""``tf.data`` datasets of shard ranges: the records of ``(path, start, end)`` triples.
+
+Positions and ownership are those of ``deeprec_ext.data.ranges`` (bytes for text and
+TFRecord, rows for Parquet; a shard holds the records that begin in ``[start, end)``).
+
+How a range is read: TensorFlow has no op that reads a byte range of a file with a seek
+(``TextLineDataset`` cannot skip without reading every line before, and
+``FixedLengthRecordDataset``'s ``header_bytes`` reads through the bytes it skips: measured
+in docs/BENCHMARKS.md), so each *shard* costs one ``tf.numpy_function`` call doing a
+``pread`` of its byte range (a few MB). Splitting text into records, stripping ``\\r`` and
+everything after (batching, parsing) run in the graph; shards are read in parallel
+(``map(num_parallel_calls=AUTOTUNE)``, order kept). There is no Python call per record
+for text; TFRecord framing is walked in that same per-shard call.
+"""
+from __future__ import annotations
+
+import collections.abc
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from deeprec_ext.data.ranges import read_shard, text_body
+
+_SIGNATURE = (tf.TensorSpec([], tf.string), tf.TensorSpec([], tf.int64),
+              tf.TensorSpec([], tf.int64))
+
+
+def _as_str(x) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def _read_text(path, start, end):
+    body, any_record = text_body(_as_str(path), int(start), int(end))
+    return np.array(body, dtype=object), np.bool_(any_record)
+
+
+def _read_other(fmt):
+    def read(path, start, end):
+        records, _ = read_shard(_as_str(path), int(start), int(end), fmt)
+        out = np.empty(len(records), dtype=object)
+        out[:] = records
+        return out
+    return read
+
+
+def ranges_dataset(ranges) -> tf.data.Dataset:
+    """``ranges`` as a dataset of (path, start, end): a ``tf.data.Dataset`` of triples,
+    a list/tuple of triples, a callable returning an iterable of triples (re-iterated on
+    every pass: the way to plug in a shard service) or a one-shot iterable."""
+    if isinstance(ranges, tf.data.Dataset):
+        return ranges
+    if callable(ranges):
+        gen = ranges
+    elif isinstance(ranges, collections.abc.Sequence):
+        items = [(os.fspath(p), int(s), int(e)) for p, s, e in ranges]
+        if items:
+            paths, starts, ends = zip(*items)
+            return tf.data.Dataset.from_tensor_slices((list(paths), list(starts), list(ends)))
+        gen = lambda: iter(())  # noqa: E731
+    else:
+        it = iter(ranges)
+        gen = lambda: it  # noqa: E731
+
+    def typed():
+        for p, s, e in gen():
+            yield os.fspath(p), int(s), int(e)
+
+    return tf.data.Dataset.from_generator(typed, output_signature=_SIGNATURE)
+
+
+def shard_records(path, start, end, fmt: str = "text"):
+    """A 1-D string tensor: the records of one range (graph ops plus one
+    ``numpy_function`` call)."""
+    start = tf.cast(start, tf.int64)
+    end = tf.cast(end, tf.int64)
+    if fmt == "text":
+        body, any_record = tf.numpy_function(_read_text, [path, start, end],
+                                             (tf.string, tf.bool), stateful=False)
+        body.set_shape([])
+        pieces = tf.strings.split(tf.reshape(body, [1]), "\n").flat_values
+        pieces = tf.strings.regex_replace(pieces, "\r$", "")
+        return tf.cond(any_record, lambda: pieces, lambda: tf.zeros([0], tf.string))
+    records = tf.numpy_function(_read_other(fmt), [path, start, end], tf.string, stateful=False)
+    records.set_shape([None])
+    return records
+
+
+def record_dataset(ranges, fmt: str = "text", num_parallel_reads=tf.data.AUTOTUNE,
+                   deterministic: bool = True) -> tf.data.Dataset:
+    """Records (scalar strings) of ``ranges`` in order: every record of a file split into
+    adjacent ranges exactly once. ``fmt``: text, text.gz, tfrecord, tfrecord.gz, parquet
+    (Parquet rows come as tab-separated lines)."""
+    ds = ranges_dataset(ranges)
+    ds = ds.map(lambda p, s, e: shard_records(p, s, e, fmt),
+                num_parallel_calls=num_parallel_reads, deterministic=deterministic)
+    return ds.unbatch()
+
+
+__all__ = ["record_dataset", "ranges_dataset", "shard_records"]
