@@ -136,8 +136,8 @@ class PSClient:
             time.sleep(min(self.ROUTING_POLL_SECONDS, left))
             try:
                 resp = self._master.GetRouting(master_pb2.GetRoutingRequest(), timeout=min(left, 5.0) + 1.0)
-            except grpc.RpcError:
-                continue  # the AIMaster is busy or away: keep waiting out the backoff
+            except Exception:  # noqa: BLE001 - only a hint: the backoff is waited out anyway
+                continue
             if resp.epoch > epoch:
                 return
 
