@@ -11,7 +11,9 @@ import grpc
 from aimaster import errors
 from aimaster.registry import MemberState
 from aimaster.shards import ShardState
+from deeprec_ext.errors import InvalidRequestError
 from deeprec_ext.proto import master_pb2, master_pb2_grpc
+from deeprec_ext.ps import validation
 
 if TYPE_CHECKING:  # pragma: no cover
     from aimaster.master import JobMaster
@@ -31,6 +33,14 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                           f"role must be 'ps', 'worker' or 'client', got {request.role!r}")
         if request.role == "ps" and not request.address:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a PS must register with its address")
+        if request.control_address:
+            if request.role != "ps":
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              "only a PS registers a control_address")
+            try:  # every AIMaster and peer call to this PS would go there
+                validation.address(request.control_address, "control_address")
+            except InvalidRequestError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         suffix = request.id.rsplit("-", 1)[-1]
         if "-" in request.id and suffix.isdigit() and int(suffix) >= MAX_INDEX:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,

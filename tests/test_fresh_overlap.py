@@ -50,3 +50,11 @@ def test_lookup_during_an_inflight_push_reads_its_rows(start_job, fresh):
         np.testing.assert_array_equal(final[:, 0], [expected[int(i)] for i in ids])
     finally:
         ctx.close()
+
+
+def test_overlap_takes_only_its_three_values():
+    import deeprec_ext.tf as dtf
+    for good in (False, True, "stale"):
+        dtf.ElasticCallback(overlap=good)
+    with pytest.raises(ValueError, match="overlap must be False, True or 'stale'"):
+        dtf.ElasticCallback(overlap="fresh")
