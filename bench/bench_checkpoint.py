@@ -174,12 +174,13 @@ def old_writer_class(commit: str):
     return mod.CheckpointWriter
 
 
-def full_checkpoint(root, ckpt_id, table, writer_cls=None, **kw) -> dict:
+def _timed_checkpoint(root, ckpt_id, kind, table, writer_cls=None, since=None, **kw) -> dict:
+    """Write, commit and run retention as the AIMaster does; the time of each part."""
     from checkpoint import CheckpointWriter, apply_retention
     writer_cls = writer_cls or CheckpointWriter
     t0 = time.perf_counter()
-    w = writer_cls(root, ckpt_id, "full", **kw)
-    st = w.write_table("ps-0", table)
+    w = writer_cls(root, ckpt_id, kind, **kw)
+    st = w.write_table("ps-0", table, since_seq=since)
     t1 = time.perf_counter()
     m = w.commit()
     t2 = time.perf_counter()
@@ -188,23 +189,16 @@ def full_checkpoint(root, ckpt_id, table, writer_cls=None, **kw) -> dict:
     return {"ms": (t3 - t0) * 1000, "write_ms": (t1 - t0) * 1000, "commit_ms": (t2 - t1) * 1000,
             "write_commit_ms": (t2 - t0) * 1000,
             "retention_ms": (t3 - t2) * 1000, "bytes": m["totals"]["bytes"],
-            "raw_bytes": m["totals"]["raw_bytes"], "cut_seq": st["cut_seq"],
-            "chunks": st["chunks"]}
+            "raw_bytes": m["totals"]["raw_bytes"], "rows": st["rows"],
+            "cut_seq": st["cut_seq"], "chunks": st["chunks"]}
+
+
+def full_checkpoint(root, ckpt_id, table, writer_cls=None, **kw) -> dict:
+    return _timed_checkpoint(root, ckpt_id, "full", table, writer_cls, **kw)
 
 
 def incr_checkpoint(root, ckpt_id, parent, since, table) -> dict:
-    from checkpoint import CheckpointWriter, apply_retention
-    t0 = time.perf_counter()
-    w = CheckpointWriter(root, ckpt_id, "incr", parent=parent)
-    st = w.write_table("ps-0", table, since_seq=since)
-    t1 = time.perf_counter()
-    m = w.commit()
-    t2 = time.perf_counter()
-    apply_retention(root, keep_chains=2, verify="new")
-    t3 = time.perf_counter()
-    return {"ms": (t3 - t0) * 1000, "write_ms": (t1 - t0) * 1000, "commit_ms": (t2 - t1) * 1000,
-            "retention_ms": (t3 - t2) * 1000, "bytes": m["totals"]["bytes"],
-            "rows": st["rows"], "cut_seq": st["cut_seq"]}
+    return _timed_checkpoint(root, ckpt_id, "incr", table, since=since, parent=parent)
 
 
 def best(runs: list[dict], key: str = "ms") -> dict:

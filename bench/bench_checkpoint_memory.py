@@ -48,16 +48,8 @@ def _writer_class(kind: str):
         from checkpoint import CheckpointWriter
         return CheckpointWriter
     # the writer before streaming, loaded from git into a module of its own
-    import importlib.util
-    src = subprocess.run(["git", "show", f"{OLD_COMMIT}:checkpoint/writer.py"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
-    path = os.path.join(tempfile.mkdtemp(), "old_writer.py")
-    with open(path, "w") as f:
-        f.write(src)
-    spec = importlib.util.spec_from_file_location("checkpoint.old_writer", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.CheckpointWriter
+    from bench.bench_checkpoint import old_writer_class
+    return old_writer_class(OLD_COMMIT)
 
 
 def measure(kind: str, rows: int, dim: int, lookup_batch: int) -> dict:
