@@ -581,6 +581,15 @@ def _check_end(fd: int, e: dict, where_f: str) -> None:
         raise CheckpointError(f"{where}: bad END chunk")
 
 
+def _opened_file_width(fd: int, e: dict, manifest: dict, where_f: str) -> int:
+    """Check an opened data file's size against its manifest entry; the floats per row of
+    its rows (0 for a file of dense arrays)."""
+    size = os.fstat(fd).st_size
+    if size != e["size"]:
+        raise CheckpointError(f"{where_f}: size {size} != {e['size']} in the manifest")
+    return data_width(manifest["tables"].get(e["table"], {})) if e["type"] == "rows" else 0
+
+
 def _prevalidate(plan: _Plan) -> None:
     """Pass 1: read every planned chunk and check header + crc32 (no decompression).
     Raises CheckpointError (with ``.ckpt`` set) at the first problem."""
@@ -596,11 +605,7 @@ def _prevalidate(plan: _Plan) -> None:
             except FileNotFoundError:
                 raise CheckpointError(f"{where_f}: file missing") from None
             try:
-                if os.fstat(fd).st_size != e["size"]:
-                    raise CheckpointError(f"{where_f}: size {os.fstat(fd).st_size} != "
-                                          f"{e['size']} in the manifest")
-                w = data_width(c.manifest["tables"].get(e["table"], {})) \
-                    if e["type"] == "rows" else 0
+                w = _opened_file_width(fd, e, c.manifest, where_f)
                 for ci, kind, _ in todo:
                     name = e["table"] if e["type"] == "rows" else _array_name_of(e, ci)
                     _read_chunk(fd, e, ci, name, c.manifest, w, where_f)
@@ -877,11 +882,7 @@ def _check_new(c: Checkpoint) -> None:
                 c.problems.append(f"{where_f}: {err}")
                 continue
             try:
-                if os.fstat(fd).st_size != e["size"]:
-                    raise CheckpointError(f"{where_f}: size {os.fstat(fd).st_size} != "
-                                          f"{e['size']} in the manifest")
-                w = data_width(c.manifest["tables"].get(e["table"], {})) \
-                    if e["type"] == "rows" else 0
+                w = _opened_file_width(fd, e, c.manifest, where_f)
                 pos = 0
                 futs = deque()
                 try:
