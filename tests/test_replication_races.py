@@ -276,6 +276,7 @@ def test_full_copy_streams_from_the_primary_in_bounded_memory():
     rep = Replicator(store, {})
     rep.close()  # no background shipping: this test ships
     rep.origin, rep.peer, rep._since, rep._stub = "ps-a", "peer", -1, Peer()
+    rep._stub_peer = "peer"  # the channel already follows the configured peer
 
     def rss():  # protobuf messages live outside Python's allocator: measure the process
         with open("/proc/self/statm") as f:
@@ -429,6 +430,7 @@ def test_failed_deltas_are_retried_from_their_base_and_big_ones_become_full_copi
     rep = replication.Replicator(store, {})
     rep.close()
     rep.origin, rep.peer, rep._since, rep._stub = "ps-a", "peer", -1, peer
+    rep._stub_peer = "peer"
     rep.ship()
     t.apply_gradients(np.arange(50), np.ones((50, 4), np.float32))
     peer.fail = 2

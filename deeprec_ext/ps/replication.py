@@ -144,7 +144,8 @@ class Replicator:
         self.applied = applied or AppliedRequests()
         self.gate = gate or ApplyGate()
         self.origin = ""
-        self.peer = ""
+        self.peer = ""  # as configured; the channel follows at the next shipment
+        self._stub_peer = ""  # the peer the channel and ``_since`` are about
         self.interval = 0.2
         self.sync = False
         self._since = -1  # the peer's copy is current to this sequence number; -1: none yet
@@ -165,31 +166,34 @@ class Replicator:
         self._thread.start()
 
     def configure(self, origin: str, peer: str, interval_ms: float, sync: bool) -> None:
-        if peer == self.peer:
-            # the same peer (e.g. the ring re-formed around it after a recovery): no need
-            # to wait for a shipment in flight -- a full copy after a promotion takes
-            # seconds, and SetRouting (the recovery's routing push) waited for it
-            self.origin = origin
-            self.interval = max(interval_ms, 1.0) / 1000.0
-            self.sync = sync
-            self._wake.set()
-            return
-        with self._lock:
-            if peer != self.peer:
-                if self._channel is not None:
-                    self._channel.close()
-                if self.peer and self.origin:
-                    self._drop_peers.append(self.peer)
-                self._channel = insecure_channel(peer) if peer else None
-                self._stub = ps_pb2_grpc.ParameterServerStub(self._channel) if peer else None
-                self._since = -1  # new peer: full copy
-                self._full_mode = "new"
-                self.store.set_consumer("replica", None if not peer else 0, moved=True)
-                log.info("%s: replicating to %s", origin, peer or "(no peer)")
-            self.origin, self.peer = origin, peer
-            self.interval = max(interval_ms, 1.0) / 1000.0
-            self.sync = sync
+        """Never waits for a shipment in flight: SetRouting calls this, and a migration's
+        hand-over (or a recovery's routing push) waited for the shipment of all the rows
+        just imported, to a peer that may be leaving -- most of a scale-in's fence. A new
+        peer takes effect at the next shipment (``_follow_peer``, under the lock), which
+        starts its full copy; the shipment in flight ends on the old peer."""
+        self.origin = origin
+        self.interval = max(interval_ms, 1.0) / 1000.0
+        self.sync = sync
+        if peer != self.peer:
+            self.peer = peer
+            log.info("%s: replicating to %s", origin, peer or "(no peer)")
         self._wake.set()
+
+    def _follow_peer(self) -> None:
+        """Point the channel at the configured peer (called under ``_lock``)."""
+        peer = self.peer
+        if peer == self._stub_peer:
+            return
+        if self._channel is not None:
+            self._channel.close()
+        if self._stub_peer and self.origin:
+            self._drop_peers.append(self._stub_peer)
+        self._channel = insecure_channel(peer) if peer else None
+        self._stub = ps_pb2_grpc.ParameterServerStub(self._channel) if peer else None
+        self._stub_peer = peer
+        self._since = -1  # new peer: full copy
+        self._full_mode = "new"
+        self.store.set_consumer("replica", None if not peer else 0, moved=True)
 
     def defer(self, seconds: float) -> None:
         """Let the background loop ship nothing for ``seconds``. After a promotion the next
@@ -240,6 +244,7 @@ class Replicator:
     def ship(self, timeout: float = 60.0) -> int:
         """Send everything changed since the last shipment; returns rows sent."""
         with self._lock:
+            self._follow_peer()
             self._send_drops()
             if self._stub is None:
                 return 0
@@ -345,6 +350,7 @@ class Replicator:
         serialized in sync mode, and a background shipment sending the same rows and id
         first is harmless."""
         with self._lock:
+            self._follow_peer()
             self._send_drops()
             if self._stub is None:
                 return
