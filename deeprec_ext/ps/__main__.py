@@ -45,6 +45,11 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-limit-mb", type=float,
                    default=float(os.environ.get("DEEPREC_PS_MEMORY_LIMIT_MB", "0")),
                    help="memory budget reported to the AIMaster for scaling (0: none)")
+    p.add_argument("--migration-share", type=float,
+                   default=float(os.environ.get("DEEPREC_PS_MIGRATION_SHARE", "0.3")),
+                   help="most of the wall time a background migration round may keep "
+                        "busy, in (0, 1]: the copy paces itself so training keeps the rest "
+                        "(1: no pacing; the fenced last round is never paced)")
     p.add_argument("--port-file", default="", help="write the bound port here (standalone use)")
     return p
 
@@ -56,8 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_message_mb <= 0:
         print("error: --max-message-mb must be positive", file=sys.stderr)
         return 2
+    if not 0.0 < args.migration_share <= 1.0:
+        print(f"error: --migration-share (DEEPREC_PS_MIGRATION_SHARE) must be in (0, 1], "
+              f"got {args.migration_share}", file=sys.stderr)
+        return 2
     servicer = ParameterServerServicer(
-        args.id or "ps", memory_limit_bytes=int(max(args.memory_limit_mb, 0) * 1024 * 1024))
+        args.id or "ps", memory_limit_bytes=int(max(args.memory_limit_mb, 0) * 1024 * 1024),
+        migration_share=args.migration_share)
     try:  # access control: the job token (DEEPREC_TOKEN_FILE) checked on every RPC
         interceptors = auth.server_interceptors()
     except auth.AuthError as exc:

@@ -88,8 +88,11 @@ class Routing:
 @validation.answers_refusals(ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"])
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, ps_id: str = "ps", store: EmbeddingStore | None = None,
-                 memory_limit_bytes: int = 0):
+                 memory_limit_bytes: int = 0, migration_share: float = 1.0):
         self.ps_id = ps_id
+        if not 0.0 < migration_share <= 1.0:
+            raise ValueError(f"migration_share must be in (0, 1], got {migration_share!r}")
+        self.migration_share = float(migration_share)
         self.memory_limit_bytes = int(memory_limit_bytes)
         self.store = store if store is not None else EmbeddingStore()
         self.routing = Routing()
@@ -132,6 +135,24 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         deadline = time.monotonic() + self.MIGRATE_YIELD_SECONDS
         while self._data_calls > 0 and time.monotonic() < deadline:
             time.sleep(0.001)
+
+    class _Pacer:
+        """Duty cycle of a background migration round: after each chunk (exported, and
+        taken by the destination: the stream's flow control makes a slow importer show up
+        here as time spent) it sleeps so that the round is busy at most ``share`` of the
+        wall time. Yielding only while training calls are in flight is not enough on a
+        small machine: between two steps the copy takes every core and the next step
+        waits for the CPU, not for a lock."""
+
+        def __init__(self, share: float):
+            self.share = share
+            self.mark = time.monotonic()
+
+        def pace(self) -> None:
+            if self.share < 1.0:
+                busy = time.monotonic() - self.mark
+                time.sleep(min(busy * (1.0 - self.share) / self.share, 1.0))
+            self.mark = time.monotonic()
 
     def _data_call(self, delta: int) -> None:
         with self._data_calls_lock:
@@ -344,6 +365,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         since = None if request.since_seq < 0 else request.since_seq
         totals = {"rows": 0, "bytes": 0, "deleted": 0}
         background = not request.send_request_ids  # the last round runs fenced: no yielding
+        # only the snapshot round is paced: a paced catch-up round lets more rows change
+        # meanwhile, the deltas stop shrinking and the fenced last round grows with them
+        pacer = self._Pacer(self.migration_share if since is None else 1.0)
 
         def batches():
             for name, table in sorted(self.store.tables().items()):
@@ -363,6 +387,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                         totals["bytes"] += len(payload) + 8 * int(keys.size)
                         yield ps_pb2.RowBatch(config=cfg, ids=codec.ids_to_bytes(keys), rows=payload)
                     if background and row is not None:
+                        pacer.pace()
                         self._yield_to_training()
             if request.send_request_ids:
                 yield ps_pb2.RowBatch(applied_request_ids=self.applied.snapshot())
