@@ -22,6 +22,14 @@ continue (compacted index arrays, not boolean masks over the whole batch), so th
 round. The load factor (full + deleted positions) never exceeds 1/2, which keeps mean
 probe lengths around 1.5 (hit) / 2.5 (miss).
 
+Growth is incremental above ``INCREMENTAL_MIN_KEYS`` keys: a rehash of millions of keys
+in one call held the table's lock for seconds (1.2 s at 2M keys), a stall of every
+training step on that PS. Instead the full index is kept aside as ``_prev`` (frozen but
+for removals) and the new, larger one starts empty; every reserve moves the next
+``MIGRATE_STEP`` positions of ``_prev`` (and at least 4 per key being inserted, so it is
+done long before the new index fills), and lookups that miss in the new index look in
+``_prev``. A key lives in exactly one of the two.
+
 Two invariants make ``find`` cheap:
 
 1. ``_vals`` (row + 1) is 0 at every position that is not full, so a position whose
@@ -40,6 +48,8 @@ from deeprec_ext.hashing import hash64
 PROBE_SEED = 0x5EED
 EMPTY, FULL, DELETED = 0, 1, 2
 _MIN_CAPACITY = 16
+INCREMENTAL_MIN_KEYS = 1 << 17  # smaller indexes rehash at once (a few ms)
+MIGRATE_STEP = 1 << 15  # positions of the previous index moved per reserve
 
 
 def _next_pow2(n: int) -> int:
@@ -67,11 +77,14 @@ class HashIndex:
     Not thread-safe by itself; the owning :class:`EmbeddingTable` serializes access.
     """
 
-    __slots__ = ("_kv", "_kvv", "_keys", "_vals", "_state", "_mask", "_size", "_deleted")
+    __slots__ = ("_kv", "_kvv", "_keys", "_vals", "_state", "_mask", "_size", "_deleted",
+                 "_prev", "_cursor")
 
     def __init__(self, capacity: int = 1024):
         self._alloc(max(_next_pow2(capacity), _MIN_CAPACITY))
         self._size = 0
+        self._prev: HashIndex | None = None  # the index being moved into this one
+        self._cursor = 0  # next position of _prev to move
 
     def _alloc(self, cap: int) -> None:
         self._kv = np.zeros((cap, 2), dtype=np.int64)
@@ -84,7 +97,7 @@ class HashIndex:
 
     # -- introspection ------------------------------------------------------------------
     def __len__(self) -> int:
-        return self._size
+        return self._size + (self._prev._size if self._prev is not None else 0)
 
     @property
     def capacity(self) -> int:
@@ -96,17 +109,29 @@ class HashIndex:
 
     @property
     def nbytes(self) -> int:
-        return self._kv.nbytes + self._state.nbytes
+        prev = self._prev.nbytes if self._prev is not None else 0
+        return self._kv.nbytes + self._state.nbytes + prev
+
+    @property
+    def growing(self) -> bool:
+        """An incremental rehash is under way (``_prev`` still holds keys)."""
+        return self._prev is not None
 
     def keys(self) -> np.ndarray:
-        return self._keys[self._state == FULL]
+        own = self._keys[self._state == FULL]
+        return own if self._prev is None else np.concatenate([own, self._prev.keys()])
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         live = np.flatnonzero(self._state == FULL)
-        return self._keys[live], self._vals[live] - 1
+        keys, rows = self._keys[live], self._vals[live] - 1
+        if self._prev is not None:
+            pk, pr = self._prev.items()
+            keys, rows = np.concatenate([keys, pk]), np.concatenate([rows, pr])
+        return keys, rows
 
     def __repr__(self) -> str:
-        return f"HashIndex(size={self._size}, capacity={self.capacity}, deleted={self._deleted})"
+        return (f"HashIndex(size={len(self)}, capacity={self.capacity}, "
+                f"deleted={self._deleted}, growing={self.growing})")
 
     # -- probing ------------------------------------------------------------------------
     def _home(self, keys: np.ndarray) -> np.ndarray:
@@ -119,6 +144,15 @@ class HashIndex:
         keys = _as_keys(keys)
         if keys.size == 0:
             return np.empty(0, dtype=np.int64)
+        out = self._find_own(keys)
+        if self._prev is not None:
+            miss = np.flatnonzero(out < 0)
+            if miss.size:
+                out[miss] = self._prev._find_own(keys.take(miss))
+        return out
+
+    def _find_own(self, keys: np.ndarray) -> np.ndarray:
+        """``find`` in this index's own table (not ``_prev``)."""
         kvv, ts, mask = self._kvv, self._state, self._mask
         pos = self._home(keys)
         # Round 1 over the whole batch: a matching stored key answers directly (its row
@@ -241,16 +275,55 @@ class HashIndex:
 
         When a rehash is needed the new capacity keeps the live load at or below 3/8, so
         the next rehash is at least capacity/8 insertions or deletions away (amortized
-        O(1) even under insert/delete churn). The index never shrinks.
+        O(1) even under insert/delete churn). The index never shrinks. Large indexes
+        rehash incrementally (module docstring); each call moves the next part.
         """
+        if self._prev is not None:
+            self._migrate(max(MIGRATE_STEP, 4 * extra))
         cap = self.capacity
-        if 2 * (self._size + self._deleted + extra) <= cap:
+        pending = self._prev._size if self._prev is not None else 0
+        if 2 * (self._size + self._deleted + pending + extra) <= cap:
             return
+        if self._prev is not None:  # not expected (4 moves per insert): finish at once
+            self._migrate(None)
+            if 2 * (self._size + self._deleted + extra) <= cap:
+                return
         need = self._size + extra
         new_cap = cap
         while 8 * need > 3 * new_cap:
             new_cap *= 2
-        self._rehash(new_cap)
+        if self._size < INCREMENTAL_MIN_KEYS:
+            self._rehash(new_cap)
+            return
+        prev = HashIndex.__new__(HashIndex)
+        prev._kv, prev._kvv, prev._keys, prev._vals = self._kv, self._kvv, self._keys, self._vals
+        prev._state, prev._mask = self._state, self._mask
+        prev._size, prev._deleted, prev._prev, prev._cursor = self._size, self._deleted, None, 0
+        self._alloc(new_cap)
+        self._size = 0
+        self._prev, self._cursor = prev, 0
+        self._migrate(max(MIGRATE_STEP, 4 * extra))
+
+    def _migrate(self, budget: int | None) -> None:
+        """Move the live keys of the next ``budget`` positions of ``_prev`` (all: None)
+        into this index. Moved entries become tombstones there, which keeps the probe
+        chains of the keys still waiting intact."""
+        prev = self._prev
+        a = self._cursor
+        b = prev.capacity if budget is None else min(a + budget, prev.capacity)
+        live = np.flatnonzero(prev._state[a:b] == FULL)
+        if live.size:
+            live += a
+            keys, vals = prev._keys[live], prev._vals[live]  # copies (fancy indexing)
+            pos, _ = self._claim(keys)
+            self._vals[pos] = vals  # already encoded as row + 1
+            prev._state[live] = DELETED
+            prev._vals[live] = 0
+            prev._size -= live.size
+            prev._deleted += live.size
+        self._cursor = b
+        if b >= prev.capacity:
+            self._prev = None
 
     def _rehash(self, new_cap: int) -> None:
         live = np.flatnonzero(self._state == FULL)
@@ -307,14 +380,14 @@ class HashIndex:
         if n == 0:
             e = np.empty(0, dtype=np.int64)
             return e, e, e
-        if self._deleted:
+        if self._deleted or self._prev is not None:
             rows = self.find(keys)
             miss = np.flatnonzero(rows < 0)
             got, new_keys, new_rows = self.insert_new(keys.take(miss), allocate)
             rows[miss] = got
             return rows, new_keys, new_rows
         self.reserve(n)
-        if self._deleted:  # pragma: no cover - reserve() rehashes, which drops them
+        if self._deleted or self._prev is not None:  # reserve() began a rehash
             return self.find_or_insert(keys, allocate)
         tk, tv, ts, mask = self._keys, self._vals, self._state, self._mask
         out = np.empty(n, dtype=np.int64)
@@ -366,6 +439,9 @@ class HashIndex:
         pos = self._locate(keys)
         found = pos >= 0
         rows = np.full(keys.size, -1, dtype=np.int64)
+        if self._prev is not None and not found.all():
+            rest = np.flatnonzero(~found)
+            rows[rest] = self._prev.remove(keys.take(rest))
         if not found.any():
             return rows
         fp = pos[found]
@@ -380,3 +456,4 @@ class HashIndex:
     def clear(self) -> None:
         self._alloc(_MIN_CAPACITY)
         self._size = 0
+        self._prev, self._cursor = None, 0
