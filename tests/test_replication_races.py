@@ -450,3 +450,53 @@ def test_failed_deltas_are_retried_from_their_base_and_big_ones_become_full_copi
     rep.ship()
     assert peer.kinds[-1] == "delta"
     _same_rows(t, peer.replicas.copies["ps-a"].store["c"])
+
+
+def test_large_deltas_are_read_outside_the_apply_gate_and_the_copy_stays_exact(monkeypatch):
+    """Rows written during a full copy (and a large delta) are read in rounds outside the
+    apply gate, which stops every push: only the last, small part is read under it. The
+    peer's copy still equals the primary's table, deletions included."""
+    from deeprec_ext.ps import replication
+    from deeprec_ext.store import EmbeddingStore
+    monkeypatch.setattr(replication, "GATED_MAX_ROWS", 64)
+    monkeypatch.setattr(replication, "CHUNK_ROWS", 256)
+    store = EmbeddingStore()
+    t = store.create_table("c", 4, optimizer="adagrad")
+    t.lookup(np.arange(5000))
+    peer = _LocalPeer()
+    rep = replication.Replicator(store, {})
+    rep.close()
+    rep.origin, rep.peer, rep._since, rep._stub = "ps-a", "peer", -1, peer
+    rep._stub_peer = "peer"
+    reads = []  # changed rows read per round
+    real = rep._delta_batches
+    writes = iter(range(3))
+
+    def delta_batches(since):
+        out = real(since)
+        reads.append(sum(len(b.ids) // 8 for b in out))
+        if next(writes, None) is not None:  # "pushes" land while the copy streams
+            t.apply_gradients(np.arange(1000), np.ones((1000, 4), np.float32))
+            t.delete(np.arange(4990 - len(reads), 5000 - len(reads) * 5))
+        return out
+
+    monkeypatch.setattr(rep, "_delta_batches", delta_batches)
+    first = t.export_slots  # the full scan: rows change under it too
+
+    def scan(*a, **kw):
+        t.apply_gradients(np.arange(2000, 2600), np.ones((600, 4), np.float32))
+        return first(*a, **kw)
+
+    monkeypatch.setattr(t, "export_slots", scan)
+    rep.ship()
+    monkeypatch.setattr(t, "export_slots", first)
+    assert peer.kinds == ["full-new"]
+    assert len(reads) >= 2 and reads[0] > 64, reads  # big rounds were read ungated...
+    assert reads[-1] <= 1000, reads  # ...and the gated last one only what came after
+    _same_rows(t, peer.replicas.copies["ps-a"].store["c"])
+    reads.clear()
+    writes = iter(range(2))
+    t.apply_gradients(np.arange(3000, 4000), np.ones((1000, 4), np.float32))
+    rep.ship()
+    assert peer.kinds[-1] == "delta" and len(reads) >= 2, (peer.kinds, reads)
+    _same_rows(t, peer.replicas.copies["ps-a"].store["c"])

@@ -54,6 +54,8 @@ DELTA_MAX_ROWS = 1 << 18  # a delta with more changed rows is sent as a (streame
 REQUEST_ID_WINDOW = 200_000
 KIND_KEY = "x-replica-kind"
 BASE_KEY = "x-replica-base"
+GATED_MAX_ROWS = 1 << 13  # at most about this many changed rows are read under the apply gate
+UNGATED_ROUNDS = 3  # ...after up to this many rounds read outside it while deltas are larger
 FULL_TIMEOUT = 3600.0       # a full copy of a large table takes a while
 PROMOTE_WAIT_SECONDS = 60.0  # Promote waits this long for a copy still streaming in
 
@@ -241,6 +243,25 @@ class Replicator:
                                                rows=codec.floats_to_bytes(rows[i:i + CHUNK_ROWS])))
         return out
 
+    def _ungated_rounds(self, since: int) -> tuple[list, int]:
+        """Deltas read outside the apply gate while they are large; returns the batches
+        and the sequence number the gated rest starts from. The gate stops every push on
+        this PS: reading a delta of hundreds of thousands of rows under it (the rows
+        written during a full copy on a busy PS) stalled training for seconds. A row
+        written during a round has a newer sequence number and is read again by the next
+        round or the gated one, which also sends the request ids of every push it holds."""
+        out = []
+        for _ in range(UNGATED_ROUNDS):
+            if all(t.changed_at_most(since, GATED_MAX_ROWS) for t in self.store.tables().values()):
+                break
+            mark = self.store.sequence.value
+            try:
+                out.extend(self._delta_batches(since))
+            except LogTrimmed as exc:
+                raise _NeedsFull("refresh", str(exc)) from None
+            since = mark
+        return out, since
+
     def ship(self, timeout: float = 60.0) -> int:
         """Send everything changed since the last shipment; returns rows sent."""
         with self._lock:
@@ -263,6 +284,7 @@ class Replicator:
         for table in self.store.tables().values():
             if not table.changed_at_most(since, DELTA_MAX_ROWS):
                 raise _NeedsFull("refresh", f"more than {DELTA_MAX_ROWS} rows changed")
+        pre, mark = self._ungated_rounds(since)
         with self.gate.exclusive():
             ids, lost = self.applied.take_unshipped()
             if lost:
@@ -273,7 +295,7 @@ class Replicator:
                 self.last_shipped = time.monotonic()
                 return 0
             try:
-                batches = self._delta_batches(since)
+                batches = pre + self._delta_batches(mark)
             except LogTrimmed as exc:
                 self.applied.requeue(ids)
                 raise _NeedsFull("refresh", str(exc)) from None
@@ -318,11 +340,13 @@ class Replicator:
                         yield ps_pb2.RowBatch(config=cfg, origin=self.origin,
                                               ids=codec.ids_to_bytes(keys),
                                               rows=codec.floats_to_bytes(rows))
+            pre, mark = self._ungated_rounds(start)  # _NeedsFull: this copy fails, try again
+            yield from pre
             with self.gate.exclusive():
                 self.applied.take_unshipped()  # all of them are in the snapshot
                 ids = self.applied.snapshot()
                 watermark = self.store.sequence.value
-                tail = self._delta_batches(start)  # LogTrimmed: this copy fails, try again
+                tail = self._delta_batches(mark)  # LogTrimmed: this copy fails, try again
             done["watermark"] = watermark
             done["tables"] = {b.config.name for b in tail if b.config.name}
             done["tables"].update(self.store.tables())
