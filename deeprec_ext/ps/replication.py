@@ -244,15 +244,21 @@ class Replicator:
         return out
 
     def _ungated_rounds(self, since: int) -> tuple[list, int]:
-        """Deltas read outside the apply gate while they are large; returns the batches
-        and the sequence number the gated rest starts from. The gate stops every push on
+        """Deltas (rows and tombstones) read outside the apply gate while they are large;
+        returns the batches and the sequence number the gated rest starts from. The gate
+        stops every push on
         this PS: reading a delta of hundreds of thousands of rows under it (the rows
         written during a full copy on a busy PS) stalled training for seconds. A row
         written during a round has a newer sequence number and is read again by the next
         round or the gated one, which also sends the request ids of every push it holds."""
         out = []
         for _ in range(UNGATED_ROUNDS):
-            if all(t.changed_at_most(since, GATED_MAX_ROWS) for t in self.store.tables().values()):
+            tables = self.store.tables().values()
+            # tombstones too: the "moved" ones of a migration's clean-up (every key of the
+            # slots that left) made each gated read sort hundreds of thousands of keys
+            if all(t.changed_at_most(since, GATED_MAX_ROWS)
+                   and t.tombstone_count_since(since, include_moved=True) <= GATED_MAX_ROWS
+                   for t in tables):
                 break
             mark = self.store.sequence.value
             try:

@@ -854,6 +854,13 @@ class EmbeddingTable:
                     keep.append(entry)
             self._tombstones = keep
 
+    def tombstone_count_since(self, seq: int, include_moved: bool = False) -> int:
+        """How many keys ``tombstones_since`` would list at most (before de-duplication),
+        without building the list: a cheap size check for callers that read in rounds."""
+        with self._lock:
+            return sum(int(k.size) for s, k, m in self._tombstones
+                       if s > seq and (include_moved or not m))
+
     def tombstones_since(self, seq: int, include_moved: bool = False) -> np.ndarray:
         """Distinct keys deleted by a batch with sequence number > ``seq`` (sorted).
         A key deleted and re-inserted afterwards is listed here *and* exported by
