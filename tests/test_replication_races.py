@@ -417,20 +417,27 @@ def _same_rows(a, b):
     np.testing.assert_array_equal(ra[oa], rb[ob])
 
 
-def test_failed_deltas_are_retried_from_their_base_and_big_ones_become_full_copies(monkeypatch):
-    """A delta that did not arrive is sent again from the same base (no full copy after
-    every hiccup); a delta larger than DELTA_MAX_ROWS goes as a streamed full copy; the
-    peer's copy equals the primary's table after each."""
+def _table_with_local_peer(rows: int):
+    """A table of ``rows`` rows and a Replicator (no background thread) shipping it to an
+    in-process peer: (table, peer, replicator)."""
     from deeprec_ext.ps import replication
     from deeprec_ext.store import EmbeddingStore
     store = EmbeddingStore()
     t = store.create_table("c", 4, optimizer="adagrad")
-    t.lookup(np.arange(1000))
+    t.lookup(np.arange(rows))
     peer = _LocalPeer()
     rep = replication.Replicator(store, {})
-    rep.close()
+    rep.close()  # no background shipping: the tests ship
     rep.origin, rep.peer, rep._since, rep._stub = "ps-a", "peer", -1, peer
-    rep._stub_peer = "peer"
+    rep._stub_peer = "peer"  # the channel already follows the configured peer
+    return t, peer, rep
+
+
+def test_failed_deltas_are_retried_from_their_base_and_big_ones_become_full_copies(monkeypatch):
+    """A delta that did not arrive is sent again from the same base (no full copy after
+    every hiccup); a delta larger than DELTA_MAX_ROWS goes as a streamed full copy; the
+    peer's copy equals the primary's table after each."""
+    t, peer, rep = _table_with_local_peer(1000)
     rep.ship()
     t.apply_gradients(np.arange(50), np.ones((50, 4), np.float32))
     peer.fail = 2
@@ -440,6 +447,7 @@ def test_failed_deltas_are_retried_from_their_base_and_big_ones_become_full_copi
     rep.ship()
     assert peer.kinds == ["full-new", "delta", "delta", "delta"]
     _same_rows(t, peer.replicas.copies["ps-a"].store["c"])
+    from deeprec_ext.ps import replication
     monkeypatch.setattr(replication, "DELTA_MAX_ROWS", 100)
     t.apply_gradients(np.arange(500), np.ones((500, 4), np.float32))
     t.delete(np.arange(990, 1000))
@@ -457,17 +465,9 @@ def test_large_deltas_are_read_outside_the_apply_gate_and_the_copy_stays_exact(m
     apply gate, which stops every push: only the last, small part is read under it. The
     peer's copy still equals the primary's table, deletions included."""
     from deeprec_ext.ps import replication
-    from deeprec_ext.store import EmbeddingStore
     monkeypatch.setattr(replication, "GATED_MAX_ROWS", 64)
     monkeypatch.setattr(replication, "CHUNK_ROWS", 256)
-    store = EmbeddingStore()
-    t = store.create_table("c", 4, optimizer="adagrad")
-    t.lookup(np.arange(5000))
-    peer = _LocalPeer()
-    rep = replication.Replicator(store, {})
-    rep.close()
-    rep.origin, rep.peer, rep._since, rep._stub = "ps-a", "peer", -1, peer
-    rep._stub_peer = "peer"
+    t, peer, rep = _table_with_local_peer(5000)
     reads = []  # changed rows read per round
     real = rep._delta_batches
     writes = iter(range(3))
