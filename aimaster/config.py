@@ -8,7 +8,6 @@ docs/guide-aimaster.md, and a test fails when the two differ.
 """
 from __future__ import annotations
 
-import glob
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Optional, Union
@@ -17,6 +16,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
                       ValidationError, field_validator, model_validator)
 
+from deeprec_ext.data import fs as data_fs
 from deeprec_ext.hashing import DEFAULT_NUM_SLOTS
 
 DEFAULT_BYTES_PER_SHARD = 4 << 20
@@ -80,7 +80,8 @@ class WorkerSection(_RoleBase):
 
 class DataSection(_Section):
     files: Union[list[StrictStr], StrictStr] = Field(default_factory=list, description=(
-        "Paths or glob patterns (a list, or one string). Each pattern must match a file; "
+        "Paths, URLs (`s3://`, `gs://`, `hdfs://`...: fsspec; docs/guide-data.md) or glob "
+        "patterns (a list, or one string). Each pattern must match a file; "
         "matches are sorted within a pattern. Without files the job has no shards."))
     bytes_per_shard: Optional[StrictInt] = Field(None, ge=1, description=(
         "Shard size in bytes of the file (default 4194304 = 4 MiB); a shard never spans "
@@ -404,7 +405,7 @@ class DataConfig:
     def resolved_files(self) -> list[str]:
         out: list[str] = []
         for pattern in self.files:
-            matches = sorted(glob.glob(pattern))
+            matches = data_fs.glob(pattern)
             if not matches:
                 raise ConfigError(f"data.files: pattern {pattern!r} matches no file")
             out.extend(matches)

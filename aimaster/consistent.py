@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -34,6 +33,7 @@ from aimaster.migration import MigrationError
 from aimaster.plugins import MasterPlugin
 from aimaster.registry import MemberState
 from aimaster.shards import virtual_rank_shards
+from deeprec_ext.data import fs as data_fs
 from deeprec_ext.data.ranges import read_shard
 from deeprec_ext.proto import master_pb2, sync_pb2, sync_pb2_grpc
 
@@ -98,7 +98,7 @@ class StepCoordinator(sync_pb2_grpc.SyncCoordinatorServicer):
                           f"virtual_rank {r} is outside [0, {self.virtual_workers})")
         if not self.master.has_data:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this job has no data section")
-        out = [master_pb2.Shard(shard_id=s.shard_id, path=os.path.abspath(s.path), start=s.start,
+        out = [master_pb2.Shard(shard_id=s.shard_id, path=data_fs.absolute(s.path), start=s.start,
                                 end=s.end, data_epoch=s.data_epoch, size=s.size, format=s.format)
                for s in virtual_rank_shards(self.master.all_shards(), r, self.virtual_workers)]
         return sync_pb2.VirtualShardsResponse(shards=out)

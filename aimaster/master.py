@@ -157,7 +157,7 @@ class JobMaster:
         except (OSError, ValueError) as exc:
             raise RuntimeError(f"data: {exc}") from None
         log.info("data: %d files, %d bytes, %d shards of <= %d bytes x %d epoch(s)", len(files),
-                 sum(os.path.getsize(p) for p in files), len(shards) // self.config.data.epochs,
+                 sum(s.size for s in shards if s.data_epoch == 0 and s.start == 0), len(shards) // self.config.data.epochs,
                  per_shard, self.config.data.epochs)
         return ShardQueue(shards)
 

@@ -3,7 +3,6 @@ and turns refusals into status codes with their kind (``aimaster.errors``)."""
 from __future__ import annotations
 
 import json
-import os
 from typing import TYPE_CHECKING
 
 import grpc
@@ -11,6 +10,7 @@ import grpc
 from aimaster import errors
 from aimaster.registry import MemberState
 from aimaster.shards import ShardState
+from deeprec_ext.data import fs as data_fs
 from deeprec_ext.errors import InvalidRequestError
 from deeprec_ext.proto import master_pb2, master_pb2_grpc
 from deeprec_ext.ps import validation
@@ -91,7 +91,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         if state == ShardState.DOING:
             return master_pb2.GetShardResponse(
                 status=master_pb2.GetShardResponse.SHARD,
-                shard=master_pb2.Shard(shard_id=shard.shard_id, path=os.path.abspath(shard.path),
+                shard=master_pb2.Shard(shard_id=shard.shard_id, path=data_fs.absolute(shard.path),
                                        start=shard.start, end=shard.end, data_epoch=shard.data_epoch,
                                        size=shard.size, format=shard.format))
         status = master_pb2.GetShardResponse.FINISHED if state == ShardState.DONE \

@@ -17,12 +17,13 @@ begin; the shard is handed out again from there.
 """
 from __future__ import annotations
 
-import os
 import struct
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass
 from enum import Enum
+
+from deeprec_ext.data import fs
 
 # position unit per format; "gz" formats are one shard per file
 FORMATS = ("text", "text.gz", "tfrecord", "tfrecord.gz", "parquet")
@@ -85,7 +86,7 @@ def count_records(path: str) -> int:
     """Lines in a file (a last line without a newline counts), in 16 MiB binary chunks.
     Not used to make shards (the AIMaster does not read data files); kept for tools."""
     n, last = 0, b"\n"
-    with open(path, "rb") as f:
+    with fs.open_binary(path) as f:
         while chunk := f.read(1 << 24):
             n += chunk.count(b"\n")
             last = chunk[-1:]
@@ -95,8 +96,8 @@ def count_records(path: str) -> int:
 def mean_record_bytes(path: str, sample: int = SAMPLE_BYTES) -> float:
     """Mean line length (newline included) over the first ``sample`` bytes of a text file:
     the approximation behind the deprecated ``records_per_shard``."""
-    with open(path, "rb") as f:
-        head = f.read(sample)
+    with fs.RangeFile(path) as f:
+        head = f.pread(sample, 0)
     lines = head.count(b"\n")
     return len(head) / lines if lines else float(max(len(head), 1))
 
@@ -104,13 +105,14 @@ def mean_record_bytes(path: str, sample: int = SAMPLE_BYTES) -> float:
 def tfrecord_boundaries(path: str, every: int) -> list[int]:
     """Record boundaries of a TFRecord file about ``every`` bytes apart (first 0, last the
     file size), found by reading each record's 12-byte header (``pread``; the data is
-    skipped, not read). Raises ValueError on a truncated file."""
-    size = os.path.getsize(path)
+    skipped, not read; a remote file is read in 1 MiB blocks). Raises ValueError on a
+    truncated file."""
+    f = fs.RangeFile(path)
+    size = f.size
     out, pos, nxt = [0], 0, every
-    fd = os.open(path, os.O_RDONLY)
     try:
         while pos < size:
-            head = os.pread(fd, 8, pos)
+            head = f.pread(8, pos)
             if len(head) < 8:
                 raise ValueError(f"{path}: truncated TFRecord header at byte {pos}")
             (length,) = struct.unpack("<Q", head)
@@ -122,7 +124,7 @@ def tfrecord_boundaries(path: str, every: int) -> list[int]:
                 out.append(pos)
                 nxt = pos + every
     finally:
-        os.close(fd)
+        f.close()
     out.append(size)
     return out if size else [0]
 
@@ -133,7 +135,8 @@ def parquet_row_groups(path: str) -> list[int]:
         import pyarrow.parquet as pq
     except ImportError as exc:  # pragma: no cover - pyarrow is a dependency
         raise ValueError(f"{path}: Parquet needs pyarrow ({exc})") from None
-    md = pq.ParquetFile(path).metadata
+    with fs.open_binary(path) as f:
+        md = pq.ParquetFile(f).metadata
     return [md.row_group(i).num_rows for i in range(md.num_row_groups)]
 
 
@@ -165,7 +168,7 @@ def make_shards(files: list[str], bytes_per_shard: int, epochs: int = 1,
         raise ValueError(f"bytes_per_shard must be positive, got {bytes_per_shard}")
     per_file = []
     for p in files:
-        f, size = detect_format(p, fmt), os.path.getsize(p)
+        f, size = detect_format(p, fmt), fs.size(p)
         per_file.append((p, f, size, _ranges(p, f, size, bytes_per_shard)))
     shards: list[Shard] = []
     for epoch in range(epochs):

@@ -24,10 +24,11 @@ starting there, and the rules above make that reader begin exactly at record ``i
 from __future__ import annotations
 
 import gzip
-import os
 import struct
 
 import numpy as np
+
+from deeprec_ext.data import fs
 
 STREAM_END = 1 << 62
 _EXTEND = 1 << 16
@@ -107,16 +108,15 @@ def _text_chunk(path: str, start: int, end: int, size: int | None):
     """(bytes from ``max(start - 1, 0)`` through the newline ending the record that
     crosses ``end`` or the end of the file, their position, whether that is the end)."""
     base = max(start - 1, 0)
-    with open(path, "rb", buffering=0) as f:
-        fd = f.fileno()
-        size = os.fstat(fd).st_size if size is None else size
+    with fs.RangeFile(path, size) as f:
+        size = f.size
         if base >= size or start >= end:
             return None, base, True
-        data = os.pread(fd, max(min(end, size) - base, 0), base)
+        data = f.pread(max(min(end, size) - base, 0), base)
         parts, pos, eof = [data], base + len(data), base + len(data) >= size
         if data and data[-1:] != b"\n":
             while not eof:
-                more = os.pread(fd, _EXTEND, pos)
+                more = f.pread(_EXTEND, pos)
                 if not more:
                     eof = True
                     break
@@ -152,19 +152,18 @@ def _tfrecords(data: bytes, base: int, start: int, end: int, what: str):
     return out, np.asarray(pos, np.int64)
 
 
-def read_tfrecord_range(path: str, start: int, end: int):
+def read_tfrecord_range(path: str, start: int, end: int, size: int | None = None):
     """Records of a TFRecord shard: ``[start, end)`` lie on record boundaries."""
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        end = min(end, size)
+    with fs.RangeFile(path, size) as f:
+        end = min(end, f.size)
         if start >= end:
             return [], np.zeros(0, np.int64)
-        data = os.pread(f.fileno(), end - start, start)
+        data = f.pread(end - start, start)
     return _tfrecords(data, start, start, end, path)
 
 
 def _gunzip(path: str) -> bytes:
-    with gzip.open(path, "rb") as f:
+    with fs.open_binary(path) as raw, gzip.GzipFile(fileobj=raw, mode="rb") as f:
         return f.read()
 
 
@@ -187,7 +186,11 @@ def parquet_rows(path: str, start: int, end: int):
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
+    with fs.open_binary(path) as f:
+        return _parquet_rows(pq.ParquetFile(f), start, end, pa, pc)
+
+
+def _parquet_rows(pf, start, end, pa, pc):
     md = pf.metadata
     groups, first_row, row = [], None, 0
     for g in range(md.num_row_groups):
@@ -213,7 +216,7 @@ def read_shard(path: str, start: int, end: int, fmt: str = "text", size: int | N
     if fmt == "text.gz":
         return read_gzip_text(path, start, end)
     if fmt == "tfrecord":
-        return read_tfrecord_range(path, start, end)
+        return read_tfrecord_range(path, start, end, size)
     if fmt == "tfrecord.gz":
         return read_gzip_tfrecord(path, start, end)
     if fmt == "parquet":
