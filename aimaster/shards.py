@@ -162,8 +162,9 @@ def _ranges(path: str, fmt: str, size: int, bytes_per_shard: int) -> list[tuple[
 
 
 def make_shards(files: list[str], bytes_per_shard: int, epochs: int = 1,
-                fmt: str = "auto") -> list[Shard]:
-    """Shards of about ``bytes_per_shard`` bytes, from the files' sizes (``stat``)."""
+                fmt: str = "auto", first_id: int = 0) -> list[Shard]:
+    """Shards of about ``bytes_per_shard`` bytes, from the files' sizes (``stat``); ids
+    from ``first_id`` on (``watch`` adds the shards of new files to a running queue)."""
     if bytes_per_shard <= 0:
         raise ValueError(f"bytes_per_shard must be positive, got {bytes_per_shard}")
     per_file = []
@@ -174,7 +175,7 @@ def make_shards(files: list[str], bytes_per_shard: int, epochs: int = 1,
     for epoch in range(epochs):
         for path, f, size, ranges in per_file:
             for start, end in ranges:
-                shards.append(Shard(len(shards), path, start, end, epoch, size, f))
+                shards.append(Shard(first_id + len(shards), path, start, end, epoch, size, f))
     return shards
 
 
@@ -196,6 +197,10 @@ def virtual_rank_shards(shards: list[Shard], rank: int, virtual_workers: int) ->
 
 
 class ShardQueue:
+    # ``data.watch``: the shard list grows while the job runs (``extend``); with nothing
+    # TODO a worker is told to wait, never that the data is finished
+    streaming = False
+
     def __init__(self, shards: list[Shard]):
         self._lock = threading.Lock()
         self._shards = {s.shard_id: s for s in shards}
@@ -204,6 +209,7 @@ class ShardQueue:
         self._done: set[int] = set()
         self._resume: dict[int, int] = {}  # shard id -> position of its first untrained record
         self._shard_dicts: list[dict] | None = None  # to_state's shard list (never mutated)
+        self._files: set[str] = set()  # streaming: files taken (some may have no shard)
 
     def _handout(self, sid: int) -> Shard:
         s = self._shards[sid]
@@ -218,7 +224,7 @@ class ShardQueue:
                 sid = self._todo.popleft()
                 self._doing[sid] = worker_id
                 return ShardState.DOING, self._handout(sid)
-            if self._doing:
+            if self._doing or self.streaming:
                 return None, None
             return ShardState.DONE, None
 
@@ -291,7 +297,35 @@ class ShardQueue:
 
     def finished(self) -> bool:
         with self._lock:
-            return not self._todo and not self._doing
+            return not self.streaming and not self._todo and not self._doing
+
+    # -- streaming (data.watch) ---------------------------------------------------------------
+    def extend(self, shards: list[Shard], files=()) -> None:
+        """Append the shards of new ``files`` at the end of TODO (ids from ``next_id()``);
+        the files are known from now on, even one without shards (an empty file)."""
+        with self._lock:
+            self._files.update(files)
+            for s in shards:
+                if s.shard_id in self._shards:
+                    raise ValueError(f"shard id {s.shard_id} is taken")
+                self._shards[s.shard_id] = s
+                self._todo.append(s.shard_id)
+            self._shard_dicts = None
+
+    def next_id(self) -> int:
+        with self._lock:
+            return max(self._shards, default=-1) + 1
+
+    def paths(self) -> set[str]:
+        """Every file that has shards in the queue (whatever their state)."""
+        with self._lock:
+            return self._files | {s.path for s in self._shards.values()}
+
+    def files_done(self) -> list[str]:
+        """Files all of whose shards are DONE."""
+        with self._lock:
+            open_paths = {self._shards[i].path for i in self._shards if i not in self._done}
+            return sorted({s.path for s in self._shards.values()} - open_paths)
 
     def records_done(self) -> int:
         with self._lock:
@@ -306,7 +340,8 @@ class ShardQueue:
                 self._shard_dicts = [asdict(s) for s in self._shards.values()]
             return {"unit": STATE_UNIT, "shards": list(self._shard_dicts),
                     "todo": list(self._todo), "doing": dict(self._doing), "done": sorted(self._done),
-                    "resume": {str(k): v for k, v in self._resume.items()}}
+                    "resume": {str(k): v for k, v in self._resume.items()},
+                    "files": sorted(self._files)}
 
     @classmethod
     def from_state(cls, state: dict) -> "ShardQueue":
@@ -323,6 +358,7 @@ class ShardQueue:
         q = cls([Shard(**s) for s in state["shards"]])
         q._done = set(state["done"])
         q._resume = {int(k): v for k, v in state.get("resume", {}).items()}
+        q._files = set(state.get("files", ()))
         doing = sorted(int(s) for s in state["doing"])
         q._todo = deque(doing + [s for s in state["todo"] if s not in q._done])
         return q
