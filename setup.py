@@ -38,6 +38,8 @@ setup(
         # (deeprec_ext/data/fs.py); s3fs is fsspec's S3 back end
         "fsspec>=2026.9.0,<2027",
         "s3fs>=2026.9.0,<2027",
+        # TFRecord CRCs (masked crc32c) checked in C by the shard reader
+        "google-crc32c>=1.9,<2",
     ],
     extras_require={
         "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "grpcio-tools>=1.85.1,<2",

@@ -105,8 +105,9 @@ def mean_record_bytes(path: str, sample: int = SAMPLE_BYTES) -> float:
 def tfrecord_boundaries(path: str, every: int) -> list[int]:
     """Record boundaries of a TFRecord file about ``every`` bytes apart (first 0, last the
     file size), found by reading each record's 12-byte header (``pread``; the data is
-    skipped, not read; a remote file is read in 1 MiB blocks). Raises ValueError on a
-    truncated file."""
+    skipped, not read; a remote file is read in 1 MiB blocks). A header that is cut, or
+    a length running past the end of the file, ends the walk: the rest of the file is the
+    last shard, whose reader names the bad record (``data.on_bad_record``)."""
     f = fs.RangeFile(path)
     size = f.size
     out, pos, nxt = [0], 0, every
@@ -114,13 +115,12 @@ def tfrecord_boundaries(path: str, every: int) -> list[int]:
         while pos < size:
             head = f.pread(8, pos)
             if len(head) < 8:
-                raise ValueError(f"{path}: truncated TFRecord header at byte {pos}")
+                break
             (length,) = struct.unpack("<Q", head)
             pos += 16 + length
-            if pos > size:
-                raise ValueError(f"{path}: TFRecord at byte {out[-1]}.. runs past the end of "
-                                 f"the file ({size} bytes): truncated or not a TFRecord file")
-            if pos >= nxt and pos < size:
+            if pos >= size:
+                break
+            if pos >= nxt:
                 out.append(pos)
                 nxt = pos + every
     finally:

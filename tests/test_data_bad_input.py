@@ -1,0 +1,125 @@
+"""Bad input (issue 18, item 6): a corrupt TFRecord CRC, a truncated or corrupt gzip
+stream, a line with the wrong number of fields, an unreadable file. The reader names the
+file and the position; with a ``bad`` list it skips and lists the problem instead, every
+good record read exactly once."""
+from __future__ import annotations
+
+import gzip
+
+import numpy as np
+import pytest
+
+from aimaster.shards import STREAM_END, make_shards
+from deeprec_ext.data.ranges import BadInput, read_shard, tfrecord_frame
+
+
+def _all(path, per_shard, bad=None, **kw):
+    out = []
+    for s in make_shards([path], per_shard):
+        out += read_shard(s.path, s.start, s.end, s.format, s.size, bad=bad, **kw)[0]
+    return out
+
+
+def test_tfrecord_bad_data_crc_skips_one_record_bad_length_ends_the_shard(tmp_path):
+    payloads = [b"rec-%03d" % i for i in range(50)]
+    frames = [tfrecord_frame(p) for p in payloads]
+    offsets = np.cumsum([0] + [len(f) for f in frames])
+    data = bytearray(b"".join(frames))
+    data[offsets[10] + 12 + 2] ^= 0xFF          # record 10's payload: its data CRC fails
+    path = tmp_path / "f.tfrecord"
+    path.write_bytes(bytes(data))
+    with pytest.raises(BadInput, match=rf"f.tfrecord: corrupt TFRecord data \(CRC mismatch\) "
+                                       rf"at byte {offsets[10]}"):
+        read_shard(str(path), 0, len(data), "tfrecord")
+    for per_shard in (60, 10**6):
+        bad = []
+        assert _all(str(path), per_shard, bad) == payloads[:10] + payloads[11:]
+        assert bad == [{"path": str(path), "offset": int(offsets[10]),
+                        "reason": "corrupt TFRecord data (CRC mismatch)"}]
+    # resuming after record 9 skips the bad record 10 too: nothing read twice
+    records, next_pos = read_shard(str(path), 0, len(data), "tfrecord", bad=[])
+    assert next_pos[9] == offsets[11]
+    # a corrupt length: its CRC fails, the framing cannot go on: the shard ends there
+    data[offsets[30] + 3] ^= 0x01
+    path.write_bytes(bytes(data))
+    bad = []
+    assert _all(str(path), 10**6, bad) == payloads[:10] + payloads[11:30]
+    assert [(b["offset"], b["reason"]) for b in bad] == [
+        (int(offsets[10]), "corrupt TFRecord data (CRC mismatch)"),
+        (int(offsets[30]), "corrupt TFRecord length (CRC mismatch)")]
+
+
+def test_truncated_and_corrupt_gzip(tmp_path):
+    lines = [b"%d\tx" % i for i in range(20000)]
+    raw = b"\n".join(lines) + b"\n"
+    whole = gzip.compress(raw)
+    path = tmp_path / "f.tsv.gz"
+    path.write_bytes(whole[:len(whole) // 2])     # truncated
+    with pytest.raises(BadInput, match=r"f.tsv.gz: truncated gzip stream .* at byte \d+"):
+        read_shard(str(path), 0, STREAM_END, "text.gz")
+    bad = []
+    records, next_pos = read_shard(str(path), 0, STREAM_END, "text.gz", bad=bad)
+    assert 0 < len(records) < len(lines) and records == lines[:len(records)]
+    assert bad[0]["offset"] == next_pos[-1] == sum(len(r) + 1 for r in records)
+    assert "truncated gzip stream" in bad[0]["reason"]
+    corrupt = bytearray(whole)
+    corrupt[len(whole) // 2:len(whole) // 2 + 64] = b"\xff" * 64
+    path.write_bytes(bytes(corrupt))
+    bad = []
+    records, _ = read_shard(str(path), 0, STREAM_END, "text.gz", bad=bad)
+    assert records == lines[:len(records)] and len(records) < len(lines)
+    assert "gzip" in bad[0]["reason"] and bad[0]["offset"] == sum(len(r) + 1 for r in records)
+    # a TFRecord.gz cut short: the records before the cut, the cut one named
+    frames = b"".join(tfrecord_frame(b"p%d" % i) for i in range(100))
+    tpath = tmp_path / "f.tfrecord.gz"
+    tpath.write_bytes(gzip.compress(frames)[:-30])
+    bad = []
+    records, _ = read_shard(str(tpath), 0, STREAM_END, "tfrecord.gz", bad=bad)
+    assert records == [b"p%d" % i for i in range(len(records))] and len(bad) == 1
+    assert "truncated gzip stream" in bad[0]["reason"]
+
+
+def test_wrong_field_count_is_named_and_skipped(tmp_path):
+    rows = [b"1\ta\tb", b"2\ta\tb", b"3\ta", b"4\ta\tb", b"5\ta\tb\tc", b"6\ta\tb", b"7\ta\tb"]
+    data = b"\r\n".join(rows) + b"\r\n"
+    path = tmp_path / "f.tsv"
+    path.write_bytes(data)
+    starts = [data.index(r + b"\r\n") for r in rows]
+    with pytest.raises(BadInput, match=rf"f.tsv: 2 fields, expected 3 at byte {starts[2]}"):
+        read_shard(str(path), 0, len(data), "text", fields=3)
+    good = [r for r in rows if r.count(b"\t") == 2]
+    for per_shard in range(1, len(data) + 1, 7):
+        bad = []
+        assert _all(str(path), per_shard, bad, fields=3) == good, per_shard
+        assert [(b["offset"], b["reason"]) for b in bad] == \
+            [(starts[2], "2 fields, expected 3"), (starts[4], "4 fields, expected 3")]
+    # resuming after a kept record never re-reads the bad ones after it
+    records, next_pos = read_shard(str(path), 0, len(data), "text", bad=[], fields=3)
+    for i in range(len(records)):
+        rest, _ = read_shard(str(path), int(next_pos[i]), len(data), "text", bad=[], fields=3)
+        assert rest == records[i + 1:]
+    # CSV with another delimiter
+    path.write_bytes(b"a,b\nc\nd,e\n")
+    bad = []
+    assert read_shard(str(path), 0, 10, "text", bad=bad, fields=2, delimiter=b",")[0] == \
+        [b"a,b", b"d,e"]
+    assert bad[0]["offset"] == 4
+
+
+def test_unreadable_file_and_many_bad_records(tmp_path):
+    missing = str(tmp_path / "gone.txt")
+    with pytest.raises(BadInput, match="gone.txt: unreadable"):
+        read_shard(missing, 100, 200, "text")
+    bad = []
+    assert read_shard(missing, 100, 200, "text", bad=bad)[0] == []
+    assert bad[0]["offset"] == 100 and "unreadable" in bad[0]["reason"]
+    pq = tmp_path / "x.parquet"
+    pq.write_bytes(b"not parquet at all")
+    bad = []
+    assert read_shard(str(pq), 0, 5, "parquet", bad=bad)[0] == [] and len(bad) == 1
+    # a shard with thousands of bad lines lists 20 and counts the rest in one entry
+    path = tmp_path / "many.tsv"
+    path.write_bytes(b"".join(b"%d\n" % i if i % 2 else b"%d\tx\n" % i for i in range(5000)))
+    bad = []
+    assert len(read_shard(str(path), 0, 10**6, "text", bad=bad, fields=2)[0]) == 2500
+    assert len(bad) == 21 and bad[-1]["count"] == 2500 - 20
