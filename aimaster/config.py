@@ -104,6 +104,16 @@ class DataSection(_Section):
         "neither skips nor repeats a file. A pattern may match nothing at start. Not with "
         "`epochs` > 1 or `consistency: sync`."))
     poll_seconds: Number = _num(10.0, "`watch`: seconds between two listings of `files`.", gt=0)
+    on_bad_record: Literal["skip", "fail"] = Field("skip", description=(
+        "Bad input (a TFRecord CRC mismatch, a truncated or corrupt gzip stream, an "
+        "unreadable file, a record with the wrong number of `fields`): `skip` leaves the "
+        "bad record out (or, where framing is lost, the rest of its shard) and the job "
+        "goes on; `fail` fails the job. Either way the file and position are reported "
+        "and counted in `aimaster status`."))
+    fields: StrictInt = Field(0, ge=0, description=(
+        "Text and Parquet records: the number of `delimiter`-separated fields each must "
+        "have (0: not checked)."))
+    delimiter: StrictStr = Field("\t", min_length=1, description="Field separator for `fields`.")
 
     @model_validator(mode="after")
     def _one_shard_size(self):
@@ -405,6 +415,9 @@ class DataConfig:
     format: str = "auto"
     watch: bool = False
     poll_seconds: float = 10.0
+    on_bad_record: str = "skip"
+    fields: int = 0
+    delimiter: str = "\t"
 
     def shard_bytes(self, files: list[str]) -> int:
         """``bytes_per_shard``; the deprecated ``records_per_shard`` is converted with the
@@ -523,7 +536,9 @@ def parse_job(doc) -> JobConfig:
                         bytes_per_shard=f.data.bytes_per_shard,
                         records_per_shard=f.data.records_per_shard, epochs=f.data.epochs,
                         format=f.data.format, watch=f.data.watch,
-                        poll_seconds=float(f.data.poll_seconds)),
+                        poll_seconds=float(f.data.poll_seconds),
+                        on_bad_record=f.data.on_bad_record, fields=f.data.fields,
+                        delimiter=f.data.delimiter),
         host=m.host, port=m.port, state_dir=m.state_dir,
         lease_seconds=float(m.lease_seconds), heartbeat_seconds=float(m.heartbeat_seconds),
         ps_start_timeout=float(m.ps_start_timeout), progress_seconds=float(m.progress_seconds),

@@ -1366,6 +1366,29 @@ class JobMaster:
         self._save()
         return sorted(set(done) - set(taken))
 
+    def report_bad_input(self, worker_id: str, entries: list[dict], fatal: bool) -> None:
+        """Bad input a worker found in its shards (``data.on_bad_record``): kept in the
+        shard state, an event per new report; ``fatal`` (``fail``): the job fails, naming
+        the file and position."""
+        if self.shards is None:
+            return
+        new = []
+        for sid in sorted({int(e["shard_id"]) for e in entries}):
+            mine = [{k: e[k] for k in ("path", "offset", "reason", "count")}
+                    for e in entries if int(e["shard_id"]) == sid]
+            new += [{"shard_id": sid, **e} for e in self.shards.record_bad(sid, mine)]
+        for e in new:
+            self.record_event("bad_input", worker=worker_id, **e)
+            log.warning("bad input in shard %d: %s at %s %d: %s", e["shard_id"], e["path"],
+                        "row" if e["path"].lower().endswith((".parquet", ".pq")) else "byte",
+                        e["offset"], e["reason"])
+        if fatal and entries:
+            e = entries[0]
+            self._set_phase(JobPhase.FAILED, f"bad input in {e['path']} at position "
+                                             f"{e['offset']}: {e['reason']} "
+                                             "(data.on_bad_record: fail)")
+        self._save()
+
     def complete_shards(self, shard_ids: list[int]) -> None:
         if self.shards is not None:
             if shard_ids:
@@ -1387,12 +1410,24 @@ class JobMaster:
             c = self.shards.counts()
             total = c["todo"] + c["doing"] + c["done"]
             parts.insert(1, f"shards {c['done']}/{total} done ({c['doing']} in progress)")
+            bad = self.shards.bad_input()
+            if bad["shards"]:
+                parts.insert(2, f"bad input in {bad['shards']} shards ({bad['records']} records)")
         parts.insert(1, f"step {self.global_step()}")
         if self.final_checkpoint:
             parts.append(f"final checkpoint {self.final_checkpoint}")
         if self.export_dir:
             parts.append(f"model exported to {self.export_dir}")
         return " | ".join(parts)
+
+    def _shard_counts(self, counts: dict) -> master_pb2.ShardCounts:
+        out = master_pb2.ShardCounts(**counts)
+        if self.shards is not None:
+            bad = self.shards.bad_input()
+            out.bad_shards, out.bad_records = bad["shards"], bad["records"]
+            if bad["reports"]:
+                out.bad_json = json.dumps(bad["reports"][-100:])
+        return out
 
     def status(self) -> master_pb2.StatusResponse:
         now = self.clock()
@@ -1406,7 +1441,7 @@ class JobMaster:
         response = master_pb2.StatusResponse(
             events_json=events,
             job_name=self.config.name, epoch=self.epoch, phase=self.phase.value, members=members,
-            shards=master_pb2.ShardCounts(**counts), state_dir=os.path.abspath(self.config.state_dir),
+            shards=self._shard_counts(counts), state_dir=os.path.abspath(self.config.state_dir),
             uptime_seconds=now - self.started_at, global_step=self.global_step(),
             placement_json=json.dumps(self.placement()), final_checkpoint=self.final_checkpoint,
             export_dir=self.export_dir, model_recorded=self.model_spec is not None)

@@ -210,6 +210,7 @@ class ShardQueue:
         self._resume: dict[int, int] = {}  # shard id -> position of its first untrained record
         self._shard_dicts: list[dict] | None = None  # to_state's shard list (never mutated)
         self._files: set[str] = set()  # streaming: files taken (some may have no shard)
+        self._bad: dict[int, list[dict]] = {}  # shard id -> bad input found in it
 
     def _handout(self, sid: int) -> Shard:
         s = self._shards[sid]
@@ -299,6 +300,30 @@ class ShardQueue:
         with self._lock:
             return not self.streaming and not self._todo and not self._doing
 
+    # -- bad input (data.on_bad_record) ------------------------------------------------------
+    def record_bad(self, shard_id: int, entries: list[dict]) -> list[dict]:
+        """Keep a shard's bad-input reports (one per position: a shard read again after
+        its worker died reports the same ones); returns the new ones."""
+        new = []
+        with self._lock:
+            have = self._bad.setdefault(int(shard_id), [])
+            seen = {(e["path"], e["offset"], e["reason"]) for e in have}
+            for e in entries:
+                if (e["path"], e["offset"], e["reason"]) not in seen:
+                    have.append(dict(e))
+                    new.append(e)
+            if not have:
+                del self._bad[int(shard_id)]
+        return new
+
+    def bad_input(self) -> dict:
+        """``{"shards", "records", "reports"}``: how many shards had bad input, how many
+        bad records, and every report (shard id, file, position, reason, count)."""
+        with self._lock:
+            reports = [{"shard_id": sid, **e} for sid in sorted(self._bad) for e in self._bad[sid]]
+        return {"shards": len({r["shard_id"] for r in reports}),
+                "records": sum(int(r.get("count", 1)) for r in reports), "reports": reports}
+
     # -- streaming (data.watch) ---------------------------------------------------------------
     def extend(self, shards: list[Shard], files=()) -> None:
         """Append the shards of new ``files`` at the end of TODO (ids from ``next_id()``);
@@ -341,7 +366,8 @@ class ShardQueue:
             return {"unit": STATE_UNIT, "shards": list(self._shard_dicts),
                     "todo": list(self._todo), "doing": dict(self._doing), "done": sorted(self._done),
                     "resume": {str(k): v for k, v in self._resume.items()},
-                    "files": sorted(self._files)}
+                    "files": sorted(self._files),
+                    "bad": {str(k): v for k, v in self._bad.items()}}
 
     @classmethod
     def from_state(cls, state: dict) -> "ShardQueue":
@@ -359,6 +385,7 @@ class ShardQueue:
         q._done = set(state["done"])
         q._resume = {int(k): v for k, v in state.get("resume", {}).items()}
         q._files = set(state.get("files", ()))
+        q._bad = {int(k): v for k, v in state.get("bad", {}).items()}
         doing = sorted(int(s) for s in state["doing"])
         q._todo = deque(doing + [s for s in state["todo"] if s not in q._done])
         return q

@@ -5,6 +5,7 @@ good record read exactly once."""
 from __future__ import annotations
 
 import gzip
+import os
 
 import numpy as np
 import pytest
@@ -123,3 +124,69 @@ def test_unreadable_file_and_many_bad_records(tmp_path):
     bad = []
     assert len(read_shard(str(path), 0, 10**6, "text", bad=bad, fields=2)[0]) == 2500
     assert len(bad) == 21 and bad[-1]["count"] == 2500 - 20
+
+
+def _bad_files(tmp_path, per=1000):
+    """Four files of decimal ids: good CSV; CSV with a 2-field line; a TFRecord file with
+    one corrupt record; a truncated gzip file. Returns (files, ids trained, ids not)."""
+    ids = [np.arange(k * per, (k + 1) * per) for k in range(4)]
+    lines = [b"%d" % i for i in ids[1]]
+    lines[100] = b"%d,extra" % ids[1][100]
+    (tmp_path / "a.csv").write_bytes(b"".join(b"%d\n" % i for i in ids[0]))
+    (tmp_path / "b.csv").write_bytes(b"\n".join(lines) + b"\n")
+    frames = [tfrecord_frame(b"%d" % i) for i in ids[2]]
+    frames[500] = frames[500][:-1] + bytes([frames[500][-1] ^ 1])   # its data CRC fails
+    (tmp_path / "c.tfrecord").write_bytes(b"".join(frames))
+    gz = gzip.compress(b"".join(b"%d\n" % i for i in ids[3]))
+    (tmp_path / "d.csv.gz").write_bytes(gz[:len(gz) * 2 // 3])
+    records, _ = read_shard(str(tmp_path / "d.csv.gz"), 0, STREAM_END, "text.gz", bad=[])
+    kept = len(records)
+    skipped = np.concatenate([ids[1][100:101], ids[2][500:501], ids[3][kept:]])
+    files = [str(tmp_path / n) for n in ("a.csv", "b.csv", "c.tfrecord", "d.csv.gz")]
+    return files, np.setdiff1d(np.arange(4 * per), skipped), skipped
+
+
+def _spec(files, tmp_path, **data):
+    from tests.conftest import ROOT
+    return {"name": "bad", "ps": {"replicas": 1},
+            "worker": {"replicas": 2, "command": ["{python}", str(ROOT / "tests" / "counting_worker.py")],
+                       "env": {"COUNTING_DELAY": "0", "COUNTING_BATCH": "300", "PYTHONPATH": str(ROOT),
+                               "COUNTING_HOLD_FILE": str(tmp_path / "release")}},
+            "data": {"files": files, "bytes_per_shard": 2000, "fields": 1, "delimiter": ",", **data},
+            "master": {"heartbeat_seconds": 0.5}}
+
+
+def test_job_skips_bad_records_reports_them_and_trains_the_rest_once(start_job, tmp_path):
+    from deeprec_ext.client import PSClient
+    from tests.conftest import wait_for
+    files, good, skipped = _bad_files(tmp_path)
+    job = start_job(_spec(files, tmp_path))          # on_bad_record: skip, the default
+    wait_for(lambda: (lambda s: s["todo"] == 0 and s["doing"] == 0)(job.status()["shards"]),
+             120, "every shard DONE")
+    st = job.status()
+    client = PSClient.connect(job.address, timeout=30)
+    got = client.lookup("records", np.arange(4000, dtype=np.int64), insert_missing=False)[:, 0]
+    client.close()
+    (tmp_path / "release").write_text("")
+    assert job.wait(60) == 0, job.output()[-3000:]
+    assert (got[good] == 1).all() and (got[skipped] == 0).all()
+    sh = st["shards"]
+    assert sh["bad_shards"] == 3 and sh["bad_records"] == 3
+    named = sorted((os.path.basename(b["path"]), b["reason"].split(" (")[0]) for b in sh["bad_input"])
+    assert named == [("b.csv", "2 fields, expected 1"), ("c.tfrecord", "corrupt TFRecord data"),
+                     ("d.csv.gz", "truncated gzip stream")]
+    b = next(b for b in sh["bad_input"] if b["path"].endswith("b.csv"))
+    assert b["offset"] == 100 * 5                     # ids 1000..1099 are 5 bytes a line
+    assert any(e["kind"] == "bad_input" for e in st["events"])
+    assert job.state()["shards"]["bad"]               # kept with the shard state
+
+
+def test_job_with_on_bad_record_fail_fails_naming_file_and_offset(start_job, tmp_path):
+    files, _, _ = _bad_files(tmp_path)
+    job = start_job(_spec([files[2]], tmp_path, on_bad_record="fail"))
+    assert job.wait(90) == 1, job.output()[-3000:]
+    state = job.state()
+    assert state["phase"] == "failed"
+    offset = 500 * len(tfrecord_frame(b"2500"))
+    assert f"c.tfrecord at position {offset}: corrupt TFRecord data" in state["message"]
+    assert "on_bad_record: fail" in state["message"]
