@@ -144,3 +144,35 @@ def test_job_reads_s3_globs_every_record_once(s3, start_job, tmp_path):
     assert np.bincount(np.clip(got.astype(np.int64), 0, 3), minlength=4).tolist() == [0, n, 0, 0]
     paths = {s["path"] for s in job.state()["shards"]["shards"]}
     assert paths == set(expected)
+
+
+def test_watch_over_s3_takes_new_objects(s3, tmp_path):
+    """The AIMaster's watcher (one listing at a time, in process) over an s3:// glob: an
+    object uploaded after the job started becomes shards after two listings that agree,
+    once; the listing is not served from a stale cache."""
+    from aimaster.config import parse_job
+    from aimaster.master import JobMaster
+    s3.pipe(f"{BUCKET}/watch/a.txt", b"".join(b"%d\n" % i for i in range(100)))
+    cfg = parse_job({"data": {"files": [f"s3://{BUCKET}/watch/*.txt"], "watch": True,
+                              "bytes_per_shard": 100},
+                     "master": {"state_dir": str(tmp_path / "state")}})
+    m = JobMaster(cfg)
+    try:
+        assert m.shards.streaming and m.shards.paths() == {f"s3://{BUCKET}/watch/a.txt"}
+        n0 = len(m.shards.all_shards())
+        pending = m.poll_files({})
+        assert pending == {}
+        s3.pipe(f"{BUCKET}/watch/b.txt", b"".join(b"%d\n" % i for i in range(100, 150)))
+        pending = m.poll_files(pending)                      # seen once: not taken yet
+        assert pending == {f"s3://{BUCKET}/watch/b.txt": 200} and len(m.shards.all_shards()) == n0
+        pending = m.poll_files(pending)                      # same size again: taken
+        assert pending == {}
+        new = [s for s in m.shards.all_shards() if s.path.endswith("b.txt")]
+        got = []
+        for s in new:
+            got += read_shard(s.path, s.start, s.end, s.format, s.size)[0]
+        assert got == [b"%d" % i for i in range(100, 150)]
+        assert m.poll_files({}) == {} and len(m.shards.all_shards()) == n0 + len(new)
+        assert m.store.load()["shards"]["files"] == sorted(m.shards.paths())
+    finally:
+        m.shutdown()
