@@ -190,3 +190,21 @@ def test_job_with_on_bad_record_fail_fails_naming_file_and_offset(start_job, tmp
     offset = 500 * len(tfrecord_frame(b"2500"))
     assert f"c.tfrecord at position {offset}: corrupt TFRecord data" in state["message"]
     assert "on_bad_record: fail" in state["message"]
+
+
+def test_tf_data_reader_fails_naming_the_record_or_skips_it(tmp_path):
+    import tensorflow as tf
+
+    from deeprec_ext.data.tf_dataset import record_dataset
+    frames = [tfrecord_frame(b"p%d" % i) for i in range(30)]
+    frames[7] = frames[7][:-1] + bytes([frames[7][-1] ^ 1])
+    path = tmp_path / "f.tfrecord"
+    path.write_bytes(b"".join(frames))
+    ranges = [(s.path, s.start, s.end) for s in make_shards([str(path)], 100)]
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=rf"f.tfrecord: corrupt TFRecord data .* at byte {7 * len(frames[0])}"):
+        list(record_dataset(ranges, "tfrecord").as_numpy_iterator())
+    got = list(record_dataset(ranges, "tfrecord", on_bad_record="skip").as_numpy_iterator())
+    assert got == [b"p%d" % i for i in range(30) if i != 7]
+    gone = [(str(tmp_path / "gone.txt"), 0, 10), *[(str(path), 0, 0)]]
+    assert list(record_dataset(gone, "text", on_bad_record="skip").as_numpy_iterator()) == []
