@@ -1410,6 +1410,9 @@ class JobMaster:
             c = self.shards.counts()
             total = c["todo"] + c["doing"] + c["done"]
             parts.insert(1, f"shards {c['done']}/{total} done ({c['doing']} in progress)")
+            if self.config.data.watch:
+                parts.insert(2, f"watching: {len(self.shards.files_done())}/"
+                                f"{len(self.shards.paths())} files done")
             bad = self.shards.bad_input()
             if bad["shards"]:
                 parts.insert(2, f"bad input in {bad['shards']} shards ({bad['records']} records)")

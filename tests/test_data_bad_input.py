@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gzip
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -158,12 +160,16 @@ def _spec(files, tmp_path, **data):
 
 def test_job_skips_bad_records_reports_them_and_trains_the_rest_once(start_job, tmp_path):
     from deeprec_ext.client import PSClient
-    from tests.conftest import wait_for
+    from tests.conftest import ROOT, wait_for
     files, good, skipped = _bad_files(tmp_path)
     job = start_job(_spec(files, tmp_path))          # on_bad_record: skip, the default
     wait_for(lambda: (lambda s: s["todo"] == 0 and s["doing"] == 0)(job.status()["shards"]),
              120, "every shard DONE")
     st = job.status()
+    text = subprocess.run([sys.executable, "-m", "aimaster.cli", "status", "--master", job.address],
+                          capture_output=True, text=True, timeout=30,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT))).stdout
+    assert "bad input in 3 shards, 3 records:" in text and "b.csv at 500: 2 fields" in text
     client = PSClient.connect(job.address, timeout=30)
     got = client.lookup("records", np.arange(4000, dtype=np.int64), insert_missing=False)[:, 0]
     client.close()
