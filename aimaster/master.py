@@ -1372,10 +1372,16 @@ class JobMaster:
         the file and position."""
         if self.shards is None:
             return
+        # only the worker a shard is DOING for reports on it (a stray or replayed report
+        # must not fail the job), and only within bounds
+        entries = [{"shard_id": int(e["shard_id"]), "path": str(e["path"])[:1000],
+                    "offset": max(int(e["offset"]), 0), "reason": str(e["reason"])[:1000],
+                    "count": min(max(int(e["count"]), 1), 1 << 40)}
+                   for e in entries[:1000] if self.shards.holder(e["shard_id"]) == worker_id]
         new = []
-        for sid in sorted({int(e["shard_id"]) for e in entries}):
+        for sid in sorted({e["shard_id"] for e in entries}):
             mine = [{k: e[k] for k in ("path", "offset", "reason", "count")}
-                    for e in entries if int(e["shard_id"]) == sid]
+                    for e in entries if e["shard_id"] == sid]
             new += [{"shard_id": sid, **e} for e in self.shards.record_bad(sid, mine)]
         for e in new:
             self.record_event("bad_input", worker=worker_id, **e)

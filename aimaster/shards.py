@@ -316,6 +316,11 @@ class ShardQueue:
                 del self._bad[int(shard_id)]
         return new
 
+    def holder(self, shard_id: int) -> str | None:
+        """The worker a shard is DOING for (None: not DOING)."""
+        with self._lock:
+            return self._doing.get(int(shard_id))
+
     def bad_input(self) -> dict:
         """``{"shards", "records", "reports"}``: how many shards had bad input, how many
         bad records, and every report (shard id, file, position, reason, count)."""

@@ -214,3 +214,29 @@ def test_tf_data_reader_fails_naming_the_record_or_skips_it(tmp_path):
     assert got == [b"p%d" % i for i in range(30) if i != 7]
     gone = [(str(tmp_path / "gone.txt"), 0, 10), *[(str(path), 0, 0)]]
     assert list(record_dataset(gone, "text", on_bad_record="skip").as_numpy_iterator()) == []
+
+
+def test_only_the_holder_of_a_shard_reports_bad_input(tmp_path):
+    """A report on a shard the worker does not hold (stray, replayed after a reassignment)
+    is ignored: it neither counts nor fails the job; a report by the holder is kept once."""
+    from aimaster.config import parse_job
+    from aimaster.master import JobMaster
+    from aimaster.view import JobPhase
+    path = tmp_path / "a.txt"
+    path.write_bytes(b"1\n2\n")
+    m = JobMaster(parse_job({"data": {"files": [str(path)], "on_bad_record": "fail"},
+                             "master": {"state_dir": str(tmp_path / "state")}}))
+    try:
+        m.phase = JobPhase.RUNNING
+        _, shard = m.shards.assign("worker-0")
+        report = {"shard_id": shard.shard_id, "path": str(path), "offset": 2, "reason": "x",
+                  "count": 1}
+        m.report_bad_input("worker-1", [report], fatal=True)
+        assert m.phase == JobPhase.RUNNING and m.shards.bad_input()["shards"] == 0
+        for _ in range(2):
+            m.report_bad_input("worker-0", [report], fatal=False)
+        assert m.shards.bad_input()["records"] == 1
+        m.report_bad_input("worker-0", [report], fatal=True)
+        assert m.phase == JobPhase.FAILED and f"{path} at position 2: x" in m.message
+    finally:
+        m.shutdown()
