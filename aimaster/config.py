@@ -434,7 +434,10 @@ class DataConfig:
         nothing is an error, except with ``watch`` (files may come later)."""
         out: list[str] = []
         for pattern in self.files:
-            matches = data_fs.glob(pattern)
+            try:
+                matches = data_fs.glob(pattern)
+            except (OSError, ValueError) as exc:  # credentials, endpoint, unknown scheme
+                raise ConfigError(f"data.files: cannot list {pattern!r}: {exc}") from None
             if not matches and not self.watch:
                 raise ConfigError(f"data.files: pattern {pattern!r} matches no file")
             out.extend(matches)

@@ -176,3 +176,11 @@ def test_watch_over_s3_takes_new_objects(s3, tmp_path):
         assert m.store.load()["shards"]["files"] == sorted(m.shards.paths())
     finally:
         m.shutdown()
+
+
+def test_unlistable_url_is_a_config_error():
+    from aimaster.config import ConfigError, parse_job
+    for url, why in (("nosuch://b/x*.csv", "nosuch"), ("gs://b/x*.csv", "gs:")):
+        cfg = parse_job({"data": {"files": [url]}})
+        with pytest.raises(ConfigError, match=f"data.files: cannot list .*{why}"):
+            cfg.data.resolved_files()

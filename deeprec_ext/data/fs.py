@@ -49,7 +49,10 @@ def filesystem(url: str):
     with _lock:
         fs = _filesystems.get(key)
         if fs is None:
-            fs = fsspec.filesystem(protocol, **options)
+            try:
+                fs = fsspec.filesystem(protocol, **options)
+            except ImportError as exc:  # the scheme's back end is not installed
+                raise ValueError(f"{url}: no file system for {protocol}:// here ({exc})") from None
             _filesystems[key] = fs
     return fs, protocol
 
