@@ -34,10 +34,18 @@ setup(
         "prometheus-client>=0.20,<1",
         # Parquet data files: footers (row groups) on the AIMaster, row groups on workers
         "pyarrow>=25,<26",
+        # data files at URLs (s3://, gs://, hdfs://...): one file-system layer
+        # (deeprec_ext/data/fs.py); s3fs is fsspec's S3 back end
+        "fsspec>=2026.9.0,<2027",
+        "s3fs>=2026.9.0,<2027",
+        # TFRecord CRCs (masked crc32c) checked in C by the shard reader
+        "google-crc32c>=1.9,<2",
     ],
     extras_require={
         "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "grpcio-tools>=1.85.1,<2",
-                 "cryptography>=42,<51"],
+                 "cryptography>=42,<51",
+                 # a real S3-compatible server on 127.0.0.1 for the remote-data tests
+                 "moto[server]>=5.2,<6"],
     },
     entry_points={
         "console_scripts": [

@@ -175,7 +175,9 @@ def status_dict(resp) -> dict:
         "members": [{"role": m.role, "id": m.id, "pid": m.pid, "address": m.address,
                      "state": m.state, "last_heartbeat_age": round(m.last_heartbeat_age, 3),
                      "steps": m.steps, "samples": m.samples} for m in resp.members],
-        "shards": {"todo": resp.shards.todo, "doing": resp.shards.doing, "done": resp.shards.done},
+        "shards": {"todo": resp.shards.todo, "doing": resp.shards.doing, "done": resp.shards.done,
+                   "bad_shards": resp.shards.bad_shards, "bad_records": resp.shards.bad_records,
+                   "bad_input": json.loads(resp.shards.bad_json) if resp.shards.bad_json else []},
         "events": [json.loads(e) for e in resp.events_json],
         # autoscale policy state and cost accounting (resource-seconds allocated vs used)
         "autoscale": json.loads(resp.autoscale_json) if resp.autoscale_json else None,
@@ -224,6 +226,12 @@ def cmd_status(args) -> int:
         return 0
     print(f"job {d['job']}  phase {d['phase']}  epoch {d['epoch']}  step {d['global_step']}  "
           f"shards todo/doing/done {d['shards']['todo']}/{d['shards']['doing']}/{d['shards']['done']}")
+    if d["shards"]["bad_shards"]:
+        print(f"  bad input in {d['shards']['bad_shards']} shards, "
+              f"{d['shards']['bad_records']} records:")
+        for b in d["shards"]["bad_input"][-10:]:
+            print(f"    shard {b['shard_id']}: {b['path']} at {b['offset']}: {b['reason']}"
+                  + (f" (x{b['count']})" if b.get("count", 1) > 1 else ""))
     if d["placement"]:
         print("  placement " + "  ".join(f"{p} {v['slots']} slots" for p, v in
                                          d["placement"]["ps"].items()))

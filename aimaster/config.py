@@ -8,7 +8,6 @@ docs/guide-aimaster.md, and a test fails when the two differ.
 """
 from __future__ import annotations
 
-import glob
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Optional, Union
@@ -17,6 +16,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
                       ValidationError, field_validator, model_validator)
 
+from deeprec_ext.data import fs as data_fs
 from deeprec_ext.hashing import DEFAULT_NUM_SLOTS
 
 DEFAULT_BYTES_PER_SHARD = 4 << 20
@@ -80,7 +80,8 @@ class WorkerSection(_RoleBase):
 
 class DataSection(_Section):
     files: Union[list[StrictStr], StrictStr] = Field(default_factory=list, description=(
-        "Paths or glob patterns (a list, or one string). Each pattern must match a file; "
+        "Paths, URLs (`s3://`, `gs://`, `hdfs://`...: fsspec; docs/guide-data.md) or glob "
+        "patterns (a list, or one string). Each pattern must match a file; "
         "matches are sorted within a pattern. Without files the job has no shards."))
     bytes_per_shard: Optional[StrictInt] = Field(None, ge=1, description=(
         "Shard size in bytes of the file (default 4194304 = 4 MiB); a shard never spans "
@@ -96,12 +97,31 @@ class DataSection(_Section):
             "`.parquet`/`.pq`: Parquet, else newline text such as CSV/TSV; a `.gz` suffix: "
             "gzip). A given format applies to every file (`.gz` files still count as gzip)."))
     epochs: StrictInt = Field(1, ge=1, description="Passes over the whole file list.")
+    watch: StrictBool = Field(False, description=(
+        "Streaming: files that appear under `files` while the job runs become new shards "
+        "(a file is taken once its size is the same at two listings); the job runs until "
+        "stopped. Done files are part of the job state and checkpoints: a restarted job "
+        "neither skips nor repeats a file. A pattern may match nothing at start. Not with "
+        "`epochs` > 1 or `consistency: sync`."))
+    poll_seconds: Number = _num(10.0, "`watch`: seconds between two listings of `files`.", gt=0)
+    on_bad_record: Literal["skip", "fail"] = Field("skip", description=(
+        "Bad input (a TFRecord CRC mismatch, a truncated or corrupt gzip stream, an "
+        "unreadable file, a record with the wrong number of `fields`): `skip` leaves the "
+        "bad record out (or, where framing is lost, the rest of its shard) and the job "
+        "goes on; `fail` fails the job. Either way the file and position are reported "
+        "and counted in `aimaster status`."))
+    fields: StrictInt = Field(0, ge=0, description=(
+        "Text and Parquet records: the number of `delimiter`-separated fields each must "
+        "have (0: not checked)."))
+    delimiter: StrictStr = Field("\t", min_length=1, description="Field separator for `fields`.")
 
     @model_validator(mode="after")
     def _one_shard_size(self):
         if self.bytes_per_shard is not None and self.records_per_shard is not None:
             raise ValueError("data: set bytes_per_shard or the deprecated records_per_shard, "
                              "not both")
+        if self.watch and self.epochs > 1:
+            raise ValueError("data: watch reads each file once; epochs must be 1")
         return self
 
 
@@ -365,6 +385,9 @@ class JobFile(_Section):
                              f"({self.num_slots}): a PS would own no slot")
         if self.worker.replicas and not self.worker.command:
             raise ValueError("worker.command: required when worker.replicas > 0")
+        if self.data.watch and self.consistency.mode == "sync":
+            raise ValueError("data.watch: not with consistency sync (its virtual workers "
+                             "read a shard list fixed at start)")
         if self.master.heartbeat_seconds * 2 > self.master.lease_seconds:
             raise ValueError(f"master.heartbeat_seconds ({self.master.heartbeat_seconds}) must "
                              f"be at most half of master.lease_seconds "
@@ -390,6 +413,11 @@ class DataConfig:
     records_per_shard: int | None = None  # deprecated: see shard_bytes
     epochs: int = 1
     format: str = "auto"
+    watch: bool = False
+    poll_seconds: float = 10.0
+    on_bad_record: str = "skip"
+    fields: int = 0
+    delimiter: str = "\t"
 
     def shard_bytes(self, files: list[str]) -> int:
         """``bytes_per_shard``; the deprecated ``records_per_shard`` is converted with the
@@ -402,10 +430,15 @@ class DataConfig:
         return DEFAULT_BYTES_PER_SHARD
 
     def resolved_files(self) -> list[str]:
+        """The files matching ``files`` now, in pattern order. A pattern that matches
+        nothing is an error, except with ``watch`` (files may come later)."""
         out: list[str] = []
         for pattern in self.files:
-            matches = sorted(glob.glob(pattern))
-            if not matches:
+            try:
+                matches = data_fs.glob(pattern)
+            except (OSError, ValueError) as exc:  # credentials, endpoint, unknown scheme
+                raise ConfigError(f"data.files: cannot list {pattern!r}: {exc}") from None
+            if not matches and not self.watch:
                 raise ConfigError(f"data.files: pattern {pattern!r} matches no file")
             out.extend(matches)
         return out
@@ -505,7 +538,10 @@ def parse_job(doc) -> JobConfig:
         data=DataConfig(files=tuple([files] if isinstance(files, str) else files),
                         bytes_per_shard=f.data.bytes_per_shard,
                         records_per_shard=f.data.records_per_shard, epochs=f.data.epochs,
-                        format=f.data.format),
+                        format=f.data.format, watch=f.data.watch,
+                        poll_seconds=float(f.data.poll_seconds),
+                        on_bad_record=f.data.on_bad_record, fields=f.data.fields,
+                        delimiter=f.data.delimiter),
         host=m.host, port=m.port, state_dir=m.state_dir,
         lease_seconds=float(m.lease_seconds), heartbeat_seconds=float(m.heartbeat_seconds),
         ps_start_timeout=float(m.ps_start_timeout), progress_seconds=float(m.progress_seconds),

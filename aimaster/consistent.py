@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -34,7 +33,8 @@ from aimaster.migration import MigrationError
 from aimaster.plugins import MasterPlugin
 from aimaster.registry import MemberState
 from aimaster.shards import virtual_rank_shards
-from deeprec_ext.data.ranges import read_shard
+from deeprec_ext.data import fs as data_fs
+from deeprec_ext.data.ranges import BadInput, read_shard
 from deeprec_ext.proto import master_pb2, sync_pb2, sync_pb2_grpc
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -86,7 +86,11 @@ class StepCoordinator(sync_pb2_grpc.SyncCoordinatorServicer):
     def _records_of(shard) -> int:
         """Records of a shard: the step barrier needs every virtual rank's record count, so
         sync mode reads its shards once at start (async mode never reads data files)."""
-        return len(read_shard(shard.path, shard.start, shard.end, shard.format, shard.size)[0])
+        try:
+            return len(read_shard(shard.path, shard.start, shard.end, shard.format, shard.size)[0])
+        except BadInput as exc:  # no skip here: every rank's data must be known at start
+            raise RuntimeError(f"data: bad input, {exc} (sync mode reads every shard at start "
+                               "and does not skip bad records)") from None
 
     def _total(self, rank: int) -> int:
         return self._shards[rank][-1][1] if self._shards[rank] else 0
@@ -98,7 +102,7 @@ class StepCoordinator(sync_pb2_grpc.SyncCoordinatorServicer):
                           f"virtual_rank {r} is outside [0, {self.virtual_workers})")
         if not self.master.has_data:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this job has no data section")
-        out = [master_pb2.Shard(shard_id=s.shard_id, path=os.path.abspath(s.path), start=s.start,
+        out = [master_pb2.Shard(shard_id=s.shard_id, path=data_fs.absolute(s.path), start=s.start,
                                 end=s.end, data_epoch=s.data_epoch, size=s.size, format=s.format)
                for s in virtual_rank_shards(self.master.all_shards(), r, self.virtual_workers)]
         return sync_pb2.VirtualShardsResponse(shards=out)

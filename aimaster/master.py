@@ -44,6 +44,7 @@ from aimaster.state import StateStore
 from aimaster.view import FINAL_PHASES, JobPhase, JobView
 from deeprec_ext import errors as wire_errors
 from deeprec_ext.client.routing import RoutingTable, rebalance
+from deeprec_ext.data import fs as data_fs
 from deeprec_ext.grpc_util import create_server
 from deeprec_ext.proto import master_pb2, master_pb2_grpc, ps_pb2
 
@@ -115,13 +116,27 @@ class JobMaster:
 
     # -- state ---------------------------------------------------------------------------
     def _load_shards(self) -> ShardQueue | None:
+        queue = self._load_shard_queue()
+        if queue is not None and self.config.data.watch:
+            queue.streaming = True
+        return queue
+
+    def _resumable(self, previous: dict | None) -> bool:
+        """A previous run to continue: one that did not end, or a streaming (``watch``)
+        job that was stopped (it runs until stopped: a stop is its normal end)."""
+        if not previous:
+            return False
+        phase = previous.get("phase")
+        return phase not in [p.value for p in FINAL_PHASES] or (
+            self.config.data.watch and phase == JobPhase.STOPPED.value)
+
+    def _load_shard_queue(self) -> ShardQueue | None:
         files = self.config.data.resolved_files()
         previous = self.store.load()
         self._resume_from = None
         self._step_base = 0  # global step carried by the checkpoint this job started from
-        self.model_spec = (previous or {}).get("model") if previous and \
-            previous.get("phase") not in [p.value for p in FINAL_PHASES] else None
-        if previous and previous.get("phase") not in [p.value for p in FINAL_PHASES]:
+        self.model_spec = (previous or {}).get("model") if self._resumable(previous) else None
+        if self._resumable(previous):
             head = self._newest_checkpoint_in(self.config.checkpoint_dir
                                               or os.path.join(self.config.state_dir, "checkpoints"))
             extra = head.manifest.get("extra", {}) if head is not None else {}
@@ -145,7 +160,7 @@ class JobMaster:
                 self.store.set_aside(".interrupted")
                 log.warning("previous run of %s did not finish and left no checkpoint; its "
                             "state is kept in %s.interrupted", self.config.name, self.store.path)
-        if not files:
+        if not files and not self.config.data.watch:
             return None
         per_shard = self.config.data.shard_bytes(files)
         if self.config.data.records_per_shard is not None:
@@ -157,9 +172,12 @@ class JobMaster:
         except (OSError, ValueError) as exc:
             raise RuntimeError(f"data: {exc}") from None
         log.info("data: %d files, %d bytes, %d shards of <= %d bytes x %d epoch(s)", len(files),
-                 sum(os.path.getsize(p) for p in files), len(shards) // self.config.data.epochs,
-                 per_shard, self.config.data.epochs)
-        return ShardQueue(shards)
+                 sum(s.size for s in shards if s.data_epoch == 0 and s.start == 0),
+                 len(shards) // self.config.data.epochs, per_shard, self.config.data.epochs)
+        queue = ShardQueue(shards)
+        if self.config.data.watch:
+            queue.extend([], files)
+        return queue
 
     def _save(self) -> None:
         # one save at a time, in the order the states were built: two RPC threads must not
@@ -226,7 +244,49 @@ class JobMaster:
         if hasattr(self.scaler, "on_exit"):  # a child's exit wakes the loop at once
             self.scaler.on_exit = self._wake.set
         self.scaler.apply(ScalePlan(ps=self.config.ps.replicas, workers=0))
+        if self.config.data.watch and self.shards is not None:
+            threading.Thread(target=self._watch_files, name="data-watch", daemon=True).start()
         return self.address
+
+    # -- streaming input (data.watch) ------------------------------------------------------
+    def _watch_files(self) -> None:
+        """Every ``data.poll_seconds``: list ``data.files``; a new file whose size did not
+        change since the previous listing becomes new shards (a file still being written
+        waits a poll). The taken files are in the shard state, saved at once: a restarted
+        job knows them, so it neither skips nor repeats one."""
+        pending: dict[str, int] = {}
+        while not self._stop.wait(self.config.data.poll_seconds):
+            if self._closing or self.phase in FINAL_PHASES:
+                return
+            try:
+                pending = self.poll_files(pending)
+            except Exception:  # noqa: BLE001 - a listing that failed is tried again
+                log.exception("data.watch: listing %s failed", list(self.config.data.files))
+
+    def poll_files(self, pending: dict[str, int]) -> dict[str, int]:
+        """One listing; returns the files seen for the first time (path -> size)."""
+        known = self.shards.paths()
+        listed: list[str] = []
+        for pattern in self.config.data.files:
+            listed += [p for p in data_fs.glob(pattern) if p not in known and p not in listed]
+        sizes = {p: data_fs.size(p) for p in listed}
+        ready = [p for p in listed if pending.get(p) == sizes[p]]
+        if ready:
+            per_shard = self.config.data.shard_bytes(ready)
+            shards, bad = [], []
+            for p in ready:
+                try:
+                    shards += make_shards([p], per_shard, 1, self.config.data.format,
+                                          first_id=self.shards.next_id() + len(shards))
+                except (OSError, ValueError) as exc:
+                    bad.append(p)
+                    self.record_event("data_file_refused", file=p, reason=str(exc))
+            self.shards.extend(shards, ready)
+            self.record_event("data_files_added", files=[p for p in ready if p not in bad],
+                              shards=len(shards))
+            self._save()
+            self._wake.set()
+        return {p: n for p, n in sizes.items() if p not in ready}
 
     def on_main(self, fn: Callable, timeout: float = 120.0):
         """Run ``fn`` on the main loop thread and return its result. Child processes must
@@ -1306,6 +1366,35 @@ class JobMaster:
         self._save()
         return sorted(set(done) - set(taken))
 
+    def report_bad_input(self, worker_id: str, entries: list[dict], fatal: bool) -> None:
+        """Bad input a worker found in its shards (``data.on_bad_record``): kept in the
+        shard state, an event per new report; ``fatal`` (``fail``): the job fails, naming
+        the file and position."""
+        if self.shards is None:
+            return
+        # only the worker a shard is DOING for reports on it (a stray or replayed report
+        # must not fail the job), and only within bounds
+        entries = [{"shard_id": int(e["shard_id"]), "path": str(e["path"])[:1000],
+                    "offset": max(int(e["offset"]), 0), "reason": str(e["reason"])[:1000],
+                    "count": min(max(int(e["count"]), 1), 1 << 40)}
+                   for e in entries[:1000] if self.shards.holder(e["shard_id"]) == worker_id]
+        new = []
+        for sid in sorted({e["shard_id"] for e in entries}):
+            mine = [{k: e[k] for k in ("path", "offset", "reason", "count")}
+                    for e in entries if e["shard_id"] == sid]
+            new += [{"shard_id": sid, **e} for e in self.shards.record_bad(sid, mine)]
+        for e in new:
+            self.record_event("bad_input", worker=worker_id, **e)
+            log.warning("bad input in shard %d: %s at %s %d: %s", e["shard_id"], e["path"],
+                        "row" if e["path"].lower().endswith((".parquet", ".pq")) else "byte",
+                        e["offset"], e["reason"])
+        if fatal and entries:
+            e = entries[0]
+            self._set_phase(JobPhase.FAILED, f"bad input in {e['path']} at position "
+                                             f"{e['offset']}: {e['reason']} "
+                                             "(data.on_bad_record: fail)")
+        self._save()
+
     def complete_shards(self, shard_ids: list[int]) -> None:
         if self.shards is not None:
             if shard_ids:
@@ -1327,12 +1416,27 @@ class JobMaster:
             c = self.shards.counts()
             total = c["todo"] + c["doing"] + c["done"]
             parts.insert(1, f"shards {c['done']}/{total} done ({c['doing']} in progress)")
+            if self.config.data.watch:
+                parts.insert(2, f"watching: {len(self.shards.files_done())}/"
+                                f"{len(self.shards.paths())} files done")
+            bad = self.shards.bad_input()
+            if bad["shards"]:
+                parts.insert(2, f"bad input in {bad['shards']} shards ({bad['records']} records)")
         parts.insert(1, f"step {self.global_step()}")
         if self.final_checkpoint:
             parts.append(f"final checkpoint {self.final_checkpoint}")
         if self.export_dir:
             parts.append(f"model exported to {self.export_dir}")
         return " | ".join(parts)
+
+    def _shard_counts(self, counts: dict) -> master_pb2.ShardCounts:
+        out = master_pb2.ShardCounts(**counts)
+        if self.shards is not None:
+            bad = self.shards.bad_input()
+            out.bad_shards, out.bad_records = bad["shards"], bad["records"]
+            if bad["reports"]:
+                out.bad_json = json.dumps(bad["reports"][-100:])
+        return out
 
     def status(self) -> master_pb2.StatusResponse:
         now = self.clock()
@@ -1346,7 +1450,7 @@ class JobMaster:
         response = master_pb2.StatusResponse(
             events_json=events,
             job_name=self.config.name, epoch=self.epoch, phase=self.phase.value, members=members,
-            shards=master_pb2.ShardCounts(**counts), state_dir=os.path.abspath(self.config.state_dir),
+            shards=self._shard_counts(counts), state_dir=os.path.abspath(self.config.state_dir),
             uptime_seconds=now - self.started_at, global_step=self.global_step(),
             placement_json=json.dumps(self.placement()), final_checkpoint=self.final_checkpoint,
             export_dir=self.export_dir, model_recorded=self.model_spec is not None)

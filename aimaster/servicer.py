@@ -3,7 +3,6 @@ and turns refusals into status codes with their kind (``aimaster.errors``)."""
 from __future__ import annotations
 
 import json
-import os
 from typing import TYPE_CHECKING
 
 import grpc
@@ -11,6 +10,7 @@ import grpc
 from aimaster import errors
 from aimaster.registry import MemberState
 from aimaster.shards import ShardState
+from deeprec_ext.data import fs as data_fs
 from deeprec_ext.errors import InvalidRequestError
 from deeprec_ext.proto import master_pb2, master_pb2_grpc
 from deeprec_ext.ps import validation
@@ -89,11 +89,14 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self._live_worker(request.worker_id, context)
         state, shard = self.m.assign_shard(request.worker_id)
         if state == ShardState.DOING:
+            data = self.m.config.data
             return master_pb2.GetShardResponse(
                 status=master_pb2.GetShardResponse.SHARD,
-                shard=master_pb2.Shard(shard_id=shard.shard_id, path=os.path.abspath(shard.path),
+                shard=master_pb2.Shard(shard_id=shard.shard_id, path=data_fs.absolute(shard.path),
                                        start=shard.start, end=shard.end, data_epoch=shard.data_epoch,
-                                       size=shard.size, format=shard.format))
+                                       size=shard.size, format=shard.format,
+                                       on_bad_record=data.on_bad_record, fields=data.fields,
+                                       delimiter=data.delimiter))
         status = master_pb2.GetShardResponse.FINISHED if state == ShardState.DONE \
             else master_pb2.GetShardResponse.WAIT
         return master_pb2.GetShardResponse(status=status)
@@ -109,6 +112,10 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         if request.returned_positions and len(request.returned_positions) != len(request.returned_shard_ids):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "returned_positions must have one entry per returned shard")
+        if request.bad_records:
+            self.m.report_bad_input(request.worker_id, [
+                {"shard_id": b.shard_id, "path": b.path, "offset": b.offset, "reason": b.reason,
+                 "count": b.count or 1} for b in request.bad_records], request.bad_input_fatal)
         missing = self.m.report_shards(request.worker_id, list(request.done_shard_ids),
                                        list(request.returned_shard_ids),
                                        list(request.returned_positions))

@@ -17,12 +17,13 @@ begin; the shard is handed out again from there.
 """
 from __future__ import annotations
 
-import os
 import struct
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass
 from enum import Enum
+
+from deeprec_ext.data import fs
 
 # position unit per format; "gz" formats are one shard per file
 FORMATS = ("text", "text.gz", "tfrecord", "tfrecord.gz", "parquet")
@@ -85,7 +86,7 @@ def count_records(path: str) -> int:
     """Lines in a file (a last line without a newline counts), in 16 MiB binary chunks.
     Not used to make shards (the AIMaster does not read data files); kept for tools."""
     n, last = 0, b"\n"
-    with open(path, "rb") as f:
+    with fs.open_binary(path) as f:
         while chunk := f.read(1 << 24):
             n += chunk.count(b"\n")
             last = chunk[-1:]
@@ -95,8 +96,8 @@ def count_records(path: str) -> int:
 def mean_record_bytes(path: str, sample: int = SAMPLE_BYTES) -> float:
     """Mean line length (newline included) over the first ``sample`` bytes of a text file:
     the approximation behind the deprecated ``records_per_shard``."""
-    with open(path, "rb") as f:
-        head = f.read(sample)
+    with fs.RangeFile(path) as f:
+        head = f.pread(sample, 0)
     lines = head.count(b"\n")
     return len(head) / lines if lines else float(max(len(head), 1))
 
@@ -104,25 +105,26 @@ def mean_record_bytes(path: str, sample: int = SAMPLE_BYTES) -> float:
 def tfrecord_boundaries(path: str, every: int) -> list[int]:
     """Record boundaries of a TFRecord file about ``every`` bytes apart (first 0, last the
     file size), found by reading each record's 12-byte header (``pread``; the data is
-    skipped, not read). Raises ValueError on a truncated file."""
-    size = os.path.getsize(path)
+    skipped, not read; a remote file is read in 1 MiB blocks). A header that is cut, or
+    a length running past the end of the file, ends the walk: the rest of the file is the
+    last shard, whose reader names the bad record (``data.on_bad_record``)."""
+    f = fs.RangeFile(path)
+    size = f.size
     out, pos, nxt = [0], 0, every
-    fd = os.open(path, os.O_RDONLY)
     try:
         while pos < size:
-            head = os.pread(fd, 8, pos)
+            head = f.pread(8, pos)
             if len(head) < 8:
-                raise ValueError(f"{path}: truncated TFRecord header at byte {pos}")
+                break
             (length,) = struct.unpack("<Q", head)
             pos += 16 + length
-            if pos > size:
-                raise ValueError(f"{path}: TFRecord at byte {out[-1]}.. runs past the end of "
-                                 f"the file ({size} bytes): truncated or not a TFRecord file")
-            if pos >= nxt and pos < size:
+            if pos >= size:
+                break
+            if pos >= nxt:
                 out.append(pos)
                 nxt = pos + every
     finally:
-        os.close(fd)
+        f.close()
     out.append(size)
     return out if size else [0]
 
@@ -133,7 +135,8 @@ def parquet_row_groups(path: str) -> list[int]:
         import pyarrow.parquet as pq
     except ImportError as exc:  # pragma: no cover - pyarrow is a dependency
         raise ValueError(f"{path}: Parquet needs pyarrow ({exc})") from None
-    md = pq.ParquetFile(path).metadata
+    with fs.open_binary(path) as f:
+        md = pq.ParquetFile(f).metadata
     return [md.row_group(i).num_rows for i in range(md.num_row_groups)]
 
 
@@ -159,19 +162,20 @@ def _ranges(path: str, fmt: str, size: int, bytes_per_shard: int) -> list[tuple[
 
 
 def make_shards(files: list[str], bytes_per_shard: int, epochs: int = 1,
-                fmt: str = "auto") -> list[Shard]:
-    """Shards of about ``bytes_per_shard`` bytes, from the files' sizes (``stat``)."""
+                fmt: str = "auto", first_id: int = 0) -> list[Shard]:
+    """Shards of about ``bytes_per_shard`` bytes, from the files' sizes (``stat``); ids
+    from ``first_id`` on (``watch`` adds the shards of new files to a running queue)."""
     if bytes_per_shard <= 0:
         raise ValueError(f"bytes_per_shard must be positive, got {bytes_per_shard}")
     per_file = []
     for p in files:
-        f, size = detect_format(p, fmt), os.path.getsize(p)
+        f, size = detect_format(p, fmt), fs.size(p)
         per_file.append((p, f, size, _ranges(p, f, size, bytes_per_shard)))
     shards: list[Shard] = []
     for epoch in range(epochs):
         for path, f, size, ranges in per_file:
             for start, end in ranges:
-                shards.append(Shard(len(shards), path, start, end, epoch, size, f))
+                shards.append(Shard(first_id + len(shards), path, start, end, epoch, size, f))
     return shards
 
 
@@ -193,6 +197,10 @@ def virtual_rank_shards(shards: list[Shard], rank: int, virtual_workers: int) ->
 
 
 class ShardQueue:
+    # ``data.watch``: the shard list grows while the job runs (``extend``); with nothing
+    # TODO a worker is told to wait, never that the data is finished
+    streaming = False
+
     def __init__(self, shards: list[Shard]):
         self._lock = threading.Lock()
         self._shards = {s.shard_id: s for s in shards}
@@ -201,6 +209,8 @@ class ShardQueue:
         self._done: set[int] = set()
         self._resume: dict[int, int] = {}  # shard id -> position of its first untrained record
         self._shard_dicts: list[dict] | None = None  # to_state's shard list (never mutated)
+        self._files: set[str] = set()  # streaming: files taken (some may have no shard)
+        self._bad: dict[int, list[dict]] = {}  # shard id -> bad input found in it
 
     def _handout(self, sid: int) -> Shard:
         s = self._shards[sid]
@@ -215,7 +225,7 @@ class ShardQueue:
                 sid = self._todo.popleft()
                 self._doing[sid] = worker_id
                 return ShardState.DOING, self._handout(sid)
-            if self._doing:
+            if self._doing or self.streaming:
                 return None, None
             return ShardState.DONE, None
 
@@ -288,7 +298,64 @@ class ShardQueue:
 
     def finished(self) -> bool:
         with self._lock:
-            return not self._todo and not self._doing
+            return not self.streaming and not self._todo and not self._doing
+
+    # -- bad input (data.on_bad_record) ------------------------------------------------------
+    def record_bad(self, shard_id: int, entries: list[dict]) -> list[dict]:
+        """Keep a shard's bad-input reports (one per position: a shard read again after
+        its worker died reports the same ones); returns the new ones."""
+        new = []
+        with self._lock:
+            have = self._bad.setdefault(int(shard_id), [])
+            seen = {(e["path"], e["offset"], e["reason"]) for e in have}
+            for e in entries:
+                if (e["path"], e["offset"], e["reason"]) not in seen:
+                    have.append(dict(e))
+                    new.append(e)
+            if not have:
+                del self._bad[int(shard_id)]
+        return new
+
+    def holder(self, shard_id: int) -> str | None:
+        """The worker a shard is DOING for (None: not DOING)."""
+        with self._lock:
+            return self._doing.get(int(shard_id))
+
+    def bad_input(self) -> dict:
+        """``{"shards", "records", "reports"}``: how many shards had bad input, how many
+        bad records, and every report (shard id, file, position, reason, count)."""
+        with self._lock:
+            reports = [{"shard_id": sid, **e} for sid in sorted(self._bad) for e in self._bad[sid]]
+        return {"shards": len({r["shard_id"] for r in reports}),
+                "records": sum(int(r.get("count", 1)) for r in reports), "reports": reports}
+
+    # -- streaming (data.watch) ---------------------------------------------------------------
+    def extend(self, shards: list[Shard], files=()) -> None:
+        """Append the shards of new ``files`` at the end of TODO (ids from ``next_id()``);
+        the files are known from now on, even one without shards (an empty file)."""
+        with self._lock:
+            self._files.update(files)
+            for s in shards:
+                if s.shard_id in self._shards:
+                    raise ValueError(f"shard id {s.shard_id} is taken")
+                self._shards[s.shard_id] = s
+                self._todo.append(s.shard_id)
+            self._shard_dicts = None
+
+    def next_id(self) -> int:
+        with self._lock:
+            return max(self._shards, default=-1) + 1
+
+    def paths(self) -> set[str]:
+        """Every file that has shards in the queue (whatever their state)."""
+        with self._lock:
+            return self._files | {s.path for s in self._shards.values()}
+
+    def files_done(self) -> list[str]:
+        """Files all of whose shards are DONE."""
+        with self._lock:
+            open_paths = {self._shards[i].path for i in self._shards if i not in self._done}
+            return sorted({s.path for s in self._shards.values()} - open_paths)
 
     def records_done(self) -> int:
         with self._lock:
@@ -303,7 +370,9 @@ class ShardQueue:
                 self._shard_dicts = [asdict(s) for s in self._shards.values()]
             return {"unit": STATE_UNIT, "shards": list(self._shard_dicts),
                     "todo": list(self._todo), "doing": dict(self._doing), "done": sorted(self._done),
-                    "resume": {str(k): v for k, v in self._resume.items()}}
+                    "resume": {str(k): v for k, v in self._resume.items()},
+                    "files": sorted(self._files),
+                    "bad": {str(k): v for k, v in self._bad.items()}}
 
     @classmethod
     def from_state(cls, state: dict) -> "ShardQueue":
@@ -320,6 +389,8 @@ class ShardQueue:
         q = cls([Shard(**s) for s in state["shards"]])
         q._done = set(state["done"])
         q._resume = {int(k): v for k, v in state.get("resume", {}).items()}
+        q._files = set(state.get("files", ()))
+        q._bad = {int(k): v for k, v in state.get("bad", {}).items()}
         doing = sorted(int(s) for s in state["doing"])
         q._todo = deque(doing + [s for s in state["todo"] if s not in q._done])
         return q

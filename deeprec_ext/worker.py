@@ -22,7 +22,7 @@ import numpy as np
 
 from deeprec_ext.batching import StepBatcher
 from deeprec_ext.client import PSClient
-from deeprec_ext.data.ranges import read_shard
+from deeprec_ext.data.ranges import BadInput, read_shard
 from deeprec_ext.grpc_util import RetryPolicy, call_with_retry
 from deeprec_ext.launcher import launcher_alive, watch_launcher
 from deeprec_ext.member import MEMBER_ID_ENV, MasterSession, master_address_from_env
@@ -268,6 +268,22 @@ class WorkerContext:
             # lapsed; that worker will train it, so nothing is lost.
             log.warning("shards %s not accepted as done: %s", shard_ids, exc.details())
 
+    def report_bad_input(self, shard_id: int, entries: list[dict], fatal: bool) -> None:
+        """Tell the AIMaster about bad input in a DOING shard (``data.on_bad_record``)."""
+        for e in entries:
+            log.warning("bad input in shard %d: %s at %d: %s", shard_id, e["path"], e["offset"],
+                        e["reason"])
+        req = master_pb2.ReportShardRequest(
+            worker_id=self.worker_id, bad_input_fatal=fatal,
+            bad_records=[master_pb2.BadRecord(shard_id=shard_id, path=e["path"], offset=e["offset"],
+                                              reason=e["reason"], count=e.get("count", 1))
+                         for e in entries])
+        try:
+            call_with_retry(lambda: self.session.stub.ReportShard(req, timeout=10),
+                            "report bad input", self.retry)
+        except grpc.RpcError as exc:
+            log.warning("could not report bad input of shard %d: %s", shard_id, exc.details())
+
     def _give_back(self, shard_ids: list[int], positions: list[int]) -> None:
         req = master_pb2.ReportShardRequest(worker_id=self.worker_id, returned_shard_ids=shard_ids,
                                             returned_positions=positions)
@@ -318,18 +334,38 @@ class ShardReader:
     def __init__(self):
         self._key, self._value = None, None
 
-    def read(self, shard) -> tuple[list[bytes], object]:
-        """``(records, next_pos)`` of a ``master_pb2.Shard`` (or ``aimaster.shards.Shard``)."""
+    def read(self, shard, bad: list | None = None) -> tuple[list[bytes], object]:
+        """``(records, next_pos)`` of a ``master_pb2.Shard`` (or ``aimaster.shards.Shard``).
+        Bad input raises ``BadInput``, or with ``bad`` (``on_bad_record: skip``) is left
+        out and listed there (``deeprec_ext.data.ranges.read_shard``)."""
         fmt = getattr(shard, "format", "") or "text"
         key = (shard.path, shard.start, shard.end, fmt)
         if key != self._key:
             self._value = read_shard(shard.path, shard.start, shard.end, fmt,
-                                     getattr(shard, "size", 0) or None)
+                                     getattr(shard, "size", 0) or None, bad=bad,
+                                     fields=getattr(shard, "fields", 0),
+                                     delimiter=(getattr(shard, "delimiter", "") or "\t").encode())
             self._key = key
         return self._value
 
     def close(self) -> None:
         self._key, self._value = None, None
+
+
+def _read_checked(ctx: "WorkerContext", reader: ShardReader, shard):
+    """Read a shard under ``data.on_bad_record``: ``skip`` reports what was left out and
+    returns the rest; ``fail`` (and a shard without the setting) reports the first
+    problem, which fails the job, and raises it."""
+    skip = shard.on_bad_record == "skip"
+    bad: list | None = [] if skip else None
+    try:
+        records, next_pos = reader.read(shard, bad)
+    except BadInput as exc:
+        ctx.report_bad_input(shard.shard_id, [exc.as_dict()], fatal=True)
+        raise
+    if bad:
+        ctx.report_bad_input(shard.shard_id, bad, fatal=False)
+    return records, next_pos
 
 
 def shard_batches(ctx: "WorkerContext", batch_size: int, poll_seconds: float = 0.2):
@@ -353,7 +389,7 @@ def shard_batches(ctx: "WorkerContext", batch_size: int, poll_seconds: float = 0
             resp = ctx.try_next_shard()
             if resp.status == master_pb2.GetShardResponse.SHARD:
                 s = resp.shard
-                records, next_pos = reader.read(s)
+                records, next_pos = _read_checked(ctx, reader, s)
                 reader.close()
                 buf.extend(records)
                 ctx.tracker.add(s.shard_id, len(records), s.start, next_pos)

@@ -9,7 +9,6 @@ import gzip
 import json
 import os
 import random
-import struct
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ import pytest
 from aimaster.config import ConfigError, parse_job
 from aimaster.shards import (STREAM_END, ShardQueue, detect_format, make_shards,
                              tfrecord_boundaries)
-from deeprec_ext.data.ranges import read_shard, read_text_range
+from deeprec_ext.data.ranges import BadInput, read_shard, read_text_range, tfrecord_frame
 
 
 def _write(path, data: bytes) -> str:
@@ -180,10 +179,7 @@ def test_gzip_text_is_one_shard_and_resumes_by_stream_position(tmp_path):
 
 
 def _tfrecord_bytes(payloads):
-    out = b""
-    for p in payloads:  # CRCs left zero: the reader does not check them
-        out += struct.pack("<Q", len(p)) + b"\0" * 4 + p + b"\0" * 4
-    return out
+    return b"".join(tfrecord_frame(p) for p in payloads)  # with TFRecord's masked CRCs
 
 
 def test_tfrecord_split_at_record_boundaries(tmp_path):
@@ -202,10 +198,12 @@ def test_tfrecord_split_at_record_boundaries(tmp_path):
     s = make_shards([path], 2000)[1]
     records, next_pos = read_shard(s.path, s.start, s.end, "tfrecord")
     assert read_shard(path, int(next_pos[4]), s.end, "tfrecord")[0] == records[5:]
-    # a truncated file is refused at shard-making time, not trained partly
-    bad = _write(tmp_path / "bad.tfrecord", _tfrecord_bytes([b"abc"])[:-6])
-    with pytest.raises(ValueError, match="runs past the end"):
-        make_shards([bad], 100)
+    # a truncated file still gets shards; the one holding the cut record names it
+    bad = _write(tmp_path / "bad.tfrecord", _tfrecord_bytes([b"abc"] * 20)[:-6])
+    shards = make_shards([bad], 100)
+    assert shards[-1].end == os.path.getsize(bad)
+    with pytest.raises(BadInput, match="runs past the end.* at byte 361"):
+        read_shard(bad, shards[-1].start, shards[-1].end, "tfrecord")
 
 
 def test_tfrecord_gzip_one_shard(tmp_path):

@@ -229,7 +229,8 @@ def test_oversized_request_rejected_and_ps_keeps_serving(tmp_path):
 def test_status_json_schema(job, client):
     st = job.status()
     assert isinstance(st["epoch"], int) and st["epoch"] >= 1
-    assert st["shards"] == {"todo": 0, "doing": 0, "done": 0}
+    assert st["shards"] == {"todo": 0, "doing": 0, "done": 0, "bad_shards": 0, "bad_records": 0,
+                            "bad_input": []}
     ps = [m for m in st["members"] if m["role"] == "ps"]
     assert len(ps) == 2
     for m in ps:

@@ -20,34 +20,104 @@ Every reader returns ``(records, next_pos)``: the records (bytes) and, per recor
 position where the record after it begins. A worker that leaves after training records
 ``[0, i]`` of a shard hands it back with ``next_pos[i]``; the shard is handed out again
 starting there, and the rules above make that reader begin exactly at record ``i + 1``.
+
+Bad input (``BadInput``: the file, the position, the reason): a TFRecord whose length or
+data CRC (masked crc32c, as TensorFlow writes it) does not match, a record running past
+the end of the file, a truncated or corrupt gzip stream, an unreadable file, and with
+``fields`` set a text record with another number of fields. ``read_shard`` raises the
+first one; given a ``bad`` list it skips instead: a bad record is left out (the records
+around it are read; the record before it reports a ``next_pos`` past it), and where the
+rest of the shard cannot be framed (a bad length, a truncated stream) the shard ends
+there. Each problem is appended to ``bad`` as ``{"path", "offset", "reason"}``.
 """
 from __future__ import annotations
 
-import gzip
-import os
 import struct
+import zlib
 
 import numpy as np
 
+from deeprec_ext.data import fs
+
 STREAM_END = 1 << 62
 _EXTEND = 1 << 16
+_MAX_BAD = 20  # problems listed per shard; more are counted in one last entry
+
+try:  # C crc32c (SSE4.2 where the CPU has it)
+    from google_crc32c import value as _crc32c
+except ImportError:  # pragma: no cover - a dependency; without it CRCs are not checked
+    _crc32c = None
+
+
+class BadInput(ValueError):
+    """Unreadable, truncated or corrupt input: ``path``, ``offset`` (the shard's position
+    unit: byte; byte of the decompressed stream for gzip; row for Parquet), ``reason``."""
+
+    def __init__(self, path: str, offset: int, reason: str):
+        self.path, self.offset, self.reason = path, int(offset), reason
+        super().__init__(f"{path}: {reason} at {'row' if _is_parquet(path) else 'byte'} "
+                         f"{int(offset)}")
+
+    def as_dict(self) -> dict:
+        return {"path": self.path, "offset": self.offset, "reason": self.reason}
+
+
+def _is_parquet(path: str) -> bool:
+    return path.lower().endswith((".parquet", ".pq"))
+
+
+def _report(bad: list | None, path: str, offset: int, reason: str) -> None:
+    """Raise (``bad`` is None: fail) or record one problem (skip)."""
+    err = BadInput(path, offset, reason)
+    if bad is None:
+        raise err
+    if len(bad) < _MAX_BAD:
+        bad.append(err.as_dict())
+    elif len(bad) == _MAX_BAD:
+        bad.append({**err.as_dict(), "reason": "more bad records", "count": 1})
+    else:
+        bad[-1]["count"] += 1
+
+
+def masked_crc32c(data: bytes) -> int:
+    """TFRecord's CRC: crc32c rotated right by 15 bits plus 0xa282ead8."""
+    crc = _crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _unmask(masked: int) -> int:
+    """The crc32c behind a TFRecord's masked CRC."""
+    rot = (masked - 0xA282EAD8) & 0xFFFFFFFF
+    return ((rot >> 17) | (rot << 15)) & 0xFFFFFFFF
+
+
+def tfrecord_frame(payload: bytes) -> bytes:
+    """One TFRecord: length, its masked CRC, the payload, its masked CRC."""
+    head = struct.pack("<Q", len(payload))
+    return head + struct.pack("<I", masked_crc32c(head)) + payload + \
+        struct.pack("<I", masked_crc32c(payload))
 
 
 def split_text(data: bytes, base: int, start: int, end: int, eof: bool):
     """Records of ``[start, end)`` in ``data`` (whose first byte is at position ``base``,
     ``base <= max(start - 1, 0)``); ``data`` must reach past the newline that ends the
     last owned record, or ``eof`` tells it holds the end of the file."""
+    return _split_text(data, base, start, end, eof)[:2]
+
+
+def _split_text(data: bytes, base: int, start: int, end: int, eof: bool):
+    """``split_text`` plus the position where the first record begins."""
     rel = max(start - 1, 0) - base
     if start > 0:
         nl = data.find(b"\n", rel)
         if nl < 0:
-            return [], np.zeros(0, np.int64)
+            return [], np.zeros(0, np.int64), 0
         begin = nl + 1
     else:
         begin = 0
     stop = min(end - base, len(data))  # records must begin before this index
     if begin >= stop or begin >= len(data):
-        return [], np.zeros(0, np.int64)
+        return [], np.zeros(0, np.int64), 0
     # the owned records end at the first newline at or after index stop - 1
     last_nl = data.find(b"\n", max(stop - 1, begin))
     if last_nl < 0:
@@ -67,7 +137,7 @@ def split_text(data: bytes, base: int, start: int, end: int, eof: bool):
         pieces = body.replace(b"\r\n", b"\n").split(b"\n")
         if pieces[-1].endswith(b"\r"):  # its newline is outside ``body``
             pieces[-1] = pieces[-1][:-1]
-    return pieces, next_pos
+    return pieces, next_pos, base + begin
 
 
 def text_body(path: str, start: int, end: int, size: int | None = None) -> tuple[bytes, bool]:
@@ -97,26 +167,29 @@ def text_body(path: str, start: int, end: int, size: int | None = None) -> tuple
 def read_text_range(path: str, start: int, end: int, size: int | None = None):
     """Records of a plain text shard: one ``pread`` of ``[start - 1, end)`` plus what it
     takes to finish the record crossing ``end`` (64 KiB steps)."""
+    return _read_text(path, start, end, size)[:2]
+
+
+def _read_text(path: str, start: int, end: int, size: int | None = None):
     data, base, eof = _text_chunk(path, start, end, size)
     if data is None:
-        return [], np.zeros(0, np.int64)
-    return split_text(data, base, start, end, eof)
+        return [], np.zeros(0, np.int64), 0
+    return _split_text(data, base, start, end, eof)
 
 
 def _text_chunk(path: str, start: int, end: int, size: int | None):
     """(bytes from ``max(start - 1, 0)`` through the newline ending the record that
     crosses ``end`` or the end of the file, their position, whether that is the end)."""
     base = max(start - 1, 0)
-    with open(path, "rb", buffering=0) as f:
-        fd = f.fileno()
-        size = os.fstat(fd).st_size if size is None else size
+    with fs.RangeFile(path, size) as f:
+        size = f.size
         if base >= size or start >= end:
             return None, base, True
-        data = os.pread(fd, max(min(end, size) - base, 0), base)
+        data = f.pread(max(min(end, size) - base, 0), base)
         parts, pos, eof = [data], base + len(data), base + len(data) >= size
         if data and data[-1:] != b"\n":
             while not eof:
-                more = os.pread(fd, _EXTEND, pos)
+                more = f.pread(_EXTEND, pos)
                 if not more:
                     eof = True
                     break
@@ -132,52 +205,99 @@ def _text_chunk(path: str, start: int, end: int, size: int | None):
     return data, base, eof or base + len(data) >= size
 
 
-def _tfrecords(data: bytes, base: int, start: int, end: int, what: str):
+def _tfrecords(data: bytes, base: int, start: int, end: int, what: str, bad: list | None = None,
+               truncated: str = ""):
     """Records of the TFRecord framing in ``data`` (byte ``base`` of the stream) that
-    begin in ``[start, end)``; ``start`` must be a record boundary. CRCs are not checked
-    (the framing's lengths are: a bad one fails loudly)."""
+    begin in ``[start, end)``; ``start`` must be a record boundary. Both CRCs of every
+    record are checked. A bad data CRC skips that record (its length was good); a bad
+    length CRC or a record running past ``data`` ends the shard there (``truncated``: the
+    reason to give for the latter, for a stream cut short)."""
     out, pos = [], []
     i, stop, n = start - base, min(end - base, len(data)), len(data)
-    unpack = struct.Struct("<Q").unpack_from
+    unpack = struct.Struct("<QI").unpack_from
+    unpack_crc = struct.Struct("<I").unpack_from
+    crc = _crc32c
     while i < stop:
         if i + 12 > n:
-            raise ValueError(f"{what}: truncated TFRecord header at byte {base + i}")
-        (length,) = unpack(data, i)
+            _report(bad, what, base + i, truncated or "truncated TFRecord header")
+            break
+        length, length_crc = unpack(data, i)
+        if crc is not None and _unmask(length_crc) != crc(data[i:i + 8]):
+            _report(bad, what, base + i, "corrupt TFRecord length (CRC mismatch)")
+            break
         j = i + 12 + length
         if j + 4 > n:
-            raise ValueError(f"{what}: TFRecord at byte {base + i} runs past the data")
-        out.append(data[i + 12:j])
+            _report(bad, what, base + i, truncated or "TFRecord runs past the end of the data "
+                    "(truncated file)")
+            break
+        payload = data[i + 12:j]
         i = j + 4
+        if crc is not None and _unmask(unpack_crc(data, j)[0]) != crc(payload):
+            _report(bad, what, base + j - length - 12, "corrupt TFRecord data (CRC mismatch)")
+            if pos:
+                pos[-1] = base + i  # resuming after the record before skips this one too
+            continue
+        out.append(payload)
         pos.append(base + i)
     return out, np.asarray(pos, np.int64)
 
 
-def read_tfrecord_range(path: str, start: int, end: int):
+def read_tfrecord_range(path: str, start: int, end: int, size: int | None = None,
+                        bad: list | None = None):
     """Records of a TFRecord shard: ``[start, end)`` lie on record boundaries."""
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        end = min(end, size)
+    with fs.RangeFile(path, size) as f:
+        end = min(end, f.size)
         if start >= end:
             return [], np.zeros(0, np.int64)
-        data = os.pread(f.fileno(), end - start, start)
-    return _tfrecords(data, start, start, end, path)
+        data = f.pread(end - start, start)
+    return _tfrecords(data, start, start, end, path, bad)
 
 
-def _gunzip(path: str) -> bytes:
-    with gzip.open(path, "rb") as f:
-        return f.read()
+def _gunzip(path: str, bad: list | None = None) -> tuple[bytes, str]:
+    """The decompressed stream (every gzip member) and, when it is truncated or corrupt,
+    why (``bad`` None: ``BadInput`` is raised instead); the data is what decoded before."""
+    out, total, fed, read = [], 0, 0, 0
+    d = zlib.decompressobj(31)
+    why = ""
+    with fs.open_binary(path) as f:
+        try:
+            while chunk := f.read(1 << 20):
+                read += len(chunk)
+                while chunk:
+                    piece = d.decompress(chunk)
+                    out.append(piece)
+                    total += len(piece)
+                    fed += len(chunk) - len(d.unused_data)
+                    if d.eof:  # a member ended; another may follow
+                        chunk, d, fed = d.unused_data, zlib.decompressobj(31), 0
+                    else:
+                        chunk = b""
+            if fed and not d.eof:
+                why = f"truncated gzip stream (ends at compressed byte {read})"
+        except zlib.error as exc:
+            why = f"corrupt gzip data ({exc}) in compressed bytes {read - len(chunk)}..{read}"
+    if why and bad is None:
+        raise BadInput(path, total, why)
+    return b"".join(out), why
 
 
-def read_gzip_text(path: str, start: int, end: int = STREAM_END):
+def read_gzip_text(path: str, start: int, end: int = STREAM_END, bad: list | None = None):
     """A gzip text file is one shard; positions are bytes of the decompressed stream
     (a resumed shard decompresses from the top and starts at ``start``)."""
-    data = _gunzip(path)
-    return split_text(data, 0, start, min(end, len(data)), True)
+    return _read_gzip_text(path, start, end, bad)[:2]
 
 
-def read_gzip_tfrecord(path: str, start: int, end: int = STREAM_END):
-    data = _gunzip(path)
-    return _tfrecords(data, 0, start, min(end, len(data)), path)
+def _read_gzip_text(path: str, start: int, end: int = STREAM_END, bad: list | None = None):
+    data, why = _gunzip(path, bad)
+    if why:  # the last line was cut: the records end at the last newline
+        data = data[:data.rfind(b"\n") + 1]
+        _report(bad, path, len(data), why)
+    return _split_text(data, 0, start, min(end, len(data)), True)
+
+
+def read_gzip_tfrecord(path: str, start: int, end: int = STREAM_END, bad: list | None = None):
+    data, why = _gunzip(path, bad)
+    return _tfrecords(data, 0, start, min(end, len(data)), path, bad, why)
 
 
 def parquet_rows(path: str, start: int, end: int):
@@ -187,7 +307,11 @@ def parquet_rows(path: str, start: int, end: int):
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
+    with fs.open_binary(path) as f:
+        return _parquet_rows(pq.ParquetFile(f), start, end, pa, pc)
+
+
+def _parquet_rows(pf, start, end, pa, pc):
     md = pf.metadata
     groups, first_row, row = [], None, 0
     for g in range(md.num_row_groups):
@@ -206,20 +330,80 @@ def parquet_rows(path: str, start: int, end: int):
     return records, np.arange(start + 1, start + 1 + len(records), dtype=np.int64)
 
 
-def read_shard(path: str, start: int, end: int, fmt: str = "text", size: int | None = None):
-    """``(records, next_pos)`` of one shard of any format (see the module docstring)."""
-    if fmt == "text":
-        return read_text_range(path, start, end, size or None)
-    if fmt == "text.gz":
-        return read_gzip_text(path, start, end)
-    if fmt == "tfrecord":
-        return read_tfrecord_range(path, start, end)
-    if fmt == "tfrecord.gz":
-        return read_gzip_tfrecord(path, start, end)
-    if fmt == "parquet":
-        return parquet_rows(path, start, end)
-    raise ValueError(f"unknown data format {fmt!r}")
+def _field_separators(records: list[bytes], delimiter: bytes) -> np.ndarray:
+    """Per record, how many ``delimiter``s it holds; for a one-byte delimiter in numpy
+    over the joined records (no Python call per record)."""
+    if len(delimiter) != 1:
+        return np.fromiter((r.count(delimiter) for r in records), np.int64, len(records))
+    arr = np.frombuffer(b"\n".join(records), np.uint8)
+    ends = np.flatnonzero(arr == 10)
+    if len(ends) != len(records) - 1:  # a record holds a newline (Parquet text): slow path
+        return np.fromiter((r.count(delimiter) for r in records), np.int64, len(records))
+    # the delimiters before each record's end, less those before the previous record's end
+    before_end = np.searchsorted(np.flatnonzero(arr == delimiter[0]), np.append(ends, len(arr)))
+    counts = np.diff(before_end, prepend=0)
+    return counts
 
 
-__all__ = ["read_shard", "read_text_range", "split_text", "text_body", "read_tfrecord_range",
+def _check_fields(records, next_pos, first: int, fields: int, delimiter: bytes, path: str,
+                  bad: list | None):
+    """Leave out the records without exactly ``fields`` fields (a record before a left-out
+    one reports a ``next_pos`` past it)."""
+    if not records:
+        return records, next_pos
+    want = fields - 1
+    counts = _field_separators(records, delimiter)
+    wrong = np.flatnonzero(counts != want)
+    if not wrong.size:
+        return records, next_pos
+    starts = np.concatenate(([first], next_pos[:-1]))
+    for k in wrong[:_MAX_BAD + 1] if bad is not None else wrong[:1]:
+        _report(bad, path, int(starts[k]), f"{counts[k] + 1} fields, expected {fields}")
+    if bad is not None and wrong.size > _MAX_BAD + 1:
+        bad[-1]["count"] += int(wrong.size - _MAX_BAD - 1)
+    keep = np.ones(len(records), bool)
+    keep[wrong] = False
+    kept = np.flatnonzero(keep)
+    # each kept record resumes after the bad ones that follow it
+    last_of_run = np.append(kept[1:] - 1, len(records) - 1)
+    return [records[k] for k in kept], next_pos[last_of_run]
+
+
+def read_shard(path: str, start: int, end: int, fmt: str = "text", size: int | None = None,
+               *, bad: list | None = None, fields: int = 0, delimiter: bytes = b"\t"):
+    """``(records, next_pos)`` of one shard of any format (see the module docstring).
+
+    Bad input raises ``BadInput``; with a ``bad`` list it is skipped and listed there.
+    ``fields`` > 0: a text (or Parquet) record must have that many ``delimiter``-separated
+    fields."""
+    try:
+        first = start
+        if fmt == "text":
+            records, next_pos, first = _read_text(path, start, end, size or None)
+        elif fmt == "text.gz":
+            records, next_pos, first = _read_gzip_text(path, start, end, bad)
+        elif fmt == "tfrecord":
+            return read_tfrecord_range(path, start, end, size, bad)
+        elif fmt == "tfrecord.gz":
+            return read_gzip_tfrecord(path, start, end, bad)
+        elif fmt == "parquet":
+            records, next_pos = parquet_rows(path, start, end)
+        else:
+            raise ValueError(f"unknown data format {fmt!r}")
+    except BadInput:
+        raise
+    except (OSError, EOFError, zlib.error) as exc:
+        _report(bad, path, start, f"unreadable ({exc})")
+        return [], np.zeros(0, np.int64)
+    except ValueError as exc:  # pyarrow's ArrowInvalid among them: a corrupt file
+        if str(exc).startswith("unknown data format"):
+            raise
+        _report(bad, path, start, f"unreadable ({exc})")
+        return [], np.zeros(0, np.int64)
+    if fields > 0:
+        records, next_pos = _check_fields(records, next_pos, first, fields, delimiter, path, bad)
+    return records, next_pos
+
+
+__all__ = ["read_shard", "BadInput", "masked_crc32c", "tfrecord_frame", "read_text_range", "split_text", "text_body", "read_tfrecord_range",
            "read_gzip_text", "read_gzip_tfrecord", "parquet_rows", "STREAM_END"]

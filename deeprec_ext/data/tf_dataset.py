@@ -15,12 +15,15 @@ for text; TFRecord framing is walked in that same per-shard call.
 from __future__ import annotations
 
 import collections.abc
+import logging
 import os
 
 import numpy as np
 import tensorflow as tf
 
 from deeprec_ext.data.ranges import read_shard, text_body
+
+log = logging.getLogger(__name__)
 
 _SIGNATURE = (tf.TensorSpec([], tf.string), tf.TensorSpec([], tf.int64),
               tf.TensorSpec([], tf.int64))
@@ -30,14 +33,26 @@ def _as_str(x) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
 
 
-def _read_text(path, start, end):
-    body, any_record = text_body(_as_str(path), int(start), int(end))
-    return np.array(body, dtype=object), np.bool_(any_record)
-
-
-def _read_other(fmt):
+def _read_text(skip: bool):
     def read(path, start, end):
-        records, _ = read_shard(_as_str(path), int(start), int(end), fmt)
+        try:
+            body, any_record = text_body(_as_str(path), int(start), int(end))
+        except OSError as exc:  # text has no framing to check: only an unreadable file
+            if not skip:
+                raise
+            log.warning("bad input, skipped: %s: unreadable (%s) at byte %d", _as_str(path),
+                        exc, int(start))
+            body, any_record = b"", False
+        return np.array(body, dtype=object), np.bool_(any_record)
+    return read
+
+
+def _read_other(fmt, skip: bool = False):
+    def read(path, start, end):
+        bad = [] if skip else None
+        records, _ = read_shard(_as_str(path), int(start), int(end), fmt, bad=bad)
+        for b in bad or ():
+            log.warning("bad input, skipped: %s: %s at %d", b["path"], b["reason"], b["offset"])
         out = np.empty(len(records), dtype=object)
         out[:] = records
         return out
@@ -69,30 +84,38 @@ def ranges_dataset(ranges) -> tf.data.Dataset:
     return tf.data.Dataset.from_generator(typed, output_signature=_SIGNATURE)
 
 
-def shard_records(path, start, end, fmt: str = "text"):
+def shard_records(path, start, end, fmt: str = "text", on_bad_record: str = "fail"):
     """A 1-D string tensor: the records of one range (graph ops plus one
-    ``numpy_function`` call)."""
+    ``numpy_function`` call). Bad input (``deeprec_ext.data.ranges.BadInput``: a TFRecord
+    CRC, a cut gzip stream, an unreadable file) fails the pipeline naming the file and
+    position, or with ``on_bad_record="skip"`` is left out with a logged warning."""
+    if on_bad_record not in ("fail", "skip"):
+        raise ValueError(f"on_bad_record must be 'fail' or 'skip', got {on_bad_record!r}")
+    skip = on_bad_record == "skip"
     start = tf.cast(start, tf.int64)
     end = tf.cast(end, tf.int64)
     if fmt == "text":
-        body, any_record = tf.numpy_function(_read_text, [path, start, end],
+        body, any_record = tf.numpy_function(_read_text(skip), [path, start, end],
                                              (tf.string, tf.bool), stateful=False)
         body.set_shape([])
         pieces = tf.strings.split(tf.reshape(body, [1]), "\n").flat_values
         pieces = tf.strings.regex_replace(pieces, "\r$", "")
         return tf.cond(any_record, lambda: pieces, lambda: tf.zeros([0], tf.string))
-    records = tf.numpy_function(_read_other(fmt), [path, start, end], tf.string, stateful=False)
+    records = tf.numpy_function(_read_other(fmt, skip), [path, start, end], tf.string,
+                                stateful=False)
     records.set_shape([None])
     return records
 
 
 def record_dataset(ranges, fmt: str = "text", num_parallel_reads=tf.data.AUTOTUNE,
-                   deterministic: bool = True) -> tf.data.Dataset:
+                   deterministic: bool = True, on_bad_record: str = "fail") -> tf.data.Dataset:
     """Records (scalar strings) of ``ranges`` in order: every record of a file split into
     adjacent ranges exactly once. ``fmt``: text, text.gz, tfrecord, tfrecord.gz, parquet
-    (Parquet rows come as tab-separated lines)."""
+    (Parquet rows come as tab-separated lines). Paths may be URLs (``s3://``...: read
+    through ``deeprec_ext.data.fs`` inside the per-shard call). ``on_bad_record``: see
+    ``shard_records``."""
     ds = ranges_dataset(ranges)
-    ds = ds.map(lambda p, s, e: shard_records(p, s, e, fmt),
+    ds = ds.map(lambda p, s, e: shard_records(p, s, e, fmt, on_bad_record),
                 num_parallel_calls=num_parallel_reads, deterministic=deterministic)
     return ds.unbatch()
 

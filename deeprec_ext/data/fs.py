@@ -1,0 +1,141 @@
+"""One file-system layer for data files: local paths, or any URL fsspec knows.
+
+``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, ``http(s)://`` ... go through fsspec (its
+``s3fs``, ``gcsfs``, ... back ends must be installed; ``s3fs`` is a dependency). A plain
+path (or ``file://``) takes the local fast path: ``os.pread`` on a file descriptor.
+
+Credentials and endpoint come from the usual environment variables of each back end; for
+S3 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
+``AWS_DEFAULT_REGION`` and ``AWS_ENDPOINT_URL`` (or ``AWS_ENDPOINT_URL_S3``: an
+S3-compatible server such as MinIO or Ceph), read when a file system is first used in the
+process.
+
+Everything the shard service does to a file is here: ``glob``, ``size``, and
+``RangeFile.pread`` (one ranged GET for a remote file; small reads are served from a
+1 MiB block, so walking TFRecord headers costs one request per MiB, not per record).
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+_BLOCK = 1 << 20
+_lock = threading.Lock()
+_filesystems: dict = {}
+
+
+def is_remote(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def _local(path: str) -> str:
+    return path[len("file://"):] if path.startswith("file://") else path
+
+
+def _options(protocol: str) -> dict:
+    if protocol in ("s3", "s3a"):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        return {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
+    return {}
+
+
+def filesystem(url: str):
+    """``(fsspec file system, protocol)`` for a URL; one instance per protocol and
+    settings (the environment is read on each call: a changed endpoint takes effect)."""
+    import fsspec
+    protocol = url.split("://", 1)[0]
+    options = _options(protocol)
+    key = (protocol, repr(options))
+    with _lock:
+        fs = _filesystems.get(key)
+        if fs is None:
+            try:
+                fs = fsspec.filesystem(protocol, **options)
+            except ImportError as exc:  # the scheme's back end is not installed
+                raise ValueError(f"{url}: no file system for {protocol}:// here ({exc})") from None
+            _filesystems[key] = fs
+    return fs, protocol
+
+
+def absolute(path: str) -> str:
+    """A local path made absolute (workers may run elsewhere); a URL unchanged."""
+    return path if is_remote(path) else os.path.abspath(_local(path))
+
+
+def _url(protocol: str, path: str) -> str:
+    return path if "://" in path else f"{protocol}://{path}"
+
+
+def glob(pattern: str) -> list[str]:
+    """Sorted files matching ``pattern`` (a path or URL; a URL without a wildcard that names
+    one file matches it). Remote results keep the URL form."""
+    if not is_remote(pattern):
+        import glob as _glob
+        return sorted(_glob.glob(_local(pattern)))
+    fs, protocol = filesystem(pattern)
+    fs.invalidate_cache()  # a watched prefix must be listed anew every time
+    if any(c in pattern for c in "*?["):
+        found = fs.glob(pattern, detail=True)
+    else:
+        found = {pattern: fs.info(pattern)} if fs.exists(pattern) else {}
+    return sorted(_url(protocol, p) for p, info in found.items() if info.get("type") != "directory")
+
+
+def size(path: str) -> int:
+    if not is_remote(path):
+        return os.path.getsize(_local(path))
+    fs, _ = filesystem(path)
+    return int(fs.size(path))
+
+
+def open_binary(path: str):
+    """A binary, seekable file object (for gzip and Parquet readers)."""
+    if not is_remote(path):
+        return open(_local(path), "rb")
+    fs, _ = filesystem(path)
+    return fs.open(path, "rb", block_size=4 * _BLOCK, cache_type="readahead")
+
+
+class RangeFile:
+    """``pread(n, pos)`` on a local or remote file; ``size`` known on open (or given)."""
+
+    def __init__(self, path: str, size_hint: int | None = None):
+        self.path = path
+        self._remote = is_remote(path)
+        self._block = (-1, b"")
+        if self._remote:
+            self._fs, _ = filesystem(path)
+            self.size = int(size_hint) if size_hint else int(self._fs.size(path))
+            self._fd = None
+        else:
+            self._fd = os.open(_local(path), os.O_RDONLY)
+            self.size = os.fstat(self._fd).st_size if size_hint is None else int(size_hint)
+
+    def pread(self, n: int, pos: int) -> bytes:
+        if n <= 0 or pos >= self.size:
+            return b""
+        if not self._remote:
+            return os.pread(self._fd, n, pos)
+        n = min(n, self.size - pos)
+        start, data = self._block
+        if start <= pos and pos + n <= start + len(data):
+            return data[pos - start:pos - start + n]
+        if n >= _BLOCK:
+            return self._fs.cat_file(self.path, start=pos, end=pos + n)
+        data = self._fs.cat_file(self.path, start=pos, end=min(pos + _BLOCK, self.size))
+        self._block = (pos, data)
+        return data[:n]
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+__all__ = ["is_remote", "absolute", "filesystem", "glob", "size", "open_binary", "RangeFile"]
