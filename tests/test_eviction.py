@@ -134,6 +134,12 @@ def test_eviction_through_scale_out_and_kill9(start_job, tmp_path):
     client = PSClient.connect(job.address, timeout=60)
     client.create_table("c", 1, initializer="zeros", optimizer=SGD1,
                         eviction={"l2_below": 0.5, "interval_seconds": 0.2})
+    # "d" is evicted only before checkpoints (its interval is an hour): what the replica
+    # holds of it after a checkpoint's eviction shows whether the tombstones reached it
+    client.create_table("d", 1, initializer="zeros", optimizer=SGD1,
+                        eviction={"l2_below": 0.5, "interval_seconds": 3600})
+    d_ids = np.arange(2000, dtype=np.int64)
+    client.push("d", d_ids, np.where(d_ids < 1000, -1.0, 0.0).astype(np.float32)[:, None])
     n = 20_000
     expected = np.zeros(n, np.int64)
     rng = np.random.default_rng(2)
@@ -153,9 +159,9 @@ def test_eviction_through_scale_out_and_kill9(start_job, tmp_path):
         except Exception as exc:  # noqa: BLE001 - surfaced below
             errors.append(exc)
 
-    def rows():
+    def rows(name="c"):
         client.refresh_routing()
-        return sum(t.rows for s in client.ps_stats() for t in s.tables if t.name == "c")
+        return sum(t.rows for s in client.ps_stats() for t in s.tables if t.name == name)
 
     def evicted():
         client.refresh_routing()
@@ -168,10 +174,16 @@ def test_eviction_through_scale_out_and_kill9(start_job, tmp_path):
         assert scale(job, "--ps", "3")["ps"] == [2, 3]
         at = pushes[0]
         wait_for(lambda: pushes[0] > at + 20, 60, "pushes after the scale-out")
+        assert rows("d") == 2000
+        assert _cli(job, "checkpoint", "--full")["type"] == "full"  # evicts first
+        assert rows("d") == 1000
+        time.sleep(1.0)  # a few replication intervals: the tombstones reach the peers
         before = pids(job, "ps")
         os.kill(before["ps-1"], signal.SIGKILL)
-        wait_for(lambda: [e for e in job.status()["events"] if e["kind"] == "recovery"], 60,
-                 "recovery")
+        rec = wait_for(lambda: [e for e in job.status()["events"] if e["kind"] == "recovery"],
+                       60, "recovery")[0]
+        assert rec["promoted_rows"] > 0
+        assert rows("d") == 1000  # the promoted replica held no evicted row
         at = pushes[0]
         wait_for(lambda: pushes[0] > at + 20, 60, "pushes after the recovery")
     finally:
@@ -192,5 +204,6 @@ def test_eviction_through_scale_out_and_kill9(start_job, tmp_path):
     restore(str(ck), back)
     keys = back.get("c").export_rows()[0]
     assert keys.size == live and not np.isin(keys, drop).any() and (keys < n).all()
+    np.testing.assert_array_equal(
+        client.lookup("d", d_ids, insert_missing=False)[:, 0], (d_ids < 1000).astype(np.float32))
     client.close()
-    time.sleep(0)
