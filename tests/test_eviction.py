@@ -207,3 +207,16 @@ def test_eviction_through_scale_out_and_kill9(start_job, tmp_path):
     np.testing.assert_array_equal(
         client.lookup("d", d_ids, insert_missing=False)[:, 0], (d_ids < 1000).astype(np.float32))
     client.close()
+
+
+def test_eviction_deletes_in_short_lock_holds_and_keeps_rows_updated_meanwhile():
+    store = EmbeddingStore()
+    t = store.create_table("e", 2, "zeros", SGD1, eviction={"l2_below": 0.5})
+    ids = np.arange(5000, dtype=np.int64)
+    t.lookup(ids)
+    # a row pushed back above the bound between the scan and its chunk's delete stays
+    assert t._still_due(ids[:3]).tolist() == [0, 1, 2]
+    t.apply_gradients(ids[:1], -np.ones((1, 2), np.float32))
+    assert t._still_due(ids[:3]).tolist() == [1, 2]
+    t.EVICT_CHUNK_ROWS = 1000
+    assert t.evict() == 4999 and t.size == 1

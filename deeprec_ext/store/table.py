@@ -497,26 +497,49 @@ class EmbeddingTable:
         out["rows"] = self.size
         return out
 
-    def _evictable(self, part: EmbeddingTable) -> np.ndarray:
-        """Keys of ``part``'s live rows (this table or its segment) due for eviction."""
+    def _due(self, part: EmbeddingTable, rows: np.ndarray) -> np.ndarray:
+        """bool [n]: which live ``rows`` of ``part`` (this table or its segment) are due
+        for eviction (under the lock)."""
         ev = self.eviction
-        live = np.flatnonzero(part._row_seq[:part._hwm] > 0)
-        due = np.zeros(live.size, dtype=bool)
+        due = np.zeros(rows.size, dtype=bool)
         if "steps_to_live" in ev and part._row_step is not None:
-            due |= (self._clock - part._row_step.take(live)) > ev["steps_to_live"]
+            due |= (self._clock - part._row_step.take(rows)) > ev["steps_to_live"]
         if "l2_below" in ev:
             bound = np.float32(ev["l2_below"]) ** 2
             step = max(1024, _CHUNK_FLOATS // max(self.dim, 1))
-            for s in range(0, live.size, step):
-                v = part._gather_values(live[s:s + step])
+            for s in range(0, rows.size, step):
+                v = part._gather_values(rows[s:s + step])
                 due[s:s + step] |= np.einsum("ij,ij->i", v, v) < bound
-        return part._row_key.take(live[due])
+        return due
+
+    def _evictable(self, part: EmbeddingTable) -> np.ndarray:
+        """Keys of ``part``'s live rows due for eviction (under the lock)."""
+        live = np.flatnonzero(part._row_seq[:part._hwm] > 0)
+        return part._row_key.take(live[self._due(part, live)])
+
+    def _still_due(self, keys: np.ndarray) -> np.ndarray:
+        """Those of ``keys`` that still hold a row due for eviction (under the lock): a
+        row updated since the scan is kept."""
+        split = self._split(keys) if self._seg is not None else None
+        parts = [(self, keys)] if split is None else \
+            [(self, keys.take(split[2])), (self._seg, keys.take(split[0]))]
+        out = []
+        for part, k in parts:
+            rows = part._index.find(k)
+            hit = np.flatnonzero(rows >= 0)
+            k, rows = k.take(hit), rows.take(hit)
+            out.append(k[self._due(part, rows)])
+        return out[0] if len(out) == 1 else np.concatenate(out)
+
+    EVICT_CHUNK_ROWS = 1 << 14  # rows deleted per table-lock hold
 
     def evict(self, slot_mask: np.ndarray | None = None) -> int:
         """Delete the rows due under the eviction policy (of the slots set in
         ``slot_mask``, all without), through :meth:`delete`: a tombstone is logged, so the
         replica, migrations and the next incremental checkpoint drop them too, and their
-        arena rows are reused. Returns the rows deleted (0 without a policy)."""
+        arena rows are reused. One scan under the lock, then deletes of EVICT_CHUNK_ROWS
+        rows per lock hold (each re-checked: a row updated meanwhile stays). Returns the
+        rows deleted (0 without a policy)."""
         if self.eviction is None:
             return 0
         with self._lock:
@@ -525,22 +548,19 @@ class EmbeddingTable:
             if seg is not None:
                 sk = self._evictable(seg)
                 keys = np.concatenate([keys, sk[self._seg_mask[slot_of(sk, self._seg_ns)]]])
-            if slot_mask is not None and keys.size:
-                keys = keys[slot_mask[slot_of(keys, int(slot_mask.size))]]
-            n = self.delete(keys) if keys.size else 0
-            self.policy_counters["evicted"] += n
-            return n
-
-    @property
-    def last_seq(self) -> int:
-        """Largest row sequence number in the table (0 if empty)."""
-        with self._lock:
-            own = int(self._row_seq[:self._hwm].max(initial=0))
-            return max(own, self._seg.last_seq) if self._seg is not None else own
-
-    def __repr__(self) -> str:
-        return (f"EmbeddingTable({self.name!r}, dim={self.dim}, size={self.size}, "
-                f"optimizer={self.optimizer.name})")
+        if slot_mask is not None and keys.size:
+            keys = keys[slot_mask[slot_of(keys, int(slot_mask.size))]]
+        n = 0
+        for i in range(0, keys.size, self.EVICT_CHUNK_ROWS):
+            with self._lock:
+                if self.eviction is None:
+                    break
+                k = self._still_due(keys[i:i + self.EVICT_CHUNK_ROWS])
+                d = self.delete(k) if k.size else 0
+                self.policy_counters["evicted"] += d
+                n += d
+            _yield()
+        return n
 
     # -- row allocation -----------------------------------------------------------------
     def _grow_arena(self, need_rows: int) -> None:
