@@ -56,14 +56,21 @@ def test_bloom_admits_every_id_seen_enough_and_stays_bounded():
     # many more candidates than capacity: the filter's cells stay bounded
     for _ in range(5):
         t.lookup(rng.integers(-2**62, 2**62, 20_000))
-    cells = store.get(candidate_table_name("b")).size
-    from deeprec_ext.store.policies import bloom_size
+    cand = store.get(candidate_table_name("b"))
+    from deeprec_ext.store.policies import BLOOM_BLOCK, bloom_size
     m, k = bloom_size(20_000, 0.01)
-    assert cells <= t.routing_slots * max(-(-m // t.routing_slots), 2 * k)
+    per_slot = -(-max(-(-m // t.routing_slots), 2 * k) // BLOOM_BLOCK) * BLOOM_BLOCK
+    assert cand.size * BLOOM_BLOCK <= t.routing_slots * per_slot
+    assert store.stats()["b"]["candidates"] == cand.size * BLOOM_BLOCK
     # each cell routes to the slot of the ids hashed into it: cells move with their slot
-    ckeys = t._bloom_keys(seen_twice[:100])
-    for ns in (t.routing_slots,):
-        assert (slot_of(ckeys, ns) == slot_of(seen_twice[:100], ns)[:, None]).all()
+    _, blocks, _ = t._bloom_cells_of(seen_twice[:100])
+    assert (slot_of(blocks, t.routing_slots) == slot_of(seen_twice[:100], t.routing_slots)[:, None]).all()
+    # the estimate never under-counts
+    assert (t.candidate_count(seen_twice[:100]) >= 0).all()
+    fresh = rng.integers(-2**62, 2**62, 100)
+    before = t.candidate_count(fresh)
+    t.lookup(fresh)
+    assert (t.candidate_count(fresh) >= before + 1).all()
 
 
 def test_unhash_inverts_hash():

@@ -15,9 +15,9 @@ across workers. Candidates are kept in a companion table of the store
 (:func:`candidate_table_name`), partitioned by routing slot like rows, so they move with
 their slot on migration, are replicated to the ring peer and are checkpointed like rows.
 With ``bloom`` the companion table holds the filter's cells instead (bounded: about
-``capacity * ln(1/fpp) / ln(2)^2`` cells whatever the number of candidates); a cell key
-is made to route to the slot of the ids hashed into it, so cells move with their slot
-too. A bloom filter over-counts (an id may be admitted early with probability about
+``capacity * ln(1/fpp) / ln(2)^2`` cells whatever the number of candidates, BLOOM_BLOCK
+float32 cells per row, about 7 bytes per cell); a row's key is made to route to the slot
+of the ids hashed into its cells, so cells move with their slot too. A bloom filter over-counts (an id may be admitted early with probability about
 ``fpp``), never under-counts; its cells are never reset, so an evicted id that comes
 back is admitted again at once.
 
@@ -41,6 +41,7 @@ import numbers
 
 CANDIDATE_SUFFIX = "::admission"
 
+BLOOM_BLOCK = 16  # bloom cells per companion-table row (float32 counts)
 MAX_MIN_COUNT = 1 << 24  # counts are kept as float32: exact up to 2**24
 MAX_BLOOM_CELLS = 1 << 28
 

@@ -76,8 +76,8 @@ from deeprec_ext.hashing import DEFAULT_NUM_SLOTS, hash64, slot_of
 from deeprec_ext.store.hash_index import HashIndex
 from deeprec_ext.store.initializers import Initializer, make_initializer
 from deeprec_ext.store.optimizers import Optimizer, make_optimizer
-from deeprec_ext.store.policies import (bloom_size, candidate_table_name, is_candidate_table,
-                                        make_admission, make_eviction)
+from deeprec_ext.store.policies import (BLOOM_BLOCK, bloom_size, candidate_table_name,
+                                        is_candidate_table, make_admission, make_eviction)
 
 _CHUNK_FLOATS = 1 << 19  # optimizer works on ~2 MB of rows at a time
 _SCAN_SLICE_ROWS = 1 << 18  # arena rows scanned per table-lock hold by sliced scans
@@ -427,21 +427,49 @@ class EmbeddingTable:
         with self._lock:
             self._cand = cand
 
-    def _bloom_keys(self, keys: np.ndarray) -> np.ndarray:
-        """int64 [n, k] keys of the filter cells of ``keys``: cell ``(slot, column)`` of a
-        key's slot, keyed so that it routes to that same slot (``slot_of(cell) == slot``):
-        cells move with their slot like rows. Each slot has its share of the filter's
-        cells, at least ``2 k`` (so at most ``routing_slots * 2k`` cells in all)."""
-        ns = int(self.routing_slots)
+    def _bloom_cells_of(self, keys: np.ndarray):
+        """The filter cells of ``keys``: ``(codes, blocks, pos)``, each [n, k]. A cell is
+        ``(slot, column)`` of the id's routing slot (``codes = column * slots + slot``);
+        cells are stored BLOOM_BLOCK to a companion-table row, keyed ``blocks`` so that
+        the row routes to that same slot (``slot_of(block key) == slot``): the cells move
+        with their slot like rows. Each slot has its share of the filter's cells, at least
+        ``2 k`` (``k`` hash functions), in whole blocks."""
+        ns = np.uint64(int(self.routing_slots))
         k = self._bloom_hashes
-        per_slot = max(-(-self._bloom_cells // ns), 2 * k)
-        slots = hash64(keys) % np.uint64(ns)
-        out = np.empty((keys.size, k), dtype=np.uint64)
+        b = np.uint64(BLOOM_BLOCK)
+        per_slot = max(-(-self._bloom_cells // int(ns)), 2 * k)
+        per_slot = np.uint64(-(-per_slot // BLOOM_BLOCK) * BLOOM_BLOCK)
+        slots = hash64(keys) % ns
+        cols = np.empty((keys.size, k), dtype=np.uint64)
         with np.errstate(over="ignore"):
             for i in range(k):  # k <= 16 vectorized passes
-                col = hash64(keys, seed=i + 1) % np.uint64(per_slot)
-                out[:, i] = col * np.uint64(ns) + slots
-        return unhash64(out.reshape(-1)).reshape(keys.size, k)
+                cols[:, i] = hash64(keys, seed=i + 1) % per_slot
+            codes = cols * ns + slots[:, None]
+            blocks = unhash64(((cols // b) * ns + slots[:, None]).reshape(-1))
+        return codes, blocks.reshape(keys.size, k), (cols % b).astype(np.int64)
+
+    def _bloom_read(self, keys: np.ndarray, add: np.ndarray | None = None) -> np.ndarray:
+        """float64 [n]: the filter's estimate for distinct ``keys`` (the smallest of their
+        cells); with ``add`` (float [n]), first add it to each key's cells (a cell two of
+        a key's hash functions chose counts it once) and write the cells back."""
+        cand = self._cand
+        codes, blocks, pos = self._bloom_cells_of(keys)
+        n, k = codes.shape
+        ub, binv = np.unique(blocks.reshape(-1), return_inverse=True)
+        cells = cand.lookup(ub, insert_missing=False).astype(np.float64)  # [nb, BLOCK]
+        flat_pos = pos.reshape(-1)
+        if add is not None:
+            order = np.argsort(codes, axis=1)
+            sc = np.take_along_axis(codes, order, axis=1)
+            w = np.repeat(np.asarray(add, np.float64)[:, None], k, axis=1)
+            dup = np.zeros((n, k), dtype=bool)
+            dup[:, 1:] = sc[:, 1:] == sc[:, :-1]
+            np.put_along_axis(w, order, np.where(dup, 0.0, w), axis=1)
+            cells += np.bincount(binv * BLOOM_BLOCK + flat_pos, weights=w.reshape(-1),
+                                 minlength=cells.size).reshape(cells.shape)
+            np.minimum(cells, float(1 << 24), out=cells)
+            cand.insert(ub, cells.astype(np.float32))
+        return cells[binv, flat_pos].reshape(n, k).min(axis=1)
 
     def _admit(self, keys: np.ndarray) -> np.ndarray:
         """Count one sighting per occurrence of ``keys`` (ids without a row, under the
@@ -452,18 +480,7 @@ class EmbeddingTable:
             return np.ones(keys.size, dtype=bool)
         uk, inv, cnt = np.unique(keys, return_inverse=True, return_counts=True)
         if "bloom" in self.admission:
-            cells = self._bloom_keys(uk)
-            k = cells.shape[1]
-            # a cell two of an id's hashes chose counts that id once
-            cells.sort(axis=1)
-            w = np.repeat(cnt[:, None], k, axis=1).astype(np.float64)
-            w[:, 1:][cells[:, 1:] == cells[:, :-1]] = 0
-            uc, cinv = np.unique(cells.reshape(-1), return_inverse=True)
-            add = np.bincount(cinv, weights=w.reshape(-1), minlength=uc.size)
-            new = np.minimum(cand.lookup(uc, insert_missing=False)[:, 0] + add, float(1 << 24))
-            cand.insert(uc, new.astype(np.float32)[:, None])
-            est = new.take(cinv).reshape(uk.size, k).min(axis=1)
-            ok = est >= need
+            ok = self._bloom_read(uk, cnt) >= need
         else:
             est = cand.lookup(uk, insert_missing=False)[:, 0] + cnt
             ok = est >= need
@@ -483,17 +500,17 @@ class EmbeddingTable:
             return np.zeros(keys.size)
         with self._lock:
             if "bloom" in self.admission:
-                cells = self._bloom_keys(keys)
-                v = cand.lookup(cells.reshape(-1), insert_missing=False)[:, 0]
-                return v.reshape(cells.shape).min(axis=1).astype(np.float64)
+                uk, inv = np.unique(keys, return_inverse=True)
+                return self._bloom_read(uk).take(inv)
             return cand.lookup(keys, insert_missing=False)[:, 0].astype(np.float64)
 
     def policy_stats(self) -> dict:
         """Admission / eviction counters of this table on this PS (since it started) and
-        the candidates held now (bloom: filter cells in use)."""
+        the candidates held now (bloom: filter cells allocated)."""
         cand = self._cand
         out = dict(self.policy_counters)
-        out["candidates"] = cand.size if cand is not None else 0
+        out["candidates"] = (0 if cand is None else
+                             cand.size * (cand.dim if "bloom" in self.admission else 1))
         out["rows"] = self.size
         return out
 
@@ -1684,11 +1701,14 @@ class EmbeddingStore:
     def _candidates_of(self, name: str) -> EmbeddingTable:
         """The companion table of ``name``'s admission candidates (under the store lock):
         the one already here (it may have arrived first, by a migration or a replica
-        delta), else a new one."""
+        delta), else a new one: dim 1 (exact counts), or BLOOM_BLOCK (bloom cells). One of
+        the other kind (the policy changed at a warm start) is replaced: counts start
+        over."""
         cname = candidate_table_name(name)
         cand = self._tables.get(cname)
-        if cand is None:
-            cand = EmbeddingTable(cname, 1, "zeros", "sgd", sequence=self.sequence,
+        dim = BLOOM_BLOCK if "bloom" in self._tables[name].admission else 1
+        if cand is None or cand.dim != dim:
+            cand = EmbeddingTable(cname, dim, "zeros", "sgd", sequence=self.sequence,
                                   track_changes=self.track_changes)
             cand.routing_slots = self.routing_slots
             self._tables[cname] = cand
