@@ -96,7 +96,8 @@ def _rebuild_keras(tf, record: dict, lookups: dict, dense: dict) -> tuple:
     class ServingEmbedding(keras.layers.Layer):
         """``ElasticEmbedding`` at serving time: reads the exported table variables."""
 
-        def __init__(self, dim, table=None, initializer=None, optimizer=None, **kwargs):
+        def __init__(self, dim, table=None, initializer=None, optimizer=None, admission=None,
+                     eviction=None, **kwargs):
             super().__init__(**kwargs)
             self.dim = dim
             self.table = table or self.name

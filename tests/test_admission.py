@@ -198,3 +198,16 @@ def _stub(client):
     from deeprec_ext.grpc_util import insecure_channel
     from deeprec_ext.proto import ps_pb2_grpc
     return ps_pb2_grpc.ParameterServerStub(insecure_channel(client.routing.ps_addresses[0]))
+
+
+def test_keras_and_tf1_refuse_bad_specs_when_the_model_is_built():
+    pytest.importorskip("tensorflow")
+    from deeprec_ext.tf.keras_api import ElasticEmbedding
+    with pytest.raises(InvalidRequestError, match="'user'.*fpp"):
+        ElasticEmbedding(8, table="user",
+                         admission={"min_count": 2, "bloom": {"capacity": 10, "fpp": 1.5}})
+    with pytest.raises(InvalidRequestError, match="'user'.*steps_to_live"):
+        ElasticEmbedding(8, table="user", eviction={"steps_to_live": 0})
+    layer = ElasticEmbedding(8, table="user", admission={"min_count": 2},
+                             eviction={"l2_below": 1e-3})
+    assert layer.get_config()["admission"] == {"min_count": 2}

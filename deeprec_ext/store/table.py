@@ -991,6 +991,8 @@ class EmbeddingTable:
                 seq = self.sequence.next()
                 self._seg._write_rows(srows, data.take(spos, axis=0), full_rows,
                                       None if counts is None else counts.take(spos), seq)
+                if self._seg._row_step is not None:  # a lease by this table's clock
+                    self._seg._row_step[srows] = self._clock
             return seq
 
     def _upsert_main(self, keys, data, full_rows: bool, only_if_absent: bool, counts) -> int:
