@@ -2,6 +2,10 @@
 bloom filter); counts move with their slot, and bad specs are refused naming the table."""
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import grpc
 import numpy as np
 import pytest
@@ -12,6 +16,7 @@ from deeprec_ext.store import EmbeddingStore
 from deeprec_ext.store.policies import candidate_table_name, check_policies
 from deeprec_ext.store.table import unhash64
 from deeprec_ext.hashing import hash64
+from tests.conftest import wait_for
 
 SGD1 = {"name": "sgd", "learning_rate": 1.0}
 
@@ -140,10 +145,11 @@ def _rows(client, name):
 
 def test_admission_exact_across_two_workers_and_ps_layouts(start_job):
     """Two clients (workers) look up the same ids: an id seen N-1 times in all has no row,
-    N times has one, on 2 PS and after a scale-out to 3 (partial counts moved)."""
-    from tests.test_elasticity import scale
-    job = start_job({"name": "admission", "ps": {"replicas": 2, "max_replicas": 3}},
-                    ["--workers", "0"])
+    N times has one, on 2 PS, after a scale-out to 3 (partial counts moved) and after a
+    kill -9 of a PS (partial counts promoted from its replica)."""
+    from tests.test_elasticity import pids, scale
+    job = start_job({"name": "admission", "ps": {"replicas": 2, "max_replicas": 3},
+                     "replication": {"mode": "async", "interval_ms": 100}}, ["--workers", "0"])
     w1 = PSClient.connect(job.address, timeout=60)
     w2 = PSClient.connect(job.address, timeout=60)
     try:
@@ -189,6 +195,22 @@ def test_admission_exact_across_two_workers_and_ps_layouts(start_job):
         assert len(stats) == 3 and sum(t.admitted for t in stats) >= 700
         assert sum(t.candidates for t in stats) == short.size - 700
         assert not any(t.name.endswith("::admission") for s in w1.ps_stats() for t in s.tables)
+        # counts replicated to the ring peer: after a kill -9 the promoted replica admits
+        # an id at its N-th sighting exactly (async replication: wait out its interval)
+        more = np.unique(rng.integers(-2**62, 2**62, 2000))
+        for w in (w1, w2, w1):
+            w.lookup("adm", more)
+        time.sleep(1.0)
+        base = _rows(w1, "adm")
+        os.kill(pids(job, "ps")["ps-1"], signal.SIGKILL)
+        wait_for(lambda: [e for e in job.status()["events"] if e["kind"] == "recovery"], 60,
+                 "recovery")
+        wait_for(lambda: sum(e["kind"] == "scale" and e["ps"] == [2, 3]
+                             for e in job.status()["events"]) == 2, 120,
+                 "the replacement PS to join")
+        assert _rows(w1, "adm") == base
+        w2.lookup("adm", more[:1000])  # the N-th sighting of half of them
+        assert _rows(w1, "adm") == base + 1000
     finally:
         w1.close()
         w2.close()
@@ -211,3 +233,33 @@ def test_keras_and_tf1_refuse_bad_specs_when_the_model_is_built():
     layer = ElasticEmbedding(8, table="user", admission={"min_count": 2},
                              eviction={"l2_below": 1e-3})
     assert layer.get_config()["admission"] == {"min_count": 2}
+
+
+@pytest.mark.parametrize("bloom", [False, True])
+def test_counts_are_checkpointed_full_and_incremental(tmp_path, bloom):
+    from checkpoint import CheckpointWriter, restore
+    spec = {"min_count": 3}
+    if bloom:
+        spec["bloom"] = {"capacity": 10_000, "fpp": 0.001}
+    store = EmbeddingStore()
+    t = store.create_table("e", 2, admission=spec)
+    a, b = np.arange(0, 500, dtype=np.int64), np.arange(500, 1000, dtype=np.int64)
+    t.lookup(a)
+    w = CheckpointWriter(tmp_path, 1, "full")
+    cuts = {n: w.write_table("ps-0", x)["cut_seq"] for n, x in sorted(store.tables().items())}
+    w.commit()
+    t.lookup(a)
+    t.lookup(b)
+    t.lookup(b)
+    t.lookup(b)  # b admitted after the full checkpoint (exact: its counts are deleted)
+    w = CheckpointWriter(tmp_path, 2, "incr", parent=1)
+    for n, x in sorted(store.tables().items()):
+        w.write_table("ps-0", x, since_seq=cuts[n])
+    w.commit()
+    back = EmbeddingStore()
+    restore(str(tmp_path), back)
+    r = back.get("e")
+    assert r.admission == t.admission and r.size == b.size
+    np.testing.assert_array_equal(r.candidate_count(a), t.candidate_count(a))
+    r.lookup(a)  # the third sighting of a, counted before and after the restore
+    assert r.size == 1000
