@@ -211,6 +211,21 @@ def test_admission_exact_across_two_workers_and_ps_layouts(start_job):
         assert _rows(w1, "adm") == base
         w2.lookup("adm", more[:1000])  # the N-th sighting of half of them
         assert _rows(w1, "adm") == base + 1000
+        # the counters in `aimaster status --tables`
+        import json
+        import subprocess
+        import sys
+        from tests.conftest import ROOT
+        out = subprocess.run([sys.executable, "-m", "aimaster.cli", "status", "--master",
+                              job.address, "--tables", "--json"], cwd=ROOT, text=True,
+                             capture_output=True, timeout=60,
+                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert out.returncode == 0, out.stderr
+        adm = json.loads(out.stdout)["tables"]["adm"]
+        assert adm["rows"] == base + 1000 and adm["candidates"] == \
+            short.size - 700 + more.size - 1000
+        assert adm["admitted"] >= 1000 and adm["rejected"] > 0 and adm["dropped"] > 0
+        assert not any(n.endswith("::admission") for n in json.loads(out.stdout)["tables"])
     finally:
         w1.close()
         w2.close()
