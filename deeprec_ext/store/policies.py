@@ -58,9 +58,14 @@ def is_candidate_table(name: str) -> bool:
 def _number(spec: dict, key: str, table: str, where: str, integer: bool = False):
     v = spec[key]
     ok = isinstance(v, numbers.Integral) if integer else isinstance(v, numbers.Real)
-    if isinstance(v, bool) or not ok or not math.isfinite(float(v)):
+    try:
+        ok = ok and not isinstance(v, bool) and math.isfinite(float(v))
+    except OverflowError:  # an integer beyond float range
+        ok = integer
+    if not ok:
         kind = "an integer" if integer else "a finite number"
-        raise ValueError(f"table '{table}': {where}.{key} must be {kind}, got {v!r}")
+        shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:40] + "..."
+        raise ValueError(f"table '{table}': {where}.{key} must be {kind}, got {shown}")
     return int(v) if integer else float(v)
 
 
@@ -110,8 +115,9 @@ def make_admission(spec, table: str, dim: int) -> dict | None:
                 raise ValueError(f"table '{table}': admission.bloom.{key} is required")
         cap = _number(bloom, "capacity", table, "admission.bloom", integer=True)
         fpp = _number(bloom, "fpp", table, "admission.bloom")
-        if cap < 1:
-            raise ValueError(f"table '{table}': admission.bloom.capacity must be >= 1, got {cap}")
+        if not 1 <= cap <= MAX_BLOOM_CELLS:
+            raise ValueError(f"table '{table}': admission.bloom.capacity must be within "
+                             f"[1, {MAX_BLOOM_CELLS}], got {cap}")
         if not 0.0 < fpp < 1.0:
             raise ValueError(f"table '{table}': admission.bloom.fpp must be within (0, 1), "
                              f"got {fpp}")
