@@ -220,3 +220,30 @@ def test_eviction_deletes_in_short_lock_holds_and_keeps_rows_updated_meanwhile()
     assert t._still_due(ids[:3]).tolist() == [1, 2]
     t.EVICT_CHUNK_ROWS = 1000
     assert t.evict() == 4999 and t.size == 1
+
+
+def test_export_serves_admitted_rows_and_the_default_for_the_rest(tmp_path):
+    """An export of an admission table (after an eviction) has no companion table and
+    answers ids without a row -- never seen, not admitted yet, or evicted -- with the
+    admission default vector."""
+    tf = pytest.importorskip("tensorflow")
+    from aimaster.export import export
+    store = EmbeddingStore()
+    t = store.create_table("e", 2, "ones", SGD1, admission={"min_count": 2, "default": 0.25},
+                           eviction={"l2_below": 0.5})
+    ids = np.arange(10, dtype=np.int64)
+    t.lookup(ids)
+    t.lookup(ids[:6])  # 0..5 admitted (value 1), 6..9 candidates
+    t.apply_gradients(ids[:2], np.ones((2, 2), np.float32))  # 0, 1 -> 0: evicted
+    assert t.evict() == 2
+    w = CheckpointWriter(tmp_path / "ck", 1, "full")
+    for name, table in sorted(store.tables().items()):
+        w.write_table("ps-0", table)
+    w.commit()
+    summary = export(str(tmp_path / "ck"), str(tmp_path / "out"))
+    assert summary["tables"] == {"e": 4}
+    lookup = tf.saved_model.load(str(tmp_path / "out")).signatures["lookup_e"]
+    got = lookup(ids=tf.constant(np.arange(12, dtype=np.int64)))["values"].numpy()
+    want = np.full((12, 2), 0.25, np.float32)
+    want[2:6] = 1.0
+    np.testing.assert_array_equal(got, want)
