@@ -82,6 +82,10 @@ def get_args_parser() -> argparse.ArgumentParser:
                     help="job token file (env DEEPREC_TOKEN_FILE)")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--timeout", type=float, default=10.0)
+    status.add_argument("--tables", action="store_true",
+                        help="also ask every PS for its tables: rows and the admission / "
+                             "eviction counters (admitted, rejected, candidates, evicted, "
+                             "dropped), summed over the PS")
     scale = sub.add_parser("scale", help="grow or shrink a running job's PS / worker sets; "
                                           "blocks until done and prints the event as JSON")
     scale.add_argument("--master", default=os.environ.get("DEEPREC_MASTER_ADDR"),
@@ -189,6 +193,30 @@ def status_dict(resp) -> dict:
     }
 
 
+TABLE_COUNTERS = ("rows", "admitted", "rejected", "candidates", "evicted", "dropped")
+
+
+def table_counters(placement: dict | None, timeout: float) -> dict:
+    """``{table: {rows, admitted, rejected, candidates, evicted, dropped}}`` summed over
+    the PS of ``placement`` (their Stats; a PS that does not answer is left out, and rows
+    of slots being migrated may count twice)."""
+    from deeprec_ext.grpc_util import insecure_channel
+    from deeprec_ext.proto import ps_pb2, ps_pb2_grpc
+    out: dict = {}
+    for p in ((placement or {}).get("ps") or {}).values():
+        try:
+            with insecure_channel(p["address"]) as ch:
+                resp = ps_pb2_grpc.ParameterServerStub(ch).Stats(ps_pb2.StatsRequest(),
+                                                                 timeout=timeout)
+        except grpc.RpcError:
+            continue
+        for t in resp.tables:
+            agg = out.setdefault(t.name, dict.fromkeys(TABLE_COUNTERS, 0))
+            for k in TABLE_COUNTERS:
+                agg[k] += int(getattr(t, k))
+    return dict(sorted(out.items()))
+
+
 def _client_setup(args) -> str | None:
     """Check --master and set up this CLI's job token (--token-file); returns an error
     message or None."""
@@ -221,6 +249,8 @@ def cmd_status(args) -> int:
     except grpc.RpcError as exc:
         return _rpc_fail("cannot reach AIMaster at", args.master, exc)
     d = status_dict(resp)
+    if args.tables:
+        d["tables"] = table_counters(d["placement"], min(args.timeout, 5.0))
     if args.json:
         print(json.dumps(d, indent=2))
         return 0
@@ -250,6 +280,8 @@ def cmd_status(args) -> int:
                   f"{eff:>6} {c['allocated_gb_seconds']:12.1f} {c['used_gb_seconds']:11.1f}")
         for dec in d["autoscale"]["decisions"][-3:]:
             print(f"  autoscale {dec['rule']}: {dec['reason']}")
+    for name, c in d.get("tables", {}).items():
+        print(f"  table {name:20} " + "  ".join(f"{k} {c[k]:,}" for k in TABLE_COUNTERS))
     return 0
 
 

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from deeprec_ext.store.policies import is_candidate_table
+
 log = logging.getLogger(__name__)
 
 DTYPES = ("float32", "float16")
@@ -54,6 +56,11 @@ def _table_module(tf, name: str, table, dtype: str):
             self.dim = table.dim
             self.size = len(table)
             self.init_config = table.config["initializer"]
+            # a table with admission serves its default vector for ids without a row
+            adm = table.config.get("admission")
+            self.default = (None if not adm else
+                            np.broadcast_to(np.asarray(adm.get("default", 0.0), np.float32),
+                                            (self.dim,)).copy())
             # a one-row placeholder keeps an empty table's gathers valid; it never matches
             # (searchsorted + equality decide), so an empty table serves initial values
             ids = table.ids if self.size else np.zeros(1, np.int64)
@@ -69,7 +76,11 @@ def _table_module(tf, name: str, table, dtype: str):
             if self.size == 0:
                 found = tf.zeros_like(found)
             stored = tf.cast(tf.gather(self.values, pos), tf.float32)
-            fresh = initial_values(self.init_config, self.dim, flat)
+            if self.default is not None:
+                fresh = tf.broadcast_to(tf.constant(self.default)[None, :],
+                                        [tf.size(flat), self.dim])
+            else:
+                fresh = initial_values(self.init_config, self.dim, flat)
             out = tf.where(found[:, None], stored, fresh)
             shape = tf.concat([tf.shape(ids, out_type=tf.int32), [self.dim]], axis=0)
             return tf.reshape(out, shape)
@@ -85,7 +96,8 @@ def _rebuild_keras(tf, record: dict, lookups: dict, dense: dict) -> tuple:
     class ServingEmbedding(keras.layers.Layer):
         """``ElasticEmbedding`` at serving time: reads the exported table variables."""
 
-        def __init__(self, dim, table=None, initializer=None, optimizer=None, **kwargs):
+        def __init__(self, dim, table=None, initializer=None, optimizer=None, admission=None,
+                     eviction=None, **kwargs):
             super().__init__(**kwargs)
             self.dim = dim
             self.table = table or self.name
@@ -164,6 +176,8 @@ def export(checkpoint_dir, out, tables=None, dtype: str = "float32", min_count: 
     except CheckpointError as exc:
         raise ExportError(str(exc)) from None
     record = loaded.model or {"kind": "tables", "tables": {}}
+    for name in [n for n in loaded.tables if is_candidate_table(n)]:
+        del loaded.tables[name]  # admission counters: training state, not served
     warnings = []
     dropped = {}
     if min_count:

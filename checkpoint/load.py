@@ -206,5 +206,8 @@ def load(path, tables=None, verify: str = "chunks", slots: bool = True) -> Loade
                                  np.ascontiguousarray(rows[:, dim:t["row_width"]]) if slots
                                  else np.zeros((keys.size, 0), np.float32),
                                  {"dim": dim, "initializer": t["initializer"],
-                                  "optimizer": t["optimizer"]}, counts)
+                                  "optimizer": t["optimizer"],
+                                  # admission / eviction policies, when the table had any
+                                  **{k: t[k] for k in ("admission", "eviction") if t.get(k)}},
+                                 counts)
     return out

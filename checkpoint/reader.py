@@ -469,7 +469,9 @@ class _StoreSink:
         try:
             t = self.store.create_table(name, info["dim"], info["initializer"],
                                         info["optimizer"],
-                                        initial_capacity=max(int(expected_rows), 1024))
+                                        initial_capacity=max(int(expected_rows), 1024),
+                                        admission=info.get("admission"),
+                                        eviction=info.get("eviction"))
         except ValueError as e:
             raise CheckpointError(f"cannot create table '{name}' in the target store: {e}") \
                 from None

@@ -148,8 +148,12 @@ def find_checkpoint_dir(root: Path, ckpt_id: int) -> Path | None:
 
 def _table_info(table: EmbeddingTable) -> dict:
     cfg = table.config
-    return {"dim": int(cfg["dim"]), "initializer": cfg["initializer"],
+    info = {"dim": int(cfg["dim"]), "initializer": cfg["initializer"],
             "optimizer": cfg["optimizer"], "row_width": int(table.row_width), "counts": True}
+    for policy in ("admission", "eviction"):  # only when set: older configs compare equal
+        if cfg.get(policy):
+            info[policy] = cfg[policy]
+    return info
 
 
 def _config_of(info: dict) -> dict:
@@ -268,7 +272,7 @@ class CheckpointWriter:
             for name, info in pm["tables"].items():
                 self._tables[name] = {k: copy.deepcopy(v) for k, v in info.items()
                                       if k in ("dim", "initializer", "optimizer", "row_width",
-                                               "counts")}
+                                               "counts", "admission", "eviction")}
         elif parent is not None:
             raise ValueError("a full checkpoint has no parent")
 

@@ -1,5 +1,6 @@
-"""A table's spec -- name, dim, initializer, optimizer -- converted in one place: to and
-from its wire form (``ps_pb2.TableConfig``, specs as JSON text) and from a live table."""
+"""A table's spec -- name, dim, initializer, optimizer, admission and eviction policies --
+converted in one place: to and from its wire form (``ps_pb2.TableConfig``, specs as JSON
+text) and from a live table."""
 from __future__ import annotations
 
 import json
@@ -8,17 +9,24 @@ from deeprec_ext.errors import InvalidRequestError
 from deeprec_ext.proto import ps_pb2
 
 
-def to_wire(name: str, dim: int, initializer, optimizer) -> ps_pb2.TableConfig:
-    """``initializer`` / ``optimizer``: a name or a dict, as ``create_table`` takes them."""
+def to_wire(name: str, dim: int, initializer, optimizer, admission=None,
+            eviction=None) -> ps_pb2.TableConfig:
+    """``initializer`` / ``optimizer``: a name or a dict, as ``create_table`` takes them;
+    ``admission`` / ``eviction``: a dict or None (no policy)."""
     return ps_pb2.TableConfig(name=name, dim=int(dim),
                               initializer_json=json.dumps(initializer, sort_keys=True),
-                              optimizer_json=json.dumps(optimizer, sort_keys=True))
+                              optimizer_json=json.dumps(optimizer, sort_keys=True),
+                              admission_json=(json.dumps(admission, sort_keys=True)
+                                              if admission else ""),
+                              eviction_json=(json.dumps(eviction, sort_keys=True)
+                                             if eviction else ""))
 
 
 def of_table(table) -> ps_pb2.TableConfig:
     """The wire form of a store table (``EmbeddingTable.config``: resolved specs)."""
     cfg = table.config
-    return to_wire(cfg["name"], cfg["dim"], cfg["initializer"], cfg["optimizer"])
+    return to_wire(cfg["name"], cfg["dim"], cfg["initializer"], cfg["optimizer"],
+                   cfg.get("admission"), cfg.get("eviction"))
 
 
 def from_wire(cfg: ps_pb2.TableConfig) -> tuple[object, object]:
@@ -30,3 +38,16 @@ def from_wire(cfg: ps_pb2.TableConfig) -> tuple[object, object]:
     except (json.JSONDecodeError, RecursionError) as exc:
         raise InvalidRequestError(f"table '{cfg.name}': malformed JSON config: {exc}") from None
     return init, opt
+
+
+def policies(cfg: ps_pb2.TableConfig) -> dict:
+    """``{"admission": ..., "eviction": ...}`` keyword arguments of ``create_table`` parsed
+    from a TableConfig (None: no policy); checked by the store."""
+    out = {}
+    for key, text in (("admission", cfg.admission_json), ("eviction", cfg.eviction_json)):
+        try:
+            out[key] = json.loads(text) if text else None
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise InvalidRequestError(f"table '{cfg.name}': malformed {key} JSON: {exc}") \
+                from None
+    return out

@@ -25,6 +25,7 @@ from deeprec_ext.errors import (InvalidRequestError, RoutingNotReadyError, Stale
                                 UnavailableError, UnknownTableError)
 from deeprec_ext.grpc_util import RETRIABLE_CODES, ROUTING_EPOCH_KEY, RetryPolicy, insecure_channel
 from deeprec_ext.proto import master_pb2, master_pb2_grpc, ps_pb2, ps_pb2_grpc
+from deeprec_ext.store.policies import check_policies
 
 log = logging.getLogger(__name__)
 
@@ -168,11 +169,13 @@ class PSClient:
 
     # -- tables --------------------------------------------------------------------
     def create_table(self, name: str, dim: int, initializer="zeros", optimizer="sgd",
-                     init_ids=None, init_values=None) -> bool:
+                     init_ids=None, init_values=None, admission=None, eviction=None) -> bool:
         """Create ``name`` on every PS (idempotent for an identical config).
 
         ``init_ids``/``init_values`` seed rows where absent (first creator wins), which is
-        how workers share one initial value of a dense variable. Returns True if created.
+        how workers share one initial value of a dense variable. ``admission`` /
+        ``eviction``: the table's policies (``deeprec_ext.store.policies``), checked here
+        before any PS is asked. Returns True if created.
         """
         if not isinstance(name, str) or not name:
             raise InvalidRequestError("table name must be a non-empty string")
@@ -181,9 +184,13 @@ class PSClient:
         for what, spec in (("initializer", initializer), ("optimizer", optimizer)):
             if not isinstance(spec, (str, dict)):
                 raise InvalidRequestError(f"table '{name}': {what} must be a name or a dict, got {spec!r}")
+        check_policies(name, int(dim), admission, eviction)
         self.table_specs[name] = {"dim": int(dim), "initializer": initializer,
                                   "optimizer": optimizer}
-        config = table_spec.to_wire(name, dim, initializer, optimizer)
+        for key, spec in (("admission", admission), ("eviction", eviction)):
+            if spec:
+                self.table_specs[name][key] = spec
+        config = table_spec.to_wire(name, dim, initializer, optimizer, admission, eviction)
         ids = None
         if init_ids is not None:
             ids = _as_ids(init_ids, f"table '{name}' init_ids").ravel()

@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         handed_off = False
     servicer.replicator.close()
+    servicer.close()  # background eviction
     if session is not None:
         session.close("preempted" if handed_off else "stopped")
     # bounded: a call gRPC never completes must not keep the process alive after SIGTERM

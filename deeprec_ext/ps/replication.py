@@ -488,7 +488,7 @@ def _apply_batch(store: EmbeddingStore, b, decoded=None) -> int:
     if not cfg.name:
         return 0
     init, opt = validation.table_config(cfg)  # name, dim, JSON (nesting) checked
-    table = store.ensure_table(cfg.name, cfg.dim, init, opt)
+    table = store.ensure_table(cfg.name, cfg.dim, init, opt, **table_spec.policies(cfg))
     if decoded is None:
         decoded = _decode(b, table.row_width)
     deleted, ids, rows = decoded

@@ -28,6 +28,7 @@ from deeprec_ext.ps.replication import (BASE_KEY, KIND_KEY, PROMOTE_WAIT_SECONDS
                                         Replicator, table_config)
 from deeprec_ext.stats import MemberCollector, RpcStats
 from deeprec_ext.store import EmbeddingStore, LogTrimmed
+from deeprec_ext.store.policies import is_candidate_table
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         # server), tables and replication lag, sent with every heartbeat and in Stats
         self.rpc_stats = RpcStats()
         self.gazer = MemberCollector("ps", self.rpc_stats, extra=self._gazer_extra)
+        # eviction policies run in the background (started with the first such table)
+        self._evictor: threading.Thread | None = None
+        self._evict_stop = threading.Event()
+        self._evicted_at: dict[str, float] = {}
 
     # -- helpers ---------------------------------------------------------------------
     # Migration yields to training: between the chunks of a background round (snapshot,
@@ -177,6 +182,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         cfg = request.config
         try:
             init, opt = validation.table_config(cfg)
+            if is_candidate_table(cfg.name):
+                raise InvalidRequestError(f"table '{cfg.name}': names ending in "
+                                          f"'::admission' are reserved for admission counters")
+            policies = table_spec.policies(cfg)
             init_ids = codec.ids_from_bytes(request.init_ids, "init_ids")
             init_values = codec.floats_from_bytes(request.init_values, init_ids.size, cfg.dim,
                                                   "init_values")
@@ -187,7 +196,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 source = self._warm.pop(cfg.name, None)
                 if source is not None:
                     self._adopt_warm_table(cfg, init, opt, source)
-                table = self.store.create_table(cfg.name, cfg.dim, init, opt)
+                    self.store.set_policies(cfg.name, **policies)
+                table = self.store.create_table(cfg.name, cfg.dim, init, opt, **policies)
             if init_ids.size:
                 table.insert(init_ids, init_values, only_if_absent=True)
         except (ValueError, TypeError) as exc:
@@ -195,6 +205,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if source is not None:
             self._configs[cfg.name] = cfg
         self._configs.setdefault(cfg.name, cfg)
+        self._start_evictor()
         return ps_pb2.CreateTableResponse(created=not existed)
 
     def _adopt_warm_table(self, cfg, init, opt, source: str) -> None:
@@ -213,7 +224,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                         "its slots start fresh", self.ps_id, cfg.name)
 
     def ListTables(self, request, context):
-        names = set(self.store.tables())
+        names = set(self.store.user_tables())
         return ps_pb2.ListTablesResponse(tables=[c for n, c in self._configs.items() if n in names])
 
     def Lookup(self, request, context):
@@ -335,6 +346,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             errors.abort(context, grpc.StatusCode.FAILED_PRECONDITION, errors.ErrorKind.STALE_EPOCH,
                          f"routing epoch {request.epoch} is not newer than this PS's epoch "
                          f"{self.routing.epoch}", ((ROUTING_EPOCH_KEY, str(self.routing.epoch)),))
+        self.store.set_routing_slots(request.num_slots)
         if request.ps_id:
             self.ps_id = request.ps_id
             self.replicator.configure(request.ps_id, request.replica_peer,
@@ -436,8 +448,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 continue
             try:
                 init, opt = validation.table_config(cfg)
-                table = self.store.create_table(cfg.name, cfg.dim, init, opt)
+                table = self.store.create_table(cfg.name, cfg.dim, init, opt,
+                                                **table_spec.policies(cfg))
                 self._configs.setdefault(cfg.name, cfg)
+                self._start_evictor()
                 deleted = codec.ids_from_bytes(batch.deleted_ids, "deleted_ids")
                 if deleted.size:
                     table.delete(deleted)
@@ -546,7 +560,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         try:
             for name, rtable in sorted(copy.store.tables().items()):
                 cfg = rtable.config
-                table = self.store.create_table(name, rtable.dim, cfg["initializer"], cfg["optimizer"])
+                table = self.store.create_table(name, rtable.dim, cfg["initializer"], cfg["optimizer"],
+                                                admission=cfg.get("admission"),
+                                                eviction=cfg.get("eviction"))
                 self._configs.setdefault(name, table_spec.of_table(rtable))
                 adopted = table.adopt_segment(rtable, mask, int(mask.size))
                 if adopted >= 0:
@@ -568,6 +584,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         log.info("%s: promoted %d rows of %s (%d copied; replica %.0f ms old)", self.ps_id, n,
                  request.origin, copied, age)
         self._start_merge()
+        self._start_evictor()
         return ps_pb2.PromoteResponse(rows=n, origin_sequence=copy.sequence, replica_age_ms=age)
 
     def _start_merge(self) -> None:
@@ -623,6 +640,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         # (which takes the gate's exclusive side) must not wait for, and hold up every
         # lookup behind, a checkpoint of a large table.
         owned = self.routing.owned
+        self.evict_now()  # evicted rows go into this checkpoint as deletions, not as rows
         rows = nbytes = 0
         cut = {}
         try:
@@ -670,16 +688,68 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                    if name not in self._configs})
         for name, table in self.store.tables().items():
             self._configs.setdefault(name, table_spec.of_table(table))
+        self._start_evictor()
         rows = sum(int(t.get("rows", 0)) for t in info.tables.values())
         log.info("%s: restored %d rows of %d slots from checkpoint %d in %.2fs", self.ps_id,
                  rows, int(mask.sum()), info.checkpoint_id, info.seconds)
         return ps_pb2.RestoreCheckpointResponse(rows=rows, bytes_read=info.bytes_read,
                                                 seconds=info.seconds)
 
+    # -- eviction ---------------------------------------------------------------------
+    EVICT_POLL_SECONDS = 0.5
+
+    def evict_now(self, due_only: bool = False) -> dict[str, int]:
+        """Run the eviction policies of the tables (``due_only``: those whose interval has
+        passed) over the slots this PS owns: ``{table: rows evicted}``. The rows go
+        through the delete path, so the replica, migrations and the next incremental
+        checkpoint see them deleted."""
+        now = time.monotonic()
+        owned = self.routing.owned
+        out = {}
+        for name, table in self.store.user_tables().items():
+            ev = table.eviction
+            if not ev:
+                continue
+            if due_only and now - self._evicted_at.get(name, 0.0) < ev["interval_seconds"]:
+                continue
+            self._evicted_at[name] = now
+            try:
+                out[name] = table.evict(owned)
+            except Exception:  # noqa: BLE001 - an eviction failing must not stop the PS
+                log.exception("%s: eviction of table '%s' failed", self.ps_id, name)
+        if any(out.values()):
+            log.info("%s: evicted %s", self.ps_id, {k: v for k, v in out.items() if v})
+        return out
+
+    def _start_evictor(self) -> None:
+        if self._evictor is not None or not any(
+                t.eviction for t in self.store.user_tables().values()):
+            return
+        with self._counter_lock:
+            if self._evictor is not None:
+                return
+            now = time.monotonic()
+            for name in self.store.user_tables():
+                self._evicted_at.setdefault(name, now)  # first run one interval from now
+            self._evictor = threading.Thread(target=self._evict_loop, name="evictor",
+                                             daemon=True)
+            self._evictor.start()
+
+    def _evict_loop(self) -> None:
+        while not self._evict_stop.wait(self.EVICT_POLL_SECONDS):
+            now = time.monotonic()
+            for name in self.store.user_tables():
+                self._evicted_at.setdefault(name, now)
+            self.evict_now(due_only=True)
+
+    def close(self) -> None:
+        """Stop the background eviction (the process is leaving)."""
+        self._evict_stop.set()
+
     def _gazer_extra(self, out) -> None:
         out.tables.extend(gazer_pb2.TableGauge(name=name, rows=t.size, bytes=t.nbytes,
                                                capacity=t.capacity)
-                          for name, t in sorted(self.store.tables().items()))
+                          for name, t in sorted(self.store.user_tables().items()))
         out.replication.CopyFrom(gazer_pb2.ReplicationStats(**self.replicator.lag()))
 
     def SlotStats(self, request, context):
@@ -699,12 +769,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Stats(self, request, context):
         tables = []
-        for name, table in sorted(self.store.tables().items()):
+        for name, st in self.store.stats().items():
             cfg = self._configs.get(name)
             opt = json.loads(cfg.optimizer_json) if cfg and cfg.optimizer_json else "sgd"
             tables.append(ps_pb2.TableStats(
-                name=name, dim=table.dim, rows=table.size, bytes=table.nbytes,
-                optimizer=opt if isinstance(opt, str) else opt.get("name", "")))
+                name=name, dim=st["dim"], rows=st["rows"], bytes=st["bytes"],
+                optimizer=opt if isinstance(opt, str) else opt.get("name", ""),
+                **{k: int(st.get(k, 0)) for k in ("admitted", "rejected", "candidates",
+                                                  "evicted", "dropped")}))
         with self._counter_lock:
             c = dict(self.counters)
         proc = psutil.Process(os.getpid())

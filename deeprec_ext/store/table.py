@@ -73,11 +73,13 @@ import time
 
 import numpy as np
 
-from deeprec_ext.hashing import slot_of
+from deeprec_ext.hashing import DEFAULT_NUM_SLOTS, hash64, slot_of
 
 from deeprec_ext.store.hash_index import HashIndex
 from deeprec_ext.store.initializers import Initializer, make_initializer
 from deeprec_ext.store.optimizers import Optimizer, make_optimizer
+from deeprec_ext.store.policies import (BLOOM_BLOCK, bloom_size, candidate_table_name,
+                                        is_candidate_table, make_admission, make_eviction)
 
 _CHUNK_FLOATS = 1 << 19  # optimizer works on ~2 MB of rows at a time
 _SCAN_SLICE_ROWS = 1 << 18  # arena rows scanned per table-lock hold by sliced scans
@@ -137,6 +139,30 @@ def _yield() -> None:
     """Let a thread waiting for a table lock just released take it: a lock is not fair,
     and a loop re-acquiring it at once would keep a waiting lookup out for many holds."""
     time.sleep(0)
+
+
+_U64 = 1 << 64
+_INV_M1 = np.uint64(pow(0xBF58476D1CE4E5B9, -1, _U64))
+_INV_M2 = np.uint64(pow(0x94D049BB133111EB, -1, _U64))
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _unshift(z: np.ndarray, s: int) -> np.ndarray:
+    """Inverse of ``z ^ (z >> s)`` on uint64."""
+    x = z.copy()
+    for _ in range(64 // s + 1):
+        x = z ^ (x >> np.uint64(s))
+    return x
+
+
+def unhash64(h: np.ndarray) -> np.ndarray:
+    """int64 keys ``k`` with ``hash64(k) == h`` (the splitmix64 finalizer is a bijection)."""
+    z = np.asarray(h, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = _unshift(z, 31) * _INV_M2
+        z = _unshift(z, 27) * _INV_M1
+        z = _unshift(z, 30) - _GOLDEN
+    return z.view(np.int64)
 
 
 class LogTrimmed(LookupError):
@@ -306,7 +332,7 @@ class EmbeddingTable:
 
     def __init__(self, name: str, dim: int, initializer="zeros", optimizer="sgd",
                  sequence: SequenceCounter | None = None, initial_capacity: int = 1024,
-                 track_changes: bool = True):
+                 track_changes: bool = True, admission=None, eviction=None):
         if not isinstance(name, str) or not name:
             raise ValueError(f"table name must be a non-empty string, got {name!r}")
         if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim <= 0:
@@ -319,6 +345,8 @@ class EmbeddingTable:
         self.dim = int(dim)
         self.initializer: Initializer = make_initializer(initializer, self.dim)
         self.optimizer: Optimizer = make_optimizer(optimizer)
+        self.admission = make_admission(admission, name, self.dim)
+        self.eviction = make_eviction(eviction, name)
         self.sequence = sequence if sequence is not None else SequenceCounter()
         self._num_slots = self.optimizer.num_slots
         self._width = self.dim * (1 + self._num_slots)
@@ -333,6 +361,17 @@ class EmbeddingTable:
         self._row_count = np.zeros(cap, dtype=np.uint32)
         self._row_key = np.zeros(cap, dtype=np.int64)
         self._mark = np.zeros(cap, dtype=np.int64)  # scratch for duplicate detection
+        # steps_to_live eviction: per-row step of its last update (the table's push clock)
+        self._clock = 0
+        self._row_step = (np.zeros(cap, dtype=np.int64)
+                          if self.eviction and "steps_to_live" in self.eviction else None)
+        # admission: the companion table of candidate counts (bloom: cells), set by the
+        # store; routing slots the bloom cells are keyed for
+        self._cand: EmbeddingTable | None = None
+        self.routing_slots = DEFAULT_NUM_SLOTS
+        self._default: np.ndarray | None = None
+        self.policy_counters = {"admitted": 0, "rejected": 0, "evicted": 0, "dropped": 0}
+        self._set_policies()
         self._hwm = 0  # rows [0, hwm) have been handed out at least once
         self._free = np.empty(0, dtype=np.int64)  # stack of free row ids
         self._nfree = 0
@@ -398,19 +437,195 @@ class EmbeddingTable:
 
     @property
     def config(self) -> dict:
-        return {"name": self.name, "dim": self.dim, "initializer": self.initializer.config,
-                "optimizer": self.optimizer.config}
+        cfg = {"name": self.name, "dim": self.dim, "initializer": self.initializer.config,
+               "optimizer": self.optimizer.config}
+        if self.admission is not None:
+            cfg["admission"] = self.admission
+        if self.eviction is not None:
+            cfg["eviction"] = self.eviction
+        return cfg
 
-    @property
-    def last_seq(self) -> int:
-        """Largest row sequence number in the table (0 if empty)."""
+    # -- admission / eviction -----------------------------------------------------------
+    def _set_policies(self) -> None:
+        adm = self.admission
+        if adm is None:
+            self._default = None
+            return
+        d = np.zeros(self.dim, dtype=np.float32)
+        d[:] = adm.get("default", 0.0)
+        self._default = d
+        if "bloom" in adm:
+            self._bloom_cells, self._bloom_hashes = bloom_size(adm["bloom"]["capacity"],
+                                                               adm["bloom"]["fpp"])
+
+    def set_policies(self, admission, eviction) -> None:
+        """Adopt other admission / eviction policies (a copy following its source)."""
+        adm = make_admission(admission, self.name, self.dim)
+        ev = make_eviction(eviction, self.name)
         with self._lock:
-            own = int(self._row_seq[:self._hwm].max(initial=0))
-            return max(own, self._seg.last_seq) if self._seg is not None else own
+            self.admission, self.eviction = adm, ev
+            if ev and "steps_to_live" in ev and self._row_step is None:
+                self._row_step = np.full(self._arena.shape[0], self._clock, dtype=np.int64)
+            elif not (ev and "steps_to_live" in ev):
+                self._row_step = None
+            self._set_policies()
 
-    def __repr__(self) -> str:
-        return (f"EmbeddingTable({self.name!r}, dim={self.dim}, size={self.size}, "
-                f"optimizer={self.optimizer.name})")
+    def attach_candidates(self, cand: EmbeddingTable | None) -> None:
+        """The companion table holding this table's admission candidates (the store's)."""
+        with self._lock:
+            self._cand = cand
+
+    def _bloom_cells_of(self, keys: np.ndarray):
+        """The filter cells of ``keys``: ``(codes, blocks, pos)``, each [n, k]. A cell is
+        ``(slot, column)`` of the id's routing slot (``codes = column * slots + slot``);
+        cells are stored BLOOM_BLOCK to a companion-table row, keyed ``blocks`` so that
+        the row routes to that same slot (``slot_of(block key) == slot``): the cells move
+        with their slot like rows. Each slot has its share of the filter's cells, at least
+        ``2 k`` (``k`` hash functions), in whole blocks."""
+        ns = np.uint64(int(self.routing_slots))
+        k = self._bloom_hashes
+        b = np.uint64(BLOOM_BLOCK)
+        per_slot = max(-(-self._bloom_cells // int(ns)), 2 * k)
+        per_slot = np.uint64(-(-per_slot // BLOOM_BLOCK) * BLOOM_BLOCK)
+        slots = hash64(keys) % ns
+        cols = np.empty((keys.size, k), dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            for i in range(k):  # k <= 16 vectorized passes
+                cols[:, i] = hash64(keys, seed=i + 1) % per_slot
+            codes = cols * ns + slots[:, None]
+            blocks = unhash64(((cols // b) * ns + slots[:, None]).reshape(-1))
+        return codes, blocks.reshape(keys.size, k), (cols % b).astype(np.int64)
+
+    def _bloom_read(self, keys: np.ndarray, add: np.ndarray | None = None) -> np.ndarray:
+        """float64 [n]: the filter's estimate for distinct ``keys`` (the smallest of their
+        cells); with ``add`` (float [n]), first add it to each key's cells (a cell two of
+        a key's hash functions chose counts it once) and write the cells back."""
+        cand = self._cand
+        codes, blocks, pos = self._bloom_cells_of(keys)
+        n, k = codes.shape
+        ub, binv = np.unique(blocks.reshape(-1), return_inverse=True)
+        cells = cand.lookup(ub, insert_missing=False).astype(np.float64)  # [nb, BLOCK]
+        flat_pos = pos.reshape(-1)
+        if add is not None:
+            order = np.argsort(codes, axis=1)
+            sc = np.take_along_axis(codes, order, axis=1)
+            w = np.repeat(np.asarray(add, np.float64)[:, None], k, axis=1)
+            dup = np.zeros((n, k), dtype=bool)
+            dup[:, 1:] = sc[:, 1:] == sc[:, :-1]
+            np.put_along_axis(w, order, np.where(dup, 0.0, w), axis=1)
+            cells += np.bincount(binv * BLOOM_BLOCK + flat_pos, weights=w.reshape(-1),
+                                 minlength=cells.size).reshape(cells.shape)
+            np.minimum(cells, float(1 << 24), out=cells)
+            cand.insert(ub, cells.astype(np.float32))
+        return cells[binv, flat_pos].reshape(n, k).min(axis=1)
+
+    def _admit(self, keys: np.ndarray) -> np.ndarray:
+        """Count one sighting per occurrence of ``keys`` (ids without a row, under the
+        lock); bool [n]: whose count reached ``min_count`` (they get a row now)."""
+        cand = self._cand
+        need = self.admission["min_count"]
+        if cand is None or need <= 1:
+            return np.ones(keys.size, dtype=bool)
+        uk, inv, cnt = np.unique(keys, return_inverse=True, return_counts=True)
+        if "bloom" in self.admission:
+            ok = self._bloom_read(uk, cnt) >= need
+        else:
+            est = cand.lookup(uk, insert_missing=False)[:, 0] + cnt
+            ok = est >= need
+            if not ok.all():
+                wait = np.flatnonzero(~ok)
+                cand.insert(uk.take(wait), est.take(wait).astype(np.float32)[:, None])
+            if ok.any():  # admitted: no longer a candidate (the delete reaches every copy)
+                cand.delete(uk[ok])
+        return ok.take(inv)
+
+    def candidate_count(self, keys) -> np.ndarray:
+        """float64 [n]: the admission count of ``keys`` so far (bloom: its estimate); 0
+        for a table without admission or an id already admitted (exact counter)."""
+        keys = _check_keys(keys)
+        cand = self._cand
+        if cand is None or self.admission is None:
+            return np.zeros(keys.size)
+        with self._lock:
+            if "bloom" in self.admission:
+                uk, inv = np.unique(keys, return_inverse=True)
+                return self._bloom_read(uk).take(inv)
+            return cand.lookup(keys, insert_missing=False)[:, 0].astype(np.float64)
+
+    def policy_stats(self) -> dict:
+        """Admission / eviction counters of this table on this PS (since it started) and
+        the candidates held now (bloom: filter cells allocated)."""
+        cand = self._cand
+        out = dict(self.policy_counters)
+        out["candidates"] = (0 if cand is None else
+                             cand.size * (cand.dim if "bloom" in self.admission else 1))
+        out["rows"] = self.size
+        return out
+
+    def _due(self, part: EmbeddingTable, rows: np.ndarray) -> np.ndarray:
+        """bool [n]: which live ``rows`` of ``part`` (this table or its segment) are due
+        for eviction (under the lock)."""
+        ev = self.eviction
+        due = np.zeros(rows.size, dtype=bool)
+        if "steps_to_live" in ev and part._row_step is not None:
+            due |= (self._clock - part._row_step.take(rows)) > ev["steps_to_live"]
+        if "l2_below" in ev:
+            bound = np.float32(ev["l2_below"]) ** 2
+            step = max(1024, _CHUNK_FLOATS // max(self.dim, 1))
+            for s in range(0, rows.size, step):
+                v = part._gather_values(rows[s:s + step])
+                due[s:s + step] |= np.einsum("ij,ij->i", v, v) < bound
+        return due
+
+    def _evictable(self, part: EmbeddingTable) -> np.ndarray:
+        """Keys of ``part``'s live rows due for eviction (under the lock)."""
+        live = np.flatnonzero(part._row_seq[:part._hwm] > 0)
+        return part._row_key.take(live[self._due(part, live)])
+
+    def _still_due(self, keys: np.ndarray) -> np.ndarray:
+        """Those of ``keys`` that still hold a row due for eviction (under the lock): a
+        row updated since the scan is kept."""
+        split = self._split(keys) if self._seg is not None else None
+        parts = [(self, keys)] if split is None else \
+            [(self, keys.take(split[2])), (self._seg, keys.take(split[0]))]
+        out = []
+        for part, k in parts:
+            rows = part._index.find(k)
+            hit = np.flatnonzero(rows >= 0)
+            k, rows = k.take(hit), rows.take(hit)
+            out.append(k[self._due(part, rows)])
+        return out[0] if len(out) == 1 else np.concatenate(out)
+
+    EVICT_CHUNK_ROWS = 1 << 14  # rows deleted per table-lock hold
+
+    def evict(self, slot_mask: np.ndarray | None = None) -> int:
+        """Delete the rows due under the eviction policy (of the slots set in
+        ``slot_mask``, all without), through :meth:`delete`: a tombstone is logged, so the
+        replica, migrations and the next incremental checkpoint drop them too, and their
+        arena rows are reused. One scan under the lock, then deletes of EVICT_CHUNK_ROWS
+        rows per lock hold (each re-checked: a row updated meanwhile stays). Returns the
+        rows deleted (0 without a policy)."""
+        if self.eviction is None:
+            return 0
+        with self._lock:
+            keys = self._evictable(self)
+            seg = self._seg
+            if seg is not None:
+                sk = self._evictable(seg)
+                keys = np.concatenate([keys, sk[self._seg_mask[slot_of(sk, self._seg_ns)]]])
+        if slot_mask is not None and keys.size:
+            keys = keys[slot_mask[slot_of(keys, int(slot_mask.size))]]
+        n = 0
+        for i in range(0, keys.size, self.EVICT_CHUNK_ROWS):
+            with self._lock:
+                if self.eviction is None:
+                    break
+                k = self._still_due(keys[i:i + self.EVICT_CHUNK_ROWS])
+                d = self.delete(k) if k.size else 0
+                self.policy_counters["evicted"] += d
+                n += d
+            _yield()
+        return n
 
     # -- row allocation -----------------------------------------------------------------
     def _grow_arena(self, need_rows: int) -> None:
@@ -425,6 +640,8 @@ class EmbeddingTable:
         self._row_seq = _grown(self._row_seq, new_cap, hwm)
         self._row_count = _grown(self._row_count, new_cap, hwm)
         self._row_key = _grown(self._row_key, new_cap, hwm)
+        if self._row_step is not None:
+            self._row_step = _grown(self._row_step, new_cap, hwm)
         self._set_views()
         self._mark = _grown(self._mark, new_cap, 0)
 
@@ -484,6 +701,8 @@ class EmbeddingTable:
         self._row_key[rows] = keys
         self._row_seq[rows] = seq
         self._row_count[rows] = 0
+        if self._row_step is not None:
+            self._row_step[rows] = self._clock
 
     def _create_missing(self, keys: np.ndarray, rows: np.ndarray, seq_holder: list,
                         log: bool = True) -> None:
@@ -609,6 +828,8 @@ class EmbeddingTable:
         """``lookup`` in this table's own index and arena (not the segment)."""
         with self._lock:
             rows = self._index.find(keys)
+            if self.admission is not None:
+                return self._lookup_admitted(keys, rows, insert_missing)
             if insert_missing:
                 self._create_missing(keys, rows, [])
                 return self._gather_values(rows)
@@ -622,6 +843,29 @@ class EmbeddingTable:
                 out[hit] = self._gather_values(rows.take(hit))
             return out
 
+    def _lookup_admitted(self, keys: np.ndarray, rows: np.ndarray,
+                         insert_missing: bool) -> np.ndarray:
+        """``_lookup_main`` of a table with admission: ids without a row are counted
+        (training lookups) and get a row once admitted; the others read the default."""
+        miss = np.flatnonzero(rows < 0)
+        if miss.size and insert_missing:
+            ok = self._admit(keys.take(miss))
+            if ok.any():
+                sel = miss[ok]
+                sub = rows.take(sel)
+                self._create_missing(keys.take(sel), sub, [])
+                rows[sel] = sub
+                self.policy_counters["admitted"] += int(np.unique(keys.take(sel)).size)
+                miss = miss[~ok]
+            self.policy_counters["rejected"] += int(miss.size)
+        out = np.empty((keys.size, self.dim), dtype=np.float32)
+        if miss.size < keys.size:
+            hit = np.flatnonzero(rows >= 0)
+            out[hit] = self._gather_values(rows.take(hit))
+        if miss.size:
+            out[miss] = self._default
+        return out
+
     def apply_gradients(self, keys, grads) -> int:
         """Apply the optimizer to rows of ``keys`` with ``grads`` float32 [n, dim].
 
@@ -634,32 +878,46 @@ class EmbeddingTable:
         if keys.size == 0:
             return 0
         with self._lock:
+            self._clock += 1  # steps_to_live: one step per gradient batch
             split = self._split(keys) if self._seg is not None else None
             if split is None:
                 return self._apply_main(keys, grads)
             spos, srows, mpos = split
             seq = (self._apply_main(keys.take(mpos), grads.take(mpos, axis=0)) if mpos.size
                    else self.sequence.next())
-            self._seg._apply_rows(srows, grads.take(spos, axis=0), seq)
+            self._seg._apply_rows(srows, grads.take(spos, axis=0), seq, self._clock)
             return seq
 
     def _apply_main(self, keys: np.ndarray, grads: np.ndarray) -> int:
         with self._lock:
             rows = self._index.find(keys)
+            if self.admission is not None:  # no row is created by a push: drop the rest
+                hit = rows >= 0
+                if not hit.all():
+                    self.policy_counters["dropped"] += int(keys.size - np.count_nonzero(hit))
+                    sel = np.flatnonzero(hit)
+                    rows, grads = rows.take(sel), grads.take(sel, axis=0)
+                seq = self.sequence.next()
+                if rows.size:
+                    self._apply_rows(rows, grads, seq, self._clock)
+                return seq
             seq = []
             self._create_missing(keys, rows, seq, log=False)
             seq = seq[0] if seq else self.sequence.next()
-            self._apply_rows(rows, grads, seq)
+            self._apply_rows(rows, grads, seq, self._clock)
             return seq
 
-    def _apply_rows(self, rows: np.ndarray, grads: np.ndarray, seq: int) -> None:
-        """The optimizer step on existing ``rows`` (duplicates summed), stamped ``seq``."""
+    def _apply_rows(self, rows: np.ndarray, grads: np.ndarray, seq: int, step: int) -> None:
+        """The optimizer step on existing ``rows`` (duplicates summed), stamped ``seq``
+        (and ``step``, for steps_to_live eviction)."""
         rep = self._find_duplicates(rows)
         if rep is not None:
             rows, grads = self._sum_duplicates(rows, grads, rep)
         self._apply_optimizer(rows, grads)
         self._row_seq[rows] = seq
         self._row_count[rows] += np.uint32(1)  # rows are unique here
+        if self._row_step is not None:
+            self._row_step[rows] = step
         self._log_write(seq, rows)
 
     def insert(self, keys, values, only_if_absent: bool = False) -> int:
@@ -742,6 +1000,8 @@ class EmbeddingTable:
                 self._arena[r0:r0 + n] = rows[:, :width]
                 self._row_seq[r0:r0 + n] = seq
                 self._row_count[r0:r0 + n] = counts
+                if self._row_step is not None:  # a restored row starts a fresh lease
+                    self._row_step[r0:r0 + n] = self._clock
                 self._log_write(seq, got)
                 return seq
             if self._find_duplicates(got) is not None:  # last occurrence wins
@@ -750,6 +1010,8 @@ class EmbeddingTable:
             self._scatter_rows(got, np.ascontiguousarray(rows[:, :width]))
             self._row_seq[got] = seq
             self._row_count[got] = counts
+            if self._row_step is not None:
+                self._row_step[got] = self._clock
             self._log_write(seq, got)
             return seq
 
@@ -770,6 +1032,8 @@ class EmbeddingTable:
                 seq = self.sequence.next()
                 self._seg._write_rows(srows, data.take(spos, axis=0), full_rows,
                                       None if counts is None else counts.take(spos), seq)
+                if self._seg._row_step is not None:  # a lease by this table's clock
+                    self._seg._row_step[srows] = self._clock
             return seq
 
     def _upsert_main(self, keys, data, full_rows: bool, only_if_absent: bool, counts) -> int:
@@ -801,6 +1065,8 @@ class EmbeddingTable:
         self._row_seq[rows] = seq
         if counts is not None:
             self._row_count[rows] = counts
+        if self._row_step is not None:  # written (imported, moved) rows: a fresh lease
+            self._row_step[rows] = self._clock
         self._log_write(seq, rows)
 
     def delete(self, keys, log_tombstone: bool = True, moved: bool = False) -> int:
@@ -1344,6 +1610,9 @@ class EmbeddingTable:
             seq = self.sequence.next()
             stamps = other._row_seq[:other._hwm]
             np.copyto(stamps, seq, where=stamps > 0)
+            if other._row_step is not None:  # promoted rows start a fresh lease here
+                other._row_step[:other._hwm] = self._clock
+            other._cand = None  # admission runs in this table (new keys come here)
             other._track = self._track
             other._changes = _ChangeLog()
             other._changes.floor = seq  # rows written before seq: all of them (a scan)
@@ -1391,6 +1660,8 @@ class EmbeddingTable:
                 self._scatter_rows(rows, block)
                 self._row_seq[rows] = seg._row_seq.take(sel)
                 self._row_count[rows] = seg._row_count.take(sel)
+                if self._row_step is not None and seg._row_step is not None:
+                    self._row_step[rows] = seg._row_step.take(sel)
                 # logged under the newest number issued: "changed since V" for any V below
                 # a moved row's own number lists it (it is filtered by its row_seq)
                 self._log_write(self.sequence.value, rows)
@@ -1425,16 +1696,25 @@ class EmbeddingStore:
         self._moved_consumers: set[str] = set()  # those that also read "moved" tombstones
 
     def create_table(self, name: str, dim: int, initializer="zeros", optimizer="sgd",
-                     initial_capacity: int = 1024) -> EmbeddingTable:
+                     initial_capacity: int = 1024, admission=None,
+                     eviction=None) -> EmbeddingTable:
         """Create a table, or return the existing one if its config is identical.
-        A conflicting config raises ValueError naming the first differing field."""
+        A conflicting config raises ValueError naming the first differing field.
+        ``admission`` / ``eviction``: the table's policies (see ``store.policies``); a
+        table with admission gets a companion table of candidates
+        (``candidate_table_name``), which moves, replicates and is checkpointed like any
+        table."""
         with self._lock:
             existing = self._tables.get(name)
             if existing is None:
                 table = EmbeddingTable(name, dim, initializer, optimizer, sequence=self.sequence,
                                        initial_capacity=initial_capacity,
-                                       track_changes=self.track_changes)
+                                       track_changes=self.track_changes,
+                                       admission=admission, eviction=eviction)
+                table.routing_slots = self.routing_slots
                 self._tables[name] = table
+                if table.admission is not None:
+                    table.attach_candidates(self._candidates_of(name))
                 return table
         # Validate the requested config the same way a new table would.
         if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim <= 0:
@@ -1450,19 +1730,71 @@ class EmbeddingStore:
         if opt != existing.optimizer.config:
             raise ValueError(f"table '{name}' already exists with optimizer="
                              f"{existing.optimizer.config}, requested optimizer={opt}")
+        adm = make_admission(admission, name, int(dim))
+        if adm != existing.admission:
+            raise ValueError(f"table '{name}' already exists with admission="
+                             f"{existing.admission}, requested admission={adm}")
+        ev = make_eviction(eviction, name)
+        if ev != existing.eviction:
+            raise ValueError(f"table '{name}' already exists with eviction="
+                             f"{existing.eviction}, requested eviction={ev}")
         return existing
 
-    def ensure_table(self, name: str, dim: int, initializer, optimizer) -> EmbeddingTable:
+    routing_slots = DEFAULT_NUM_SLOTS  # the job's routing slots (bloom cells are keyed by them)
+
+    def set_routing_slots(self, num_slots: int) -> None:
+        """The job's routing slot count: bloom admission cells route like the ids in them."""
+        self.routing_slots = int(num_slots)
+        for t in self.tables().values():
+            t.routing_slots = self.routing_slots
+
+    def _candidates_of(self, name: str) -> EmbeddingTable:
+        """The companion table of ``name``'s admission candidates (under the store lock):
+        the one already here (it may have arrived first, by a migration or a replica
+        delta), else a new one: dim 1 (exact counts), or BLOOM_BLOCK (bloom cells). One of
+        the other kind (the policy changed at a warm start) is replaced: counts start
+        over."""
+        cname = candidate_table_name(name)
+        cand = self._tables.get(cname)
+        dim = BLOOM_BLOCK if "bloom" in self._tables[name].admission else 1
+        if cand is None or cand.dim != dim:
+            cand = EmbeddingTable(cname, dim, "zeros", "sgd", sequence=self.sequence,
+                                  track_changes=self.track_changes)
+            cand.routing_slots = self.routing_slots
+            self._tables[cname] = cand
+        return cand
+
+    def user_tables(self) -> dict[str, EmbeddingTable]:
+        """Snapshot ``{name: table}`` without the admission companion tables."""
+        return {n: t for n, t in self.tables().items() if not is_candidate_table(n)}
+
+    def evict(self, slot_mask: np.ndarray | None = None) -> dict[str, int]:
+        """Run every table's eviction policy now: ``{table: rows evicted}``."""
+        return {n: t.evict(slot_mask) for n, t in self.tables().items() if t.eviction}
+
+    def ensure_table(self, name: str, dim: int, initializer, optimizer, admission=None,
+                     eviction=None) -> EmbeddingTable:
         """Create the table, or make the existing one take this config (same ``dim``). For
         copies that follow an authoritative source (replicas), whose config may change once,
         at a warm start."""
         try:
-            return self.create_table(name, dim, initializer, optimizer)
+            return self.create_table(name, dim, initializer, optimizer, admission=admission,
+                                     eviction=eviction)
         except ValueError:
             if name not in self._tables:
                 raise
             self.reconfigure(name, dim, initializer, optimizer)
-            return self.get(name)
+            return self.set_policies(name, admission, eviction)
+
+    def set_policies(self, name: str, admission, eviction) -> EmbeddingTable:
+        """Give an existing table other admission / eviction policies (a replica following
+        its source, a warm start taking the job's)."""
+        table = self.get(name)
+        table.set_policies(admission, eviction)
+        if table.admission is not None:
+            with self._lock:
+                table.attach_candidates(self._candidates_of(name))
+        return table
 
     def reconfigure(self, name: str, dim: int, initializer, optimizer) -> bool:
         """Give an existing table another initializer/optimizer (same ``dim``, else
@@ -1532,7 +1864,18 @@ class EmbeddingStore:
         return upto
 
     def stats(self) -> dict[str, dict]:
-        """``{name: {"rows", "bytes", "dim", "capacity", "optimizer"}}``."""
-        return {name: {"rows": t.size, "bytes": t.nbytes, "dim": t.dim,
-                       "capacity": t.capacity, "optimizer": t.optimizer.name}
-                for name, t in sorted(self.tables().items())}
+        """``{name: {"rows", "bytes", "dim", "capacity", "optimizer"}}``, and for a table
+        with admission or eviction its counters (``admitted``, ``rejected``, ``dropped``,
+        ``evicted``, ``candidates``); a companion table's bytes count in its table's."""
+        tables = self.tables()
+        out = {}
+        for name, t in sorted(tables.items()):
+            if is_candidate_table(name):
+                continue
+            cand = tables.get(candidate_table_name(name))
+            out[name] = {"rows": t.size,
+                         "bytes": t.nbytes + (cand.nbytes if cand is not None else 0),
+                         "dim": t.dim, "capacity": t.capacity, "optimizer": t.optimizer.name}
+            if t.admission is not None or t.eviction is not None:
+                out[name].update(t.policy_stats())
+        return out

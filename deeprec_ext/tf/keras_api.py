@@ -10,6 +10,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from deeprec_ext.store.policies import check_policies
 from deeprec_ext.tf.dense import DenseSync
 from deeprec_ext.tf.op_sampler import sampler_for
 from deeprec_ext.tf.ops import ANCHOR_SUFFIX, elastic_lookup
@@ -38,15 +39,23 @@ class ElasticEmbedding(keras.layers.Layer):
     Same call as ``keras.layers.Embedding``: integer ids of any shape in, float32
     ``ids.shape + [dim]`` out; ids are any int64 (no vocabulary size: unseen ids get a
     deterministic initial row). The optimizer runs on the PS (sgd, adagrad, adam, ftrl).
+
+    ``admission={"min_count": N}`` (optionally ``"bloom": {"capacity": C, "fpp": p}``,
+    ``"default"``): an id gets a row once seen N times, until then it reads the default
+    vector; ``eviction={"steps_to_live": S}`` / ``{"l2_below": x}``: rows are deleted
+    once stale or small (see ``deeprec_ext.store.policies``). Bad specs are refused here,
+    naming the table.
     """
 
     def __init__(self, dim: int, table: str | None = None, initializer=None, optimizer=None,
-                 **kwargs):
+                 admission=None, eviction=None, **kwargs):
         super().__init__(**kwargs)
         if not isinstance(dim, int) or dim <= 0:
             raise ValueError(f"ElasticEmbedding: dim must be a positive int, got {dim!r}")
         self.dim = dim
         self.table = table or self.name
+        check_policies(self.table, dim, admission, eviction)
+        self.admission, self.eviction = admission, eviction
         self.initializer = initializer if initializer is not None else DEFAULT_INITIALIZER
         self.optimizer_spec = optimizer if optimizer is not None else DEFAULT_OPTIMIZER
         self.supports_jit = False  # the lookup is a host call, not XLA-compilable
@@ -60,7 +69,8 @@ class ElasticEmbedding(keras.layers.Layer):
     def _ensure_table(self):
         if not self._table_ready:
             get_context().client.create_table(self.table, self.dim, initializer=self.initializer,
-                                              optimizer=self.optimizer_spec)
+                                              optimizer=self.optimizer_spec,
+                                              admission=self.admission, eviction=self.eviction)
             self._table_ready = True
 
     def call(self, ids, training=None):
@@ -76,6 +86,10 @@ class ElasticEmbedding(keras.layers.Layer):
         cfg = super().get_config()
         cfg.update(dim=self.dim, table=self.table, initializer=self.initializer,
                    optimizer=self.optimizer_spec)
+        if self.admission:
+            cfg["admission"] = self.admission
+        if self.eviction:
+            cfg["eviction"] = self.eviction
         return cfg
 
 

@@ -17,15 +17,17 @@ ANCHOR_COLLECTION = "deeprec_ext_push_anchors"
 
 
 def embedding_lookup(name: str, ids, dim: int, initializer=None, optimizer=None,
-                     training: bool = True) -> tf.Tensor:
+                     training: bool = True, admission=None, eviction=None) -> tf.Tensor:
     """Rows of PS table ``name`` for ``ids`` (any shape) -> ids.shape + [dim].
 
     Replaces ``tf.nn.embedding_lookup(tf.compat.v1.get_variable(name, [V, dim]), ids)``;
-    the gradient is pushed to the PS when the optimizer computes it.
+    the gradient is pushed to the PS when the optimizer computes it. ``admission`` /
+    ``eviction``: the table's policies, as for ``ElasticEmbedding``.
     """
     initializer = initializer if initializer is not None else DEFAULT_INITIALIZER
     optimizer = optimizer if optimizer is not None else DEFAULT_OPTIMIZER
-    get_context().client.create_table(name, dim, initializer=initializer, optimizer=optimizer)
+    get_context().client.create_table(name, dim, initializer=initializer, optimizer=optimizer,
+                                      admission=admission, eviction=eviction)
     record_table_spec(name, dim, initializer, optimizer)
     with v1.variable_scope(None, default_name=f"{name}_ps"):
         anchor = v1.get_variable(ANCHOR_SUFFIX, shape=[], dtype=tf.float32,
