@@ -14,6 +14,7 @@ import pytest
 
 from checkpoint import CheckpointWriter, restore
 from deeprec_ext import InvalidRequestError, PSClient
+from deeprec_ext.proto import gazer_pb2
 from deeprec_ext.store import EmbeddingStore
 from deeprec_ext.store.policies import check_policies
 from tests.conftest import wait_for
@@ -144,10 +145,16 @@ def test_eviction_through_scale_out_and_kill9(start_job, tmp_path):
     expected = np.zeros(n, np.int64)
     rng = np.random.default_rng(2)
     stop, errors, pushes = threading.Event(), [], [0]
+    paused, idle = threading.Event(), threading.Event()
 
     def pusher():
         try:
             while not stop.is_set():
+                if paused.is_set():
+                    idle.set()
+                    time.sleep(0.01)
+                    continue
+                idle.clear()
                 keep = rng.integers(0, n, 1000)
                 drop = rng.integers(n, 2 * n, 1000)  # zero gradient: a row of norm 0
                 ids = np.concatenate([keep, drop])
@@ -177,7 +184,14 @@ def test_eviction_through_scale_out_and_kill9(start_job, tmp_path):
         assert rows("d") == 2000
         assert _cli(job, "checkpoint", "--full")["type"] == "full"  # evicts first
         assert rows("d") == 1000
-        time.sleep(1.0)  # a few replication intervals: the tombstones reach the peers
+        # the tombstones reach the peers: no push for a moment, every replica current (after
+        # the scale-out the ring changed, and a PS's new peer gets a full copy first)
+        paused.set()
+        wait_for(idle.is_set, 60, "the pusher to pause")
+        wait_for(lambda: all(gazer_pb2.MemberStats.FromString(s.gazer_stats)
+                             .replication.behind_sequence == 0 for s in client.ps_stats()),
+                 60, "every replica to catch up")
+        paused.clear()
         before = pids(job, "ps")
         os.kill(before["ps-1"], signal.SIGKILL)
         rec = wait_for(lambda: [e for e in job.status()["events"] if e["kind"] == "recovery"],
