@@ -1423,6 +1423,8 @@ class JobMaster:
             if bad["shards"]:
                 parts.insert(2, f"bad input in {bad['shards']} shards ({bad['records']} records)")
         parts.insert(1, f"step {self.global_step()}")
+        for plugin in self.plugins:
+            self._run_hook(plugin, "on_progress", parts)
         if self.final_checkpoint:
             parts.append(f"final checkpoint {self.final_checkpoint}")
         if self.export_dir:

@@ -138,6 +138,21 @@ class GazerPlugin(MasterPlugin, gazer_pb2_grpc.GazerServicer):
             new.p99_ms = _window_p99(new, old)
             self._reports[request.id] = new
 
+    def on_progress(self, master, parts: list) -> None:
+        """Tables with admission or eviction: live rows, admitted, rejected so far and
+        evicted, summed over the PS's latest reports."""
+        from gazer.view import table_policy_totals
+        snap = gazer_pb2.Snapshot()
+        with self._lock:
+            reports = [(mid, r) for mid, r in self._reports.items()]
+        live = {m.id for m in master.members("ps")}
+        for mid, r in reports:
+            if mid in live:
+                snap.members.add(id=mid, role="ps", stats=r.stats)
+        for name, c in sorted(table_policy_totals(snap).items()):
+            parts.append(f"{name}: {c['rows']:,} rows, {c['admitted']:,} admitted, "
+                         f"{c['rejected']:,} rejected, {c['evicted']:,} evicted")
+
     def on_tick(self, master) -> None:
         now = time.monotonic()
         if self._last_point is not None and now - self._last_point[0] < 1.0:

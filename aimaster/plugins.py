@@ -39,6 +39,9 @@ class MasterPlugin:
     def on_status(self, master: "JobView", response) -> None:
         """RPC thread: fill this plugin's fields of a StatusResponse."""
 
+    def on_progress(self, master: "JobView", parts: list) -> None:
+        """Main loop thread: append this plugin's pieces (strings) to the progress line."""
+
     def around_migration(self, master: "JobView"):
         """A context manager entered just before table rows move between PS (scale,
         rebalance) and left once the new routing is published. Default: nothing."""

@@ -65,6 +65,15 @@ class SnapshotCollector:
         rows = gauge("gazer_ps_table_rows", "Rows of a table on a PS", M + ["table"])
         tbytes = gauge("gazer_ps_table_bytes", "Bytes of a table on a PS", M + ["table"])
         fill = gauge("gazer_ps_arena_fill_ratio", "Used rows / allocated arena rows", M + ["table"])
+        # admission / eviction (docs/guide-ps.md): counters since the PS started
+        admitted = counter("gazer_ps_table_admitted", "Rows created once their id reached "
+                           "min_count", M + ["table"])
+        rejected = counter("gazer_ps_table_rejected", "Looked-up ids answered with the default "
+                           "vector (not admitted yet)", M + ["table"])
+        evicted = counter("gazer_ps_table_evicted", "Rows deleted by the eviction policy",
+                          M + ["table"])
+        cands = gauge("gazer_ps_table_candidates", "Ids counted but not admitted (bloom: "
+                      "filter cells)", M + ["table"])
         behind = gauge("gazer_ps_replication_behind_updates",
                        "Update sequence numbers not yet shipped to the ring peer", M + ["peer"])
         ship = gauge("gazer_ps_replication_since_ship_seconds",
@@ -102,6 +111,9 @@ class SnapshotCollector:
                 rows.add_metric(lab + [t.name], t.rows)
                 tbytes.add_metric(lab + [t.name], t.bytes)
                 fill.add_metric(lab + [t.name], t.rows / t.capacity if t.capacity else 0.0)
+                for fam, v in ((admitted, t.admitted), (rejected, t.rejected),
+                               (evicted, t.evicted), (cands, t.candidates)):
+                    fam.add_metric(lab + [t.name], v)
             if s.replication.peer:
                 behind.add_metric(lab + [s.replication.peer], s.replication.behind_sequence)
                 ship.add_metric(lab + [s.replication.peer], s.replication.since_ship_ms / 1000.0)

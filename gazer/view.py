@@ -42,6 +42,24 @@ def _tail(name: str, width: int = 56) -> str:
     return name if len(name) <= width else "…" + name[-(width - 1):]
 
 
+POLICY_COLUMNS = ("rows", "admitted", "rejected", "candidates", "evicted")
+
+
+def table_policy_totals(snap) -> dict:
+    """{table: {rows, admitted, rejected, candidates, evicted}} summed over the PS of a
+    snapshot, for the tables where admission or eviction did anything."""
+    out: dict = {}
+    for mv in snap.members:
+        if mv.role != "ps" or not mv.HasField("stats"):
+            continue
+        for t in mv.stats.tables:
+            c = out.setdefault(t.name, dict.fromkeys(POLICY_COLUMNS, 0))
+            for k in POLICY_COLUMNS:
+                c[k] += getattr(t, k)
+    return {n: c for n, c in out.items() if c["admitted"] or c["rejected"] or c["candidates"]
+            or c["evicted"]}
+
+
 def render(snap, notice: str = ""):
     """The whole screen for one snapshot; ``notice`` is a line about the connection."""
     head = Text()
@@ -91,6 +109,15 @@ def render(snap, notice: str = ""):
                         f"{rows:,}" if s.tables else "",
                         _mb(sum(t.bytes for t in s.tables)) if s.tables else "", repl)
     parts += [Text(""), members, Text("")]
+    policies = table_policy_totals(snap)
+    if policies:  # tables with admission or eviction: what they keep out and throw away
+        tab = Table(box=None, pad_edge=False, header_style="bold", title="tables (all PS)",
+                    title_justify="left")
+        for col in ("TABLE", "ROWS", "ADMITTED", "REJECTED", "CANDIDATES", "EVICTED"):
+            tab.add_column(col, justify="left" if col == "TABLE" else "right")
+        for name, c in sorted(policies.items()):
+            tab.add_row(name, *(f"{c[k]:,}" for k in POLICY_COLUMNS))
+        parts += [tab, Text("")]
 
     if snap.top_ops:
         ops = Table(box=None, pad_edge=False, header_style="bold",

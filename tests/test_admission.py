@@ -151,7 +151,9 @@ def test_admission_exact_across_two_workers_and_ps_layouts(start_job):
     kill -9 of a PS (partial counts promoted from its replica)."""
     from tests.test_elasticity import pids, scale
     job = start_job({"name": "admission", "ps": {"replicas": 2, "max_replicas": 3},
-                     "replication": {"mode": "async", "interval_ms": 100}}, ["--workers", "0"])
+                     "replication": {"mode": "async", "interval_ms": 100},
+                     "master": {"progress_seconds": 0.5, "heartbeat_seconds": 0.5}},
+                    ["--workers", "0"])
     w1 = PSClient.connect(job.address, timeout=60)
     w2 = PSClient.connect(job.address, timeout=60)
     try:
@@ -228,6 +230,21 @@ def test_admission_exact_across_two_workers_and_ps_layouts(start_job):
             short.size - 700 + more.size - 1000
         assert adm["admitted"] >= 1000 and adm["rejected"] > 0 and adm["dropped"] > 0
         assert not any(n.endswith("::admission") for n in json.loads(out.stdout)["tables"])
+        # ... in `gazer top` (from the PS's heartbeat statistics) and the progress line
+        env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200")
+
+        def top():
+            r = subprocess.run([sys.executable, "-m", "gazer.cli", "top", "--master",
+                                job.address, "--once"], cwd=ROOT, text=True, env=env,
+                               capture_output=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            line = [x for x in r.stdout.splitlines() if x.strip().startswith("adm ")]
+            return line and line[0].split()[1:] == [
+                f"{base + 1000:,}", f"{adm['admitted']:,}", f"{adm['rejected']:,}",
+                f"{adm['candidates']:,}", "0"] and r.stdout
+        assert "tables (all PS)" in wait_for(top, 30, "gazer top to show the counters")
+        wait_for(lambda: f"adm: {base + 1000:,} rows, {adm['admitted']:,} admitted" in
+                 job.output(), 30, "the counters in the progress line")
     finally:
         w1.close()
         w2.close()

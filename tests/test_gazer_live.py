@@ -146,7 +146,13 @@ def test_prometheus_endpoint_metric_families_and_labels(keras_job):
             "gazer_rss_bytes", "gazer_worker_steps_per_second", "gazer_worker_step_seconds",
             "gazer_op_seconds", "gazer_rpc_latency_seconds", "gazer_rpc_received_bytes_total",
             "gazer_rpc_sent_bytes_total", "gazer_ps_table_rows", "gazer_ps_arena_fill_ratio",
-            "gazer_ps_replication_behind_updates", "gazer_rpc_p99_seconds"} <= families, families
+            "gazer_ps_replication_behind_updates", "gazer_rpc_p99_seconds",
+            "gazer_ps_table_admitted_total", "gazer_ps_table_rejected_total",
+            "gazer_ps_table_evicted_total",
+            "gazer_ps_table_candidates"} <= families, families
+    # the admission counters of a table without a policy: present, 0
+    assert re.search(r'^gazer_ps_table_rejected_total\{member="ps-1",role="ps",table="emb"\} 0',
+                     text, re.M)
     for member, role in (("ps-0", "ps"), ("ps-1", "ps"), ("worker-0", "worker"), ("worker-1", "worker")):
         assert re.search(rf'^gazer_rss_bytes\{{member="{member}",role="{role}"\}} \d', text, re.M), member
         assert re.search(rf'^gazer_cpu_percent\{{member="{member}",role="{role}"\}}', text, re.M)

@@ -747,9 +747,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._evict_stop.set()
 
     def _gazer_extra(self, out) -> None:
-        out.tables.extend(gazer_pb2.TableGauge(name=name, rows=t.size, bytes=t.nbytes,
-                                               capacity=t.capacity)
-                          for name, t in sorted(self.store.user_tables().items()))
+        for name, t in sorted(self.store.user_tables().items()):
+            pol = t.policy_stats()
+            out.tables.add(name=name, rows=t.size, bytes=t.nbytes, capacity=t.capacity,
+                           **{k: int(pol.get(k, 0))
+                              for k in ("admitted", "rejected", "candidates", "evicted")})
         out.replication.CopyFrom(gazer_pb2.ReplicationStats(**self.replicator.lag()))
 
     def SlotStats(self, request, context):
