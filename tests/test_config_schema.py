@@ -38,7 +38,9 @@ def _value_for(path: str, kind: str):
                 "export.dtype": "float16", "replication.mode": "sync", "autoscale.recovery": "wait",
                 "kubernetes.image_pull_policy": "Always", "data.format": "tfrecord",
                 # deprecated, and not with bytes_per_shard: null is its documented default
-                "data.records_per_shard": None}
+                "data.records_per_shard": None,
+                # one of every_steps / every_seconds
+                "eval.every_seconds": None}
     if path in specials:
         return specials[path]
     if kind.startswith("boolean"):
