@@ -149,6 +149,12 @@ class GazerPlugin(MasterPlugin, gazer_pb2_grpc.GazerServicer):
                 self._history.append(max(total - s0, 0) / (now - t0))
             self._last_point = (now, total)
 
+    def ps_memory_bytes(self) -> float | None:
+        """Resident memory of the live PS processes, summed (their latest reports)."""
+        with self._lock:
+            rss = [r.stats.rss_bytes for r in self._reports.values() if r.stats.role == "ps"]
+        return float(sum(rss)) if rss else None
+
     def on_stop(self, master) -> None:
         self._stopping.set()
         if self._prometheus is not None:
