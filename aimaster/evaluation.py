@@ -28,6 +28,14 @@ def _num(v) -> float | None:
     return f if math.isfinite(f) else None
 
 
+def eval_env_spec(config, files: list[str] | None = None) -> dict:
+    """DEEPREC_EVAL for the evaluator: the eval section (patterns are expanded by it)."""
+    spec = config.eval
+    return {"files": files if files is not None else spec.file_list(),
+            "batch_size": spec.batch_size, "every_steps": spec.every_steps,
+            "every_seconds": spec.every_seconds, "format": config.data.format}
+
+
 class EvalRecorder:
     def __init__(self, state_dir: str, clock=time.monotonic):
         self.state_dir = state_dir

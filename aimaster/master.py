@@ -31,7 +31,7 @@ import numpy as np
 
 from aimaster import placement
 from aimaster.config import JobConfig
-from aimaster.evaluation import EvalRecorder
+from aimaster.evaluation import EvalRecorder, eval_env_spec
 from aimaster.errors import Busy, NotRunning, OperationRefused, Preempted, ScaleRefused  # noqa: F401
 from aimaster.fleet import PsFleet
 from aimaster.migration import MigrationError, migrate
@@ -445,19 +445,16 @@ class JobMaster:
         Kubernetes the TFJob's Evaluator replica runs it)."""
         if self.config.eval is None or not hasattr(self.scaler, "start_evaluator"):
             return
-        spec = self.config.eval
-        env = {"files": self.eval_files, "batch_size": spec.batch_size,
-               "every_steps": spec.every_steps, "every_seconds": spec.every_seconds,
-               "format": self.config.data.format}
-        info = self.scaler.start_evaluator(json.dumps(env))
+        info = self.scaler.start_evaluator(json.dumps(eval_env_spec(self.config, self.eval_files)))
         self.record_event("evaluator_start", id=info.id, pid=info.pid)
 
     def _awaiting_final_eval(self) -> bool:
         """Training is over: wait (bounded) for the evaluator to score the final model."""
         if self.config.eval is None:
             return False
-        running = [n for n in self.scaler.nodes()
-                   if n.role == "evaluator" and n.state == NodeState.RUNNING]
+        running = [n for n in self.scaler.nodes()  # local: our child; Kubernetes: its pod
+                   if n.role == "evaluator" and n.state == NodeState.RUNNING] + \
+                  [m for m in self.registry.members("evaluator") if m.state == MemberState.RUNNING]
         if not running:
             return False
         now = self.clock()

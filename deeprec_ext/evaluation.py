@@ -12,6 +12,7 @@ final model once more (``final: true``) and leaves.
 """
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import math
@@ -87,7 +88,13 @@ def _format(path: str, configured: str) -> str:
 def record_batches(files: list[str], batch_size: int, fmt: str = "auto") -> Iterator[list[bytes]]:
     """Every record of ``files``, in order, in batches (the last one short)."""
     buf: list[bytes] = []
-    for path in files:
+    expanded = []
+    for pattern in files:  # patterns as in the job file (Kubernetes: expanded in the pod)
+        matches = sorted(glob.glob(pattern))
+        if not matches:
+            raise FileNotFoundError(f"eval.files: {pattern!r} matches no file")
+        expanded.extend(matches)
+    for path in expanded:
         records, _ = read_shard(path, 0, os.path.getsize(path), _format(path, fmt),
                                 os.path.getsize(path))
         buf.extend(records)

@@ -144,3 +144,23 @@ def test_keras_job_evaluates_while_training_read_only(start_job, eval_data):
     # the evaluator ran the unchanged worker command and left its own metrics file
     assert (state_dir / "metrics-evaluator-0.json").exists()
     assert any(e.get("kind") == "eval" for e in job.state().get("events", []))
+
+
+def test_kubernetes_manifest_has_an_evaluator_replica():
+    from tfjob_crd import naming, validate
+    from tfjob_crd.render import render
+    doc = {"name": "evk", "worker": {"replicas": 2, "command": ["python", "t.py"]},
+           "eval": {"files": ["/mnt/data/eval-*.txt"], "every_seconds": 60},
+           "kubernetes": {"image": "img"}}
+    docs = render(parse_job(doc), doc)
+    tfjob = [d for d in docs if d["kind"] == "TFJob"][0]
+    ev = tfjob["spec"]["tfReplicaSpecs"]["Evaluator"]
+    env = {e["name"]: e.get("value") for e in ev["template"]["spec"]["containers"][0]["env"]}
+    assert ev["replicas"] == 1 and env["DEEPREC_ROLE"] == "evaluator"
+    assert json.loads(env["DEEPREC_EVAL"])["files"] == ["/mnt/data/eval-*.txt"]
+    assert naming.member_id("Evaluator", 0) == "evaluator-0"
+    problems, _ = validate.validate_documents(docs, require_crd=False)
+    assert problems == []
+    no_eval = {k: v for k, v in doc.items() if k != "eval"}
+    tfjob = [d for d in render(parse_job(no_eval), no_eval) if d["kind"] == "TFJob"][0]
+    assert "Evaluator" not in tfjob["spec"]["tfReplicaSpecs"]
