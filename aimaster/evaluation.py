@@ -66,6 +66,13 @@ class EvalRecorder:
         self._eval_tb.add(step, {"eval/auc": kept["auc"], "eval/logloss": kept["logloss"]})
         return kept
 
+    def state(self) -> dict:
+        with self._lock:
+            latest = dict(self.latest) if self.latest else None
+            rounds = self.rounds
+        age = time.time() - latest["time"] if latest else None
+        return {"latest": latest, "rounds": rounds, "age_seconds": age}
+
     def train_point(self, step: int, samples: int, ps_memory_bytes: float | None,
                     force: bool = False) -> None:
         """Training curves, at most every few seconds."""

@@ -469,7 +469,8 @@ class JobMaster:
         if self.evals is None:
             raise ValueError("this job has no eval section")
         kept = self.evals.record(member_id, result)
-        self.record_event("eval", **kept)
+        if kept["final"]:  # each round is in eval.jsonl; events keep the final one only
+            self.record_event("eval_final", **kept)
 
     def _eval_train_point(self) -> None:
         if self.evals is None:

@@ -143,7 +143,7 @@ def test_keras_job_evaluates_while_training_read_only(start_job, eval_data):
         assert not np.isin(eval_ids, ck.tables[name].ids).any(), name
     # the evaluator ran the unchanged worker command and left its own metrics file
     assert (state_dir / "metrics-evaluator-0.json").exists()
-    assert any(e.get("kind") == "eval" for e in job.state().get("events", []))
+    assert any(e.get("kind") == "eval_final" for e in job.state().get("events", []))
 
 
 def test_kubernetes_manifest_has_an_evaluator_replica():
@@ -164,3 +164,60 @@ def test_kubernetes_manifest_has_an_evaluator_replica():
     no_eval = {k: v for k, v in doc.items() if k != "eval"}
     tfjob = [d for d in render(parse_job(no_eval), no_eval) if d["kind"] == "TFJob"][0]
     assert "Evaluator" not in tfjob["spec"]["tfReplicaSpecs"]
+
+
+class _FakeView:
+    """The parts of a JobView a Gazer snapshot reads, with an eval state."""
+    phase = type("P", (), {"value": "running"})()
+    epoch, started_at = 1, 0.0
+
+    def __init__(self, ev):
+        self._ev = ev
+
+    def clock(self):
+        return 10.0
+
+    def shard_counts(self):
+        return {"todo": 1, "doing": 0, "done": 2}
+
+    def members(self, role=None):
+        return []
+
+    def migration_progress(self):
+        return {"phase": ""}
+
+    def eval_state(self):
+        return self._ev
+
+
+def test_gazer_snapshot_prometheus_and_top_show_the_latest_round(tmp_path):
+    from prometheus_client.core import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+    from rich.console import Console
+
+    from aimaster.config import JobConfig
+    from aimaster.evaluation import EvalRecorder
+    from aimaster.monitor import GazerPlugin
+    from gazer.prometheus import SnapshotCollector
+    from gazer.view import render as render_top
+
+    rec = EvalRecorder(str(tmp_path))
+    rec.record("evaluator-0", {"step": 40, "auc": 0.71, "logloss": 0.52, "examples": 3000})
+    rec.record("evaluator-0", {"step": 80, "auc": 0.73, "logloss": 0.5, "examples": 3000,
+                               "final": True})
+    rec.close()
+    plugin = GazerPlugin(JobConfig())
+    plugin.master = _FakeView(rec.state())
+    snap = plugin.snapshot()
+    assert (snap.eval.step, round(snap.eval.auc, 2), snap.eval.final, snap.eval.rounds) == \
+        (80, 0.73, True, 2)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(plugin))
+    text = generate_latest(registry).decode()
+    assert 'gazer_eval_auc{job="job"} 0.73' in text and 'gazer_eval_step{job="job"} 80.0' in text
+    console = Console(width=160, record=True)
+    console.print(render_top(snap))
+    assert "eval auc 0.7300  logloss 0.5000  at step 80 (final)" in console.export_text()
+    plugin.master = _FakeView(None)  # no eval section: nothing about it
+    assert not plugin.snapshot().HasField("eval")
+    assert "gazer_eval_auc" not in generate_latest(registry).decode()
