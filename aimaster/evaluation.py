@@ -14,7 +14,7 @@ import os
 import threading
 import time
 
-from aimaster.tensorboard import ScalarWriter
+from deeprec_ext.tensorboard import ScalarWriter
 
 EVAL_FILE = "eval.jsonl"
 TRAIN_EVERY_SECONDS = 5.0

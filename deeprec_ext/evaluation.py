@@ -194,3 +194,40 @@ class EvalLoop:
         except Exception as exc:  # noqa: BLE001 - e.g. dense tables not created yet
             log.warning("eval at step %d skipped: %s", step, exc)
             return False
+
+
+class LossCurve:
+    """A worker's training loss as TensorBoard scalars (``train/loss`` in run
+    ``tensorboard/<worker id>``), every ``every`` steps; on when the launcher sets
+    ``DEEPREC_TENSORBOARD_DIR`` (jobs with an eval section)."""
+
+    def __init__(self, logdir_fn: Callable[[], str], every: int = 20):
+        self._logdir_fn = logdir_fn
+        self.every = every
+        self._writer = None
+        self._steps = 0  # this worker's steps
+        self._next = 0
+
+    @classmethod
+    def from_env(cls, context_fn, every: int = 20) -> "LossCurve | None":
+        root = os.environ.get("DEEPREC_TENSORBOARD_DIR", "")
+        if not root or is_evaluator():
+            return None
+        return cls(lambda: os.path.join(root, context_fn().worker_id), every)
+
+    def step(self, steps: int, loss) -> None:
+        """``steps`` more training steps ended; ``loss`` as Keras reports it."""
+        self._steps += steps
+        step = self._steps
+        if step < self._next:
+            return
+        self._next = step + self.every
+        try:
+            value = float(loss)
+            if self._writer is None:
+                from deeprec_ext.tensorboard import ScalarWriter
+                self._writer = ScalarWriter(self._logdir_fn())
+            self._writer.add(step, {"train/loss": value})
+        except Exception as exc:  # noqa: BLE001 - a curve must never stop training
+            log.warning("training loss curve off: %s", exc)
+            self._next = float("inf")

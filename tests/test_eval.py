@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from aimaster.config import ConfigError, parse_job
-from aimaster.tensorboard import ScalarWriter, crc32c
+from deeprec_ext.tensorboard import ScalarWriter, crc32c
 from deeprec_ext.evaluation import binary_metrics, record_batches
 
 
@@ -131,6 +131,9 @@ def test_keras_job_evaluates_while_training_read_only(start_job, eval_data):
     assert [s for s, tag, _ in ev if tag == "eval/auc"] == [p["step"] for p in points]
     tags = {tag for _, tag, _ in _events(state_dir / "tensorboard" / "train")}
     assert {"train/samples", "train/samples_per_second"} <= tags
+    loss = [(s, v) for s, tag, v in _events(state_dir / "tensorboard" / "worker-0")
+            if tag == "train/loss"]
+    assert len(loss) >= 5 and all(v > 0 for _, v in loss) and loss[-1][1] < loss[0][1], loss
     # read-only: no id of the eval file (all unseen in training) became a row
     import checkpoint
     import tensorflow as tf

@@ -80,6 +80,8 @@ class LocalProcessScaler(Scaler):
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         env.setdefault("PYTHONUNBUFFERED", "1")
         env["DEEPREC_PARENT_PID"] = str(os.getpid())
+        if self.config.eval is not None:  # workers add their loss curve to TensorBoard
+            env["DEEPREC_TENSORBOARD_DIR"] = os.path.join(env["DEEPREC_STATE_DIR"], "tensorboard")
         if role == "evaluator":  # the worker command, told to evaluate (deeprec_ext.evaluation)
             env["DEEPREC_ROLE"] = "evaluator"
             env["DEEPREC_EVAL"] = self._eval_env

@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from deeprec_ext.evaluation import EvalLoop, eval_spec, is_evaluator, record_batches
+from deeprec_ext.evaluation import LossCurve
 from deeprec_ext.tf.dense import DenseSync
 from deeprec_ext.tf.op_sampler import sampler_for
 from deeprec_ext.tf.ops import ANCHOR_SUFFIX, elastic_lookup
@@ -151,6 +152,7 @@ class ElasticCallback(keras.callbacks.Callback):
         self._last_batch = -1
         self._pool = None
         self._ops = None  # Gazer per-op sampler
+        self._loss_curve = LossCurve.from_env(get_context)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._last_batch = -1
@@ -203,6 +205,8 @@ class ElasticCallback(keras.callbacks.Callback):
         self._last_batch = batch
         if self._ops is not None:
             self._ops.end_trace(steps)
+        if self._loss_curve is not None and logs and "loss" in logs:
+            self._loss_curve.step(steps, logs["loss"])
         if ctx.batcher.hold_pushes and self._dense is not None:
             self._assign(self._dense.sync(self._local(), send=ctx.batcher.end_step))
             ctx.step_done(steps)

@@ -1,4 +1,5 @@
-"""TensorBoard event files written without TensorFlow (the AIMaster does not import it).
+"""TensorBoard event files written without TensorFlow (the AIMaster does not import it;
+workers use it for their loss curve).
 
 An event file is a TFRecord stream of ``tensorflow.Event`` protos; scalars need only
 ``Event{wall_time, step, summary{value{tag, simple_value}}}``, hand-encoded here, so
