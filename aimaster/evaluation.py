@@ -55,6 +55,7 @@ class EvalRecorder:
         kept = {"step": step, "auc": _num(result.get("auc")), "logloss": _num(result.get("logloss")),
                 "examples": int(result.get("examples", 0) or 0), "final": bool(result.get("final")),
                 "seconds": _num(result.get("seconds")), "evaluator": member_id,
+                "cpu_seconds": _num(result.get("cpu_seconds")),
                 "time": _num(result.get("time")) or time.time()}
         with self._lock:
             self.latest = kept

@@ -74,7 +74,11 @@ def run_job(tag: str, data: dict, args, with_eval: bool) -> dict:
         points = [json.loads(line) for line in open(os.path.join(state_dir, "eval.jsonl"))]
         out.update(eval_rounds=len(points), eval_rounds_during=sum(not p["final"] for p in points),
                    final_auc=points[-1]["auc"] if points else None,
-                   eval_round_seconds=statistics.mean(p["seconds"] for p in points) if points else None)
+                   eval_round_seconds=statistics.mean(p["seconds"] for p in points) if points else None,
+                   # load-independent: CPU the evaluator spent in rounds during training,
+                   # per second of training (cores)
+                   eval_cpu_cores=sum(p["cpu_seconds"] or 0 for p in points if not p["final"])
+                   / seconds)
     return out
 
 
@@ -100,8 +104,13 @@ def main(argv=None) -> int:
             runs.append(r)
     off = [r["samples_per_second"] for r in runs if not r["eval"]]
     on = [r["samples_per_second"] for r in runs if r["eval"]]
+    pairs = [b["samples_per_second"] / a["samples_per_second"]  # on / off, run next to each other
+             for a, b in zip(runs[::2], runs[1::2])]
+    pairs = [p if not runs[2 * i]["eval"] else 1 / p for i, p in enumerate(pairs)]
     summary = {"off_median": statistics.median(off), "on_median": statistics.median(on),
                "ratio_on_off": statistics.median(on) / statistics.median(off),
+               "pair_ratios_on_off": pairs,
+               "eval_cpu_cores_median": statistics.median(r["eval_cpu_cores"] for r in runs if r["eval"]),
                "rows": args.rows, "eval_rows": args.eval_rows,
                "every_seconds": args.every_seconds, "ps": args.ps, "workers": args.workers,
                "batch_size": args.batch_size, "cpus": os.cpu_count(),

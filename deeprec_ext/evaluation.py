@@ -135,7 +135,7 @@ class EvalLoop:
         return self.ctx.session.stub.Status(master_pb2.StatusRequest(), timeout=10)
 
     def evaluate(self, step: int, final: bool = False) -> dict:
-        start = time.monotonic()
+        start, cpu = time.monotonic(), time.process_time()
         self.refresh()
         labels, scores = [], []
         for records in record_batches(self.spec["files"], int(self.spec.get("batch_size", 4096)),
@@ -146,7 +146,8 @@ class EvalLoop:
         result = binary_metrics(np.concatenate(labels) if labels else [],
                                 np.concatenate(scores) if scores else [], self.from_logits)
         result.update(kind="eval", step=int(step), final=final, time=time.time(),
-                      seconds=time.monotonic() - start, evaluator=self.ctx.worker_id)
+                      seconds=time.monotonic() - start, evaluator=self.ctx.worker_id,
+                      cpu_seconds=time.process_time() - cpu)
         self.results.append(result)
         self._report(result)
         log.info("eval at step %d%s: auc %.4f logloss %.4f (%d examples, %.1fs)", step,
