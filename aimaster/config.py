@@ -328,6 +328,43 @@ class ExportConfig(_Section):
 
 
 # --- the whole file ----------------------------------------------------------------------------
+class EvalConfig(_Section):
+    """Evaluation while training (docs/guide-eval.md): an evaluator process runs the
+    worker command with ``DEEPREC_ROLE=evaluator`` and scores the current model."""
+    files: Union[list[StrictStr], StrictStr] = Field(default_factory=list, description=(
+        "Eval files: paths or glob patterns, read whole each round, in the format of "
+        "`data.format`. Required when the section is given."))
+    every_steps: Optional[StrictInt] = Field(None, gt=0, description=(
+        "Evaluate each time the job's global step advanced this much; or `every_seconds`."))
+    every_seconds: Optional[Number] = Field(None, gt=0, description=(
+        "Evaluate at most this often (seconds); or `every_steps`."))
+    batch_size: StrictInt = Field(4096, gt=0, description="Eval batch size.")
+    final_timeout_seconds: Number = Field(600, gt=0, description=(
+        "After training, how long the job waits for the final evaluation."))
+
+    @model_validator(mode="after")
+    def _complete(self):
+        if not self.files:
+            raise ValueError("files: required (the eval data)")
+        if self.every_steps is not None and self.every_seconds is not None:
+            raise ValueError("every_steps, every_seconds: give one, not both")
+        if self.every_steps is None and self.every_seconds is None:
+            raise ValueError("every_steps or every_seconds: one is required")
+        return self
+
+    def file_list(self) -> list[str]:
+        return [self.files] if isinstance(self.files, str) else list(self.files)
+
+    def resolved_files(self) -> list[str]:
+        out: list[str] = []
+        for pattern in self.file_list():
+            matches = data_fs.glob(pattern)
+            if not matches:
+                raise ConfigError(f"eval.files: pattern {pattern!r} matches no file")
+            out.extend(matches)
+        return out
+
+
 class JobFile(_Section):
     """The job file, as written. Every key is optional."""
     name: StrictStr = Field("job", min_length=1, description=(
@@ -360,6 +397,8 @@ class JobFile(_Section):
         "TFJob rendering (docs/guide-kubernetes.md)."))
     security: SecurityConfig = Field(default_factory=SecurityConfig, description=(
         "Job token and TLS (docs/guide-kubernetes.md)."))
+    eval: Optional[EvalConfig] = Field(None, description=(
+        "Evaluation while training (docs/guide-eval.md); absent: no evaluator."))
 
     @model_validator(mode="before")
     @classmethod
@@ -475,6 +514,7 @@ class JobConfig:
     consistency: ConsistencyConfig = ConsistencyConfig()
     kubernetes: KubernetesConfig = KubernetesConfig()
     security: SecurityConfig = SecurityConfig()
+    eval: Optional[EvalConfig] = None
 
 
 def _role(r: _RoleBase) -> RoleConfig:
@@ -508,8 +548,9 @@ def _all_keys(model) -> set[str]:
     out = set()
     for name, f in model.model_fields.items():
         out.add(name)
-        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
-            out |= _all_keys(f.annotation)
+        for ann in (f.annotation, *getattr(f.annotation, "__args__", ())):  # Optional too
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                out |= _all_keys(ann)
     return out
 
 
@@ -552,7 +593,8 @@ def parse_job(doc) -> JobConfig:
         checkpoint_keep_chains=ck.keep_chains, checkpoint_full_every=ck.full_every,
         checkpoint_on_success=ck.on_success, export=f.export, init_from=f.init_from,
         reset_optimizer=f.reset_optimizer, autoscale=f.autoscale, gazer=f.gazer,
-        consistency=f.consistency, kubernetes=f.kubernetes, security=f.security)
+        consistency=f.consistency, kubernetes=f.kubernetes, security=f.security,
+        eval=f.eval)
 
 
 def load_job(path: str | None) -> JobConfig:

@@ -75,6 +75,12 @@ def rows(model=JobFile, prefix: str = "") -> list[tuple[str, str, str, str]]:
         path = prefix + name
         ann = f.annotation
         desc = " ".join((f.description or "").split())
+        optional = [a for a in typing.get_args(ann) if a is not type(None)]
+        if len(optional) == 1 and isinstance(optional[0], type) and \
+                issubclass(optional[0], BaseModel):  # an optional section (absent: off)
+            out.append((path, "mapping", "", desc))
+            out.extend(rows(optional[0], path + "."))
+            continue
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             out.append((path, "mapping", "", desc))
             out.extend(rows(ann, path + "."))

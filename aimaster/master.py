@@ -31,6 +31,7 @@ import numpy as np
 
 from aimaster import placement
 from aimaster.config import JobConfig
+from aimaster.evaluation import EvalRecorder, eval_env_spec
 from aimaster.errors import Busy, NotRunning, OperationRefused, Preempted, ScaleRefused  # noqa: F401
 from aimaster.fleet import PsFleet
 from aimaster.migration import MigrationError, migrate
@@ -113,6 +114,10 @@ class JobMaster:
         self._warm_tables: set | None = None  # tables of the init_from checkpoint
         self.final_checkpoint = ""   # directory of the final checkpoint, once taken
         self.export_dir = ""         # the SavedModel exported after it
+        # evaluation while training (aimaster/evaluation.py): files checked at job start
+        self.eval_files = config.eval.resolved_files() if config.eval is not None else []
+        self.evals = EvalRecorder(config.state_dir) if config.eval is not None else None
+        self._eval_wait_since: float | None = None
 
     # -- state ---------------------------------------------------------------------------
     def _load_shards(self) -> ShardQueue | None:
@@ -378,6 +383,8 @@ class JobMaster:
                 os.remove(os.path.join(self.config.state_dir, "master.addr"))
             except FileNotFoundError:
                 pass
+        if self.evals is not None:
+            self.evals.close()
         self.fleet.close()
         if self.server is not None:
             self.server.stop(grace=1).wait()
@@ -404,8 +411,8 @@ class JobMaster:
                 if node.role == "worker" and self.phase == JobPhase.RUNNING:
                     self._maybe_restart(node.id)
                 continue
-            state = MemberState.SUCCEEDED if (node.role == "worker" and node.exit_code == 0) \
-                else MemberState.DEAD
+            state = MemberState.SUCCEEDED if (node.role in ("worker", "evaluator")
+                                              and node.exit_code == 0) else MemberState.DEAD
             self.registry.mark(node.id, state)
             self._on_member_end(node.id, node.role, state, f"exit code {node.exit_code}")
         for m in self.registry.expire():
@@ -423,7 +430,9 @@ class JobMaster:
                 # them (PR_SET_PDEATHSIG), so never fork from a short-lived RPC thread.
                 self._workers_started = True
                 self.scaler.apply(ScalePlan(workers=self.config.worker.replicas))
+                self._start_evaluator()
                 return
+            self._eval_train_point()
             self._check_done()
 
     @property
@@ -484,9 +493,51 @@ class JobMaster:
         elif failed:
             self._set_phase(JobPhase.FAILED, f"workers failed: {self._describe_exits(nodes)}")
         else:
+            if self._awaiting_final_eval():
+                return
             if not self._keep_model():
                 return
             self._set_phase(JobPhase.SUCCEEDED, "all shards done" if self.shards else "workers finished")
+
+    # -- evaluation while training (aimaster/evaluation.py) ----------------------------------
+    def _start_evaluator(self) -> None:
+        """The evaluator: the worker command with DEEPREC_ROLE=evaluator (local scaler; on
+        Kubernetes the TFJob's Evaluator replica runs it)."""
+        if self.config.eval is None or not hasattr(self.scaler, "start_evaluator"):
+            return
+        info = self.scaler.start_evaluator(json.dumps(eval_env_spec(self.config, self.eval_files)))
+        self.record_event("evaluator_start", id=info.id, pid=info.pid)
+
+    def _awaiting_final_eval(self) -> bool:
+        """Training is over: wait (bounded) for the evaluator to score the final model."""
+        if self.config.eval is None:
+            return False
+        running = [n for n in self.scaler.nodes()  # local: our child; Kubernetes: its pod
+                   if n.role == "evaluator" and n.state == NodeState.RUNNING] + \
+                  [m for m in self.registry.members("evaluator") if m.state == MemberState.RUNNING]
+        if not running:
+            return False
+        now = self.clock()
+        if self._eval_wait_since is None:
+            self._eval_wait_since = now
+        if now - self._eval_wait_since < self.config.eval.final_timeout_seconds:
+            return True
+        self.record_event("evaluator_timeout", ids=[n.id for n in running])
+        return False
+
+    def record_eval(self, member_id: str, result: dict) -> None:
+        if self.evals is None:
+            raise ValueError("this job has no eval section")
+        kept = self.evals.record(member_id, result)
+        if kept["final"]:  # each round is in eval.jsonl; events keep the final one only
+            self.record_event("eval_final", **kept)
+
+    def _eval_train_point(self) -> None:
+        if self.evals is None:
+            return
+        rss = [p.ps_memory_bytes() for p in self.plugins if hasattr(p, "ps_memory_bytes")]
+        samples = sum(m.samples for m in self.registry.members("worker"))
+        self.evals.train_point(self.global_step(), samples, rss[0] if rss else None)
 
     def _describe_exits(self, nodes) -> str:
         """How every worker ended, not only those that exited non-zero: a job that failed
@@ -1035,6 +1086,8 @@ class JobMaster:
             raise ValueError(f"model_json is not valid JSON: {exc}") from None
         except RecursionError:
             raise ValueError("model_json is nested too deeply") from None
+        if isinstance(spec, dict) and spec.get("kind") == "eval":  # an evaluator's round
+            return self.record_eval(worker_id, spec)
         if not isinstance(spec, dict) or spec.get("kind") not in ("keras", "tables"):
             raise ValueError("model_json: expected an object with kind 'keras' or 'tables'")
         if not isinstance(spec.get("tables", {}), dict):

@@ -164,6 +164,12 @@ class GazerPlugin(MasterPlugin, gazer_pb2_grpc.GazerServicer):
                 self._history.append(max(total - s0, 0) / (now - t0))
             self._last_point = (now, total)
 
+    def ps_memory_bytes(self) -> float | None:
+        """Resident memory of the live PS processes, summed (their latest reports)."""
+        with self._lock:
+            rss = [r.stats.rss_bytes for r in self._reports.values() if r.stats.role == "ps"]
+        return float(sum(rss)) if rss else None
+
     def on_stop(self, master) -> None:
         self._stopping.set()
         if self._prometheus is not None:
@@ -209,6 +215,17 @@ class GazerPlugin(MasterPlugin, gazer_pb2_grpc.GazerServicer):
         top = sorted(ops.items(), key=lambda kv: -kv[1][0] / kv[1][1])[:TOP_OPS]
         for (name, typ), (us, n, share) in top:
             snap.top_ops.add(name=name, type=typ, micros=us / n, workers=n, share=share / n)
+        ev = m.eval_state() if hasattr(m, "eval_state") else None
+        if ev is not None:  # the job evaluates while training: its latest round
+            snap.eval.rounds = ev["rounds"]
+            latest = ev["latest"]
+            if latest:
+                snap.eval.step = latest["step"]
+                snap.eval.auc = latest["auc"] if latest["auc"] is not None else math.nan
+                snap.eval.logloss = latest["logloss"] if latest["logloss"] is not None else math.nan
+                snap.eval.examples = latest["examples"]
+                snap.eval.final = latest["final"]
+                snap.eval.age_seconds = ev["age_seconds"] or 0.0
         p = m.migration_progress()
         if p["phase"]:
             snap.migration.CopyFrom(gazer_pb2.MigrationProgress(

@@ -28,9 +28,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self.m = master
 
     def Register(self, request, context):
-        if request.role not in ("ps", "worker", "client"):
+        if request.role not in ("ps", "worker", "client", "evaluator"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"role must be 'ps', 'worker' or 'client', got {request.role!r}")
+                          f"role must be 'ps', 'worker', 'client' or 'evaluator', got {request.role!r}")
         if request.role == "ps" and not request.address:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a PS must register with its address")
         if request.control_address:

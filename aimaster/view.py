@@ -131,3 +131,9 @@ class JobView:
     def migration_progress(self) -> dict:
         from aimaster.migration import progress
         return progress()
+
+    def eval_state(self) -> dict | None:
+        """Evaluation while training: {"latest", "rounds", "age_seconds"}; None without
+        an eval section (aimaster/evaluation.py)."""
+        evals = self._m.evals
+        return evals.state() if evals is not None else None

@@ -23,6 +23,8 @@ import numpy as np
 from deeprec_ext.batching import StepBatcher
 from deeprec_ext.client import PSClient
 from deeprec_ext.data.ranges import BadInput, read_shard
+from deeprec_ext.evaluation import EVALUATOR
+from deeprec_ext.evaluation import role as process_role
 from deeprec_ext.grpc_util import RetryPolicy, call_with_retry
 from deeprec_ext.launcher import launcher_alive, watch_launcher
 from deeprec_ext.member import MEMBER_ID_ENV, MasterSession, master_address_from_env
@@ -112,8 +114,9 @@ class WorkerContext:
                  retry: RetryPolicy = RetryPolicy()):
         self.master_address = master_address_from_env(master_address)
         self.stop_requested = threading.Event()
-        self.gazer = MemberCollector("worker")  # Gazer statistics, sent with each heartbeat
-        self.session = MasterSession(self.master_address, "worker",
+        role = process_role()  # "evaluator": the job's evaluator (deeprec_ext.evaluation)
+        self.gazer = MemberCollector(role)  # Gazer statistics, sent with each heartbeat
+        self.session = MasterSession(self.master_address, role,
                                      member_id if member_id is not None else os.environ.get(MEMBER_ID_ENV, ""),
                                      on_epoch=self._on_epoch, on_stop=self.request_stop,
                                      stall_source=self._take_stall, retry=retry,
@@ -146,7 +149,8 @@ class WorkerContext:
 
     @property
     def rank(self) -> int:
-        return self.session.rank
+        """The worker's rank; -1 for the evaluator (no rank-0 duty is its)."""
+        return -1 if self.session.role == EVALUATOR else self.session.rank
 
     def lookup(self, table: str, ids, insert_missing: bool = True):
         """Rows of unique ``ids``; tables sharing ids travel in one RPC per PS (StepBatcher)."""

@@ -43,6 +43,14 @@ class SnapshotCollector:
             .add_metric([snap.job, mig.phase or "none"], 1.0 if mig.active else 0.0)
         gauge("gazer_migration_rows", "Rows moved by the current (or last) migration", ["job"]) \
             .add_metric(job, mig.rows)
+        if snap.HasField("eval") and snap.eval.rounds:  # evaluation while training
+            ev = snap.eval
+            for name, doc, value in (
+                    ("gazer_eval_auc", "AUC of the latest evaluation round", ev.auc),
+                    ("gazer_eval_logloss", "Log loss of the latest evaluation round", ev.logloss),
+                    ("gazer_eval_step", "Global step of the model the latest round scored", ev.step),
+                    ("gazer_eval_rounds", "Evaluation rounds so far", ev.rounds)):
+                gauge(name, doc, ["job"]).add_metric(job, value)
         up = gauge("gazer_member_up", "1 for a running member", M + ["state"])
         cpu = gauge("gazer_cpu_percent", "CPU use of the member process (100 = one core)", M)
         cpu_s = counter("gazer_cpu_seconds", "CPU time of the member process", M)

@@ -73,6 +73,13 @@ def render(snap, notice: str = ""):
         tput.append(f"  (last {len(snap.throughput_history)} s, max "
                     f"{max(snap.throughput_history):,.0f})")
     parts = [head, tput]
+    if snap.HasField("eval"):  # evaluation while training
+        ev = snap.eval
+        parts.append(Text(
+            f"eval auc {ev.auc:.4f}  logloss {ev.logloss:.4f}  at step {ev.step:,}"
+            f"{' (final)' if ev.final else ''}  {ev.examples:,} examples  "
+            f"{ev.rounds} round(s), latest {ev.age_seconds:,.0f} s ago" if ev.rounds
+            else "eval: no round yet", style="cyan"))
     mig = snap.migration
     if mig.phase:
         parts.append(Text(f"migration {mig.phase}{' (active)' if mig.active else ''}: "

@@ -40,7 +40,9 @@ def _value_for(path: str, kind: str):
                 # deprecated, and not with bytes_per_shard: null is its documented default
                 "data.records_per_shard": None,
                 # streaming is refused with epochs > 1 and sync mode, both set here
-                "data.watch": False, "data.on_bad_record": "fail"}
+                "data.watch": False, "data.on_bad_record": "fail",
+                # one of every_steps / every_seconds
+                "eval.every_seconds": None}
     if path in specials:
         return specials[path]
     if kind.startswith("boolean"):

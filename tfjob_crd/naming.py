@@ -28,6 +28,8 @@ def member_id(replica_type: str, index: int) -> str:
     t = replica_type.lower()
     if t == "ps":
         return f"ps-{index}"
+    if t == "evaluator":  # the job's evaluator (an eval section): not a training worker
+        return f"evaluator-{index}"
     if t == "worker":
         return f"worker-{index + 1}"
     if t in ("chief", "master"):

@@ -20,6 +20,7 @@ import re
 import yaml
 
 from aimaster.config import ConfigError, JobConfig
+from aimaster.evaluation import eval_env_spec
 from tfjob_crd import naming
 
 JOB_CONFIG_DIR = "/etc/deeprec/job"
@@ -248,6 +249,14 @@ def render(config: JobConfig, job_doc: dict, plan: dict | None = None, image: st
             },
         },
     }
+    if config.eval is not None and workers:
+        # evaluation while training: the worker command told to evaluate (docs/guide-eval.md)
+        eval_env = role_env["worker"] + [
+            {"name": "DEEPREC_ROLE", "value": "evaluator"},
+            {"name": "DEEPREC_EVAL", "value": json.dumps(eval_env_spec(config))}]
+        tfjob["spec"]["tfReplicaSpecs"]["Evaluator"] = replica(1, pod_spec(
+            [container(naming.TENSORFLOW_CONTAINER, worker_cmd, eval_env,
+                       _resources(plan.get("worker")), tf_port)], grace, False), "OnFailure")
 
     job = copy.deepcopy(job_doc) if isinstance(job_doc, dict) else {}
     master = dict(job.get("master") or {})

@@ -59,6 +59,7 @@ class LocalProcessScaler(Scaler):
         # loop instead of noticing the exit at its next tick (up to 0.2 s later, the
         # largest part of the detection time of a dead PS)
         self.on_exit: Callable[[], None] | None = None
+        self._eval_env = ""
 
     def _command(self, role: str, node_id: str) -> list[str]:
         if role == "ps":
@@ -79,6 +80,11 @@ class LocalProcessScaler(Scaler):
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         env.setdefault("PYTHONUNBUFFERED", "1")
         env["DEEPREC_PARENT_PID"] = str(os.getpid())
+        if self.config.eval is not None:  # workers add their loss curve to TensorBoard
+            env["DEEPREC_TENSORBOARD_DIR"] = os.path.join(env["DEEPREC_STATE_DIR"], "tensorboard")
+        if role == "evaluator":  # the worker command, told to evaluate (deeprec_ext.evaluation)
+            env["DEEPREC_ROLE"] = "evaluator"
+            env["DEEPREC_EVAL"] = self._eval_env
         env.update(auth.child_env())  # the token FILE (never the token) and TLS dir
         return env
 
@@ -115,6 +121,15 @@ class LocalProcessScaler(Scaler):
         return sorted((n for n in self._nodes.values()
                        if n.role == role and n.proc.poll() is None and not n.stopping),
                       key=lambda n: int(n.id.rsplit("-", 1)[1]))
+
+    def start_evaluator(self, eval_env: str) -> NodeInfo:
+        """Start ``evaluator-0``: the worker command with ``DEEPREC_ROLE=evaluator`` and
+        ``DEEPREC_EVAL`` (the job's eval section as JSON)."""
+        with self._lock:
+            self._eval_env = eval_env
+            node = self._spawn("evaluator", "evaluator-0")
+            self._nodes[node.id] = node
+            return node.info()
 
     def leavers(self, role: str, count: int) -> list[str]:
         """The live nodes past ``count`` by index: the ones ``apply`` sends SIGTERM."""

@@ -15,7 +15,11 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
+from deeprec_ext.evaluation import is_evaluator
 from deeprec_ext.worker import WorkerContext, get_context, shard_batches
+
+# the evaluator's input: the training script's parse_fn, recorded by shard_dataset
+EVAL_INPUT: dict = {}
 
 
 def shard_dataset(batch_size: int, parse_fn: Callable | None = None,
@@ -28,6 +32,10 @@ def shard_dataset(batch_size: int, parse_fn: Callable | None = None,
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     ctx = context or get_context()
+    if is_evaluator():  # evaluation while training: no training data (deeprec_ext.evaluation)
+        EVAL_INPUT.update(parse_fn=parse_fn, batch_size=batch_size)
+        ds = tf.data.Dataset.from_tensor_slices(tf.zeros([0], tf.string)).batch(batch_size)
+        return ds.map(parse_fn) if parse_fn is not None else ds
     ds = tf.data.Dataset.from_generator(
         lambda: (np.array(b, dtype=object) for b in shard_batches(ctx, batch_size)),
                                         output_signature=tf.TensorSpec([None], tf.string))

@@ -10,6 +10,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from deeprec_ext.evaluation import EvalLoop, eval_spec, is_evaluator, record_batches
+from deeprec_ext.evaluation import LossCurve
 from deeprec_ext.store.policies import check_policies
 from deeprec_ext.tf.dense import DenseSync
 from deeprec_ext.tf.op_sampler import sampler_for
@@ -164,12 +166,17 @@ class ElasticCallback(keras.callbacks.Callback):
         self._last_batch = -1
         self._pool = None
         self._ops = None  # Gazer per-op sampler
+        self._loss_curve = LossCurve.from_env(get_context)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._last_batch = -1
 
     def on_train_begin(self, logs=None):
         from concurrent.futures import ThreadPoolExecutor
+        if is_evaluator():  # this process is the job's evaluator: score, never train
+            self.model.stop_training = True
+            run_keras_evaluator(self.model, self._vars_of)
+            return
         ctx = get_context()
         ctx.async_pushes = bool(self.overlap)
         ctx.fresh_lookups = self.overlap != "stale"
@@ -188,6 +195,10 @@ class ElasticCallback(keras.callbacks.Callback):
                 ctx.put_model(model_record(self.model, self._vars))
         else:
             self._assign(self._dense.pull())
+
+    def _vars_of(self, model):
+        anchors = _anchor_ids(model)
+        return [v for v in model.trainable_variables if id(v) not in anchors]
 
     def _assign(self, values):
         for v, value in zip(self._vars, values):
@@ -208,6 +219,8 @@ class ElasticCallback(keras.callbacks.Callback):
         self._last_batch = batch
         if self._ops is not None:
             self._ops.end_trace(steps)
+        if self._loss_curve is not None and logs and "loss" in logs:
+            self._loss_curve.step(steps, logs["loss"])
         if ctx.batcher.hold_pushes and self._dense is not None:
             self._assign(self._dense.sync(self._local(), send=ctx.batcher.end_step))
             ctx.step_done(steps)
@@ -241,6 +254,8 @@ class ElasticCallback(keras.callbacks.Callback):
         self._since_sync = 0
 
     def on_train_end(self, logs=None):
+        if is_evaluator():
+            return  # nothing was trained, nothing is pushed
         get_context().batcher.hold_pushes = False
         get_context().gazer.pause_steps()
         get_context().settle()
@@ -249,7 +264,46 @@ class ElasticCallback(keras.callbacks.Callback):
 
     def on_test_begin(self, logs=None):
         """Evaluate with the shared weights."""
+        if is_evaluator():
+            return
         get_context().flush_pushes()
         self._sync_now()
 
     on_predict_begin = on_test_begin
+
+
+def _from_logits(model) -> bool:
+    loss = getattr(model, "loss", None)
+    return bool(getattr(loss, "from_logits", False) or
+                getattr(loss, "get_config", lambda: {})().get("from_logits", False))
+
+
+def run_keras_evaluator(model, vars_of) -> list[dict]:
+    """The evaluator's loop for a Keras model (``ElasticCallback`` in the evaluator role):
+    dense weights pulled read-only each round, embeddings looked up read-only
+    (``training=False``), records parsed by the ``shard_dataset`` parse_fn."""
+    from deeprec_ext.tf.data import EVAL_INPUT
+    ctx = get_context()
+    parse_fn = EVAL_INPUT.get("parse_fn")
+    state: dict = {}
+
+    def refresh():
+        if "dense" not in state:
+            if not model.built or not vars_of(model):  # a subclassed model: build it first
+                spec = eval_spec()
+                first = next(record_batches(spec["files"], 1, spec.get("format", "auto")), None)
+                if first is not None:
+                    score(first)
+            dense_vars = vars_of(model)
+            state["dense"] = DenseSync(ctx.client, [v.path for v in dense_vars],
+                                       [tuple(v.shape) for v in dense_vars])
+            state["vars"] = dense_vars
+        for v, value in zip(state["vars"], state["dense"].pull()):
+            v.assign(value)
+
+    def score(records):
+        batch = tf.constant(np.array(records, dtype=object), tf.string)
+        parsed = parse_fn(batch) if parse_fn is not None else batch
+        features, labels = parsed[0], parsed[1]
+        return np.asarray(labels), model(features, training=False).numpy()
+    return EvalLoop(ctx, score, refresh, from_logits=_from_logits(model)).run()

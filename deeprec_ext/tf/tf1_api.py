@@ -2,9 +2,12 @@
 ``ElasticSessionHook`` for ``tf.compat.v1.train.MonitoredTrainingSession``."""
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import tensorflow as tf
 
+from deeprec_ext.evaluation import is_evaluator
 from deeprec_ext.tf.dense import DenseSync
 from deeprec_ext.tf.keras_api import (DEFAULT_INITIALIZER, DEFAULT_OPTIMIZER, _embedding_tables,
                                       record_table_spec)
@@ -13,6 +16,7 @@ from deeprec_ext.tf.ops import ANCHOR_SUFFIX, elastic_lookup
 from deeprec_ext.worker import get_context
 
 v1 = tf.compat.v1
+log = logging.getLogger(__name__)
 ANCHOR_COLLECTION = "deeprec_ext_push_anchors"
 
 
@@ -63,6 +67,12 @@ class ElasticSessionHook(v1.train.SessionRunHook):
             session.run(self._assign_op, feed_dict=dict(zip(self._placeholders, values)))
 
     def after_create_session(self, session, coord):
+        if is_evaluator():
+            # not supported for TF1 graphs (docs/guide-eval.md): this process must not
+            # write to the PS, so it creates nothing and pushes nothing; it sees no data
+            log.warning("evaluation while training is not supported for TF1 graphs: the "
+                        "evaluator of this job scores nothing")
+            return
         if self._vars:
             self._assign(session, self._dense.create(session.run(self._vars)))
         ctx = get_context()
@@ -77,6 +87,9 @@ class ElasticSessionHook(v1.train.SessionRunHook):
         return v1.train.SessionRunArgs(fetches=None, options=options) if options else None
 
     def after_run(self, run_context, run_values):
+        if is_evaluator():
+            run_context.request_stop()
+            return
         ctx = get_context()
         sampler_for(ctx).add_run_metadata(run_values.run_metadata)
         session = run_context.session
@@ -94,6 +107,8 @@ class ElasticSessionHook(v1.train.SessionRunHook):
             run_context.request_stop()  # leave at this step boundary
 
     def end(self, session):
+        if is_evaluator():
+            return
         ctx = get_context()
         ctx.batcher.hold_pushes = False
         ctx.settle()

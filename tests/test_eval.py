@@ -1,0 +1,226 @@
+"""Evaluation while training: the job file's eval section, the evaluator role, its
+read-only lookups, and the metrics file / TensorBoard events it leaves."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+
+from aimaster.config import ConfigError, parse_job
+from deeprec_ext.tensorboard import ScalarWriter, crc32c
+from deeprec_ext.evaluation import binary_metrics, record_batches
+
+
+def _job(**eval_section):
+    return {"worker": {"replicas": 1, "command": ["true"]}, "eval": eval_section}
+
+
+@pytest.mark.parametrize("section, key", [
+    ({"every_steps": 5}, "eval.files"),
+    ({"files": ["a"], "every_steps": 5, "every_seconds": 3}, "eval.every_steps, every_seconds: give one"),
+    ({"files": ["a"]}, "eval.every_steps or every_seconds"),
+    ({"files": ["a"], "every_steps": 0}, "eval.every_steps"),
+    ({"files": ["a"], "every_seconds": -1}, "eval.every_seconds"),
+    ({"files": ["a"], "every_steps": 5, "batch": 3}, "eval: unknown key"),
+])
+def test_bad_eval_section_is_refused_naming_the_key(section, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        parse_job(_job(**section))
+
+
+def test_eval_files_must_exist_at_job_start(tmp_path):
+    cfg = parse_job(_job(files=[str(tmp_path / "nothing-*.txt")], every_steps=3))
+    assert cfg.eval.every_steps == 3 and cfg.eval.every_seconds is None
+    with pytest.raises(ConfigError, match=r"eval\.files"):
+        cfg.eval.resolved_files()
+    assert parse_job({}).eval is None
+
+
+def test_binary_metrics_match_a_reference():
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 2, 2000)
+    s = np.clip(y * 0.3 + rng.random(2000) * 0.7, 0, 1)
+    m = binary_metrics(y, s)
+    pos, neg = s[y == 1], s[y == 0]
+    ref = ((pos[:, None] > neg[None, :]).mean() + 0.5 * (pos[:, None] == neg[None, :]).mean())
+    assert m["auc"] == pytest.approx(ref, abs=1e-9)
+    p = np.clip(s, 1e-7, 1 - 1e-7)
+    assert m["logloss"] == pytest.approx(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p)))
+    logits = np.log(p / (1 - p))
+    assert binary_metrics(y, logits, from_logits=True)["logloss"] == pytest.approx(m["logloss"])
+
+
+def test_record_batches_reads_every_line(tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("".join(f"a{i}\n" for i in range(5)))
+    b.write_text("".join(f"b{i}\n" for i in range(4)))
+    got = list(record_batches([str(a), str(b)], 4))
+    assert [len(x) for x in got] == [4, 4, 1]
+    assert [r.decode() for x in got for r in x] == [f"a{i}" for i in range(5)] + [f"b{i}" for i in range(4)]
+
+
+def test_event_file_reads_back_with_tensorflow(tmp_path):
+    import tensorflow as tf
+    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    w = ScalarWriter(str(tmp_path))
+    w.add(7, {"eval/auc": 0.75, "eval/logloss": None})
+    w.close()
+    [path] = glob.glob(str(tmp_path / "events.out.tfevents.*"))
+    events = list(tf.compat.v1.train.summary_iterator(path))
+    assert events[0].file_version == "brain.Event:2"
+    assert [(e.step, v.tag, round(v.simple_value, 4)) for e in events[1:]
+            for v in e.summary.value] == [(7, "eval/auc", 0.75)]
+
+
+def _unseen_eval_file(train_path: str, out: str, rows: int = 3000) -> str:
+    """Eval lines whose 26 categorical values appear in no training line."""
+    rnd = random.Random(5)
+    with open(train_path) as f, open(out, "w") as g:
+        for i, line in zip(range(rows), f):
+            cols = line.rstrip("\n").split("\t")
+            cols[14:] = [f"zz{rnd.getrandbits(40):010x}" for _ in range(26)]
+            g.write("\t".join(cols) + "\n")
+    return out
+
+
+def _events(logdir):
+    import tensorflow as tf
+    out = []
+    for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+        for e in tf.compat.v1.train.summary_iterator(path):
+            out.extend((e.step, v.tag, v.simple_value) for v in e.summary.value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def eval_data(tmp_path_factory):
+    from examples.criteo.generate import generate
+    d = tmp_path_factory.mktemp("criteo_eval")
+    data = generate(str(d), rows=60_000, files=1, test_rows=10, seed=11)
+    data["eval"] = _unseen_eval_file(data["train"][0], str(d / "eval.txt"))
+    return data
+
+
+def test_keras_job_evaluates_while_training_read_only(start_job, eval_data):
+    job = start_job({
+        "name": "evaljob",
+        "ps": {"replicas": 1},
+        "worker": {"replicas": 1, "max_restarts": 0,
+                   "command": ["{python}", "-m", "examples.criteo.train", "--batch-size", "256"]},
+        "data": {"files": eval_data["train"], "bytes_per_shard": 4 << 20},
+        "master": {"heartbeat_seconds": 0.5},
+        "eval": {"files": [eval_data["eval"]], "every_steps": 40, "batch_size": 1024},
+    })
+    assert job.wait(300) == 0, job.output()[-3000:]
+    state_dir = job.state_dir
+    points = [json.loads(line) for line in (state_dir / "eval.jsonl").read_text().splitlines()]
+    final = [p for p in points if p["final"]]
+    assert len(final) == 1 and points[-1]["final"], points
+    total_steps = json.loads((state_dir / "metrics-worker-0.json").read_text())["steps"]
+    assert final[0]["step"] == total_steps
+    during = [p for p in points if not p["final"]]
+    assert during and all(0 < p["step"] < total_steps for p in during), points
+    assert all(p["examples"] == 3000 and 0.0 <= p["auc"] <= 1.0 and p["logloss"] > 0
+               for p in points)
+    # TensorBoard: eval curves at the steps scored, training curves beside them
+    ev = _events(state_dir / "tensorboard" / "eval")
+    assert [s for s, tag, _ in ev if tag == "eval/auc"] == [p["step"] for p in points]
+    tags = {tag for _, tag, _ in _events(state_dir / "tensorboard" / "train")}
+    assert {"train/samples", "train/samples_per_second"} <= tags
+    loss = [(s, v) for s, tag, v in _events(state_dir / "tensorboard" / "worker-0")
+            if tag == "train/loss"]
+    assert len(loss) >= 5 and all(v > 0 for _, v in loss) and loss[-1][1] < loss[0][1], loss
+    # read-only: no id of the eval file (all unseen in training) became a row
+    import checkpoint
+    import tensorflow as tf
+    from examples.criteo.reader import parse_lines
+    lines = open(eval_data["eval"]).read().splitlines()
+    eval_ids = np.unique(parse_lines(tf.constant(lines))[0]["cat"].numpy())
+    ck = checkpoint.load(job.state()["final_checkpoint"], slots=False)
+    for name in ("embedding", "linear"):
+        assert ck.tables[name].ids.size > 0
+        assert not np.isin(eval_ids, ck.tables[name].ids).any(), name
+    # the evaluator ran the unchanged worker command and left its own metrics file
+    assert (state_dir / "metrics-evaluator-0.json").exists()
+    assert any(e.get("kind") == "eval_final" for e in job.state().get("events", []))
+
+
+def test_kubernetes_manifest_has_an_evaluator_replica():
+    from tfjob_crd import naming, validate
+    from tfjob_crd.render import render
+    doc = {"name": "evk", "worker": {"replicas": 2, "command": ["python", "t.py"]},
+           "eval": {"files": ["/mnt/data/eval-*.txt"], "every_seconds": 60},
+           "kubernetes": {"image": "img"}}
+    docs = render(parse_job(doc), doc)
+    tfjob = [d for d in docs if d["kind"] == "TFJob"][0]
+    ev = tfjob["spec"]["tfReplicaSpecs"]["Evaluator"]
+    env = {e["name"]: e.get("value") for e in ev["template"]["spec"]["containers"][0]["env"]}
+    assert ev["replicas"] == 1 and env["DEEPREC_ROLE"] == "evaluator"
+    assert json.loads(env["DEEPREC_EVAL"])["files"] == ["/mnt/data/eval-*.txt"]
+    assert naming.member_id("Evaluator", 0) == "evaluator-0"
+    problems, _ = validate.validate_documents(docs, require_crd=False)
+    assert problems == []
+    no_eval = {k: v for k, v in doc.items() if k != "eval"}
+    tfjob = [d for d in render(parse_job(no_eval), no_eval) if d["kind"] == "TFJob"][0]
+    assert "Evaluator" not in tfjob["spec"]["tfReplicaSpecs"]
+
+
+class _FakeView:
+    """The parts of a JobView a Gazer snapshot reads, with an eval state."""
+    phase = type("P", (), {"value": "running"})()
+    epoch, started_at = 1, 0.0
+
+    def __init__(self, ev):
+        self._ev = ev
+
+    def clock(self):
+        return 10.0
+
+    def shard_counts(self):
+        return {"todo": 1, "doing": 0, "done": 2}
+
+    def members(self, role=None):
+        return []
+
+    def migration_progress(self):
+        return {"phase": ""}
+
+    def eval_state(self):
+        return self._ev
+
+
+def test_gazer_snapshot_prometheus_and_top_show_the_latest_round(tmp_path):
+    from prometheus_client.core import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+    from rich.console import Console
+
+    from aimaster.config import JobConfig
+    from aimaster.evaluation import EvalRecorder
+    from aimaster.monitor import GazerPlugin
+    from gazer.prometheus import SnapshotCollector
+    from gazer.view import render as render_top
+
+    rec = EvalRecorder(str(tmp_path))
+    rec.record("evaluator-0", {"step": 40, "auc": 0.71, "logloss": 0.52, "examples": 3000})
+    rec.record("evaluator-0", {"step": 80, "auc": 0.73, "logloss": 0.5, "examples": 3000,
+                               "final": True})
+    rec.close()
+    plugin = GazerPlugin(JobConfig())
+    plugin.master = _FakeView(rec.state())
+    snap = plugin.snapshot()
+    assert (snap.eval.step, round(snap.eval.auc, 2), snap.eval.final, snap.eval.rounds) == \
+        (80, 0.73, True, 2)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(plugin))
+    text = generate_latest(registry).decode()
+    assert 'gazer_eval_auc{job="job"} 0.73' in text and 'gazer_eval_step{job="job"} 80.0' in text
+    console = Console(width=160, record=True)
+    console.print(render_top(snap))
+    assert "eval auc 0.7300  logloss 0.5000  at step 80 (final)" in console.export_text()
+    plugin.master = _FakeView(None)  # no eval section: nothing about it
+    assert not plugin.snapshot().HasField("eval")
+    assert "gazer_eval_auc" not in generate_latest(registry).decode()
