@@ -27,7 +27,7 @@ the other in this run, on the same stream (same seed):
 
 * ``unbounded`` -- no policy;
 * ``bounded`` -- ``admission={"min_count": 2}`` and ``eviction={"steps_to_live": S,
-  "interval_seconds": 1}``, where ``S`` is twice a tail id's life in pushes (a step is a
+  "interval_seconds": 0.25}``, where ``S`` is twice a tail id's life in pushes (a step is a
   push applied to the table on the PS).
 
 Every ``--record-every`` samples: PS RSS (``ps_stats().rss_bytes``), the table's rows and
@@ -284,7 +284,7 @@ def stream_bench(args) -> dict:
         f"({life_steps:.0f} pushes of {args.batch}); steps_to_live {stl}")
     results = {"unbounded": run_config("unbounded", stream, args, None, None),
                "bounded": run_config("bounded", stream, args, {"min_count": args.min_count},
-                                     {"steps_to_live": stl, "interval_seconds": 1.0})}
+                                     {"steps_to_live": stl, "interval_seconds": 0.25})}
     summary = {}
     for name, r in results.items():
         pts = r["points"]
