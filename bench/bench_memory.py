@@ -167,7 +167,7 @@ def run_config(name: str, stream: Stream, args, admission, eviction) -> dict:
     from bench.bench_migration import PsJob
 
     from deeprec_ext import PSClient
-    state_dir = os.path.join(REPO, "runs", f"bench-memory-{name}")
+    state_dir = os.path.join(REPO, "runs", f"bench-memory{args.tag}-{name}")
     log(f"[{name}] admission={admission} eviction={eviction}")
     job = PsJob(state_dir, f"bench-memory-{name}", start_timeout=120,
                 job_overrides={"ps": {"replicas": 1, "max_replicas": 1}})
@@ -277,7 +277,7 @@ def stream_bench(args) -> dict:
     if args.record_every <= 0:
         args.record_every = max(args.batch, samples // 45 // args.batch * args.batch)
     life_steps = stream.life / args.batch
-    stl = max(20, int(round(2 * life_steps)))
+    stl = max(20, int(round(args.ttl_factor * life_steps)))
     log(f"stream: {args.occurrences:,} id occurrences = {samples:,} samples x {args.fields} "
         f"ids; head {args.head:,} (Zipf 1.1), tail {stream.tail_ids:,} ids, window "
         f"{stream.window:,} ids, each live {stream.life:,.0f} samples "
@@ -416,7 +416,10 @@ def main() -> int:
     ap.add_argument("--record-every", type=int, default=0,
                     help="samples between records (default: about 45 records)")
     ap.add_argument("--min-count", type=int, default=2, help="admission min_count")
+    ap.add_argument("--ttl-factor", type=float, default=2.0,
+                    help="eviction steps_to_live in tail-id lives (pushes)")
     ap.add_argument("--seed", type=int, default=17)
+    ap.add_argument("--tag", default="", help="suffix of the jobs' state dirs (runs/)")
     ap.add_argument("--per-row-rows", type=int, default=4_000_000)
     ap.add_argument("--per-row-only", action="store_true")
     ap.add_argument("--no-per-row", action="store_true")
