@@ -442,7 +442,11 @@ def main() -> int:
     if args.no_plot:
         args.png = None
     elif not args.per_row_only:
-        if importlib.util.find_spec("matplotlib") is None:
+        try:
+            have_plot = importlib.util.find_spec("matplotlib") is not None
+        except (ImportError, ValueError):
+            have_plot = False
+        if not have_plot:
             log("matplotlib is not installed, so the plot cannot be drawn: install it with "
                 "`pip install -e '.[bench]'` (or 'matplotlib>=3.8,<4'), or pass --no-plot")
             return 2
