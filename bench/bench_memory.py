@@ -37,11 +37,12 @@ flatten (growth over the last third of the run under 10% of the growth over the 
 third) and the test AUC (mean over the last third's record points) stays within 0.005 of
 the unbounded run's.
 
-**Per row** (``--per-row``, on by default; ``--per-row-only``): for sgd, adagrad and
-adam, a fresh subprocess builds an ``EmbeddingTable`` (dim 16) in-process, fills it with
-``--per-row-rows`` (4M) random ids (``lookup(insert_missing=True)`` in batches of 64K) and
-reads its RSS from ``/proc/self/statm`` before and after: bytes per row = RSS growth /
-rows, against the floor ``8 + 4 * dim * (1 + slots)`` (key + value + optimizer slots).
+**Per row** (after the stream unless ``--no-per-row``; alone with ``--per-row-only``):
+for sgd, adagrad and adam, a fresh subprocess builds an ``EmbeddingTable`` (dim 16)
+in-process, fills it with ``--per-row-rows`` (4M) random ids
+(``lookup(insert_missing=True)`` in batches of 64K) and reads its RSS from
+``/proc/self/statm`` before and after: bytes per row = RSS growth / rows, against the
+floor ``8 + 4 * dim * (1 + slots)`` (key + value + optimizer slots).
 Target: within 1.5x of the floor. The table's own arrays are broken down too.
 
 Results go to ``--out`` (bench/results/memory.json) and the plot to ``--png``
