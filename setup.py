@@ -46,6 +46,8 @@ setup(
                  "cryptography>=42,<51",
                  # a real S3-compatible server on 127.0.0.1 for the remote-data tests
                  "moto[server]>=5.2,<6"],
+        # plots of the benchmarks (bench/bench_memory.py)
+        "bench": ["matplotlib>=3.8,<4"],
     },
     entry_points={
         "console_scripts": [
