@@ -258,6 +258,41 @@ class ShardQueue:
                 self._todo.appendleft(sid)
             return mine
 
+    def split(self, worker_id: str, sid: int, at: int) -> Shard | None:
+        """Split a DOING shard of ``worker_id`` at position ``at`` (the end of the last
+        record the worker has taken in; a record boundary): the worker keeps the records
+        that begin in ``[hand-out start, at)`` under the same id, and those that begin in
+        ``[at, end)`` become a new shard at the front of TODO, for an idle worker. Returns
+        the new shard; None (nothing changes) when the worker does not hold the shard, the
+        shard cannot be split (a compressed file is one stream) or ``at`` leaves one side
+        empty. The sum of the parts is the shard: no record is skipped or trained twice."""
+        with self._lock:
+            s = self._shards.get(sid)
+            if s is None or self._doing.get(sid) != worker_id or s.format.endswith(".gz"):
+                return None
+            start = self._resume.get(sid, s.start)
+            at = int(at)
+            if not start < at < min(s.end, s.size or s.end):
+                return None
+            new_id = max(self._shards) + 1
+            rest = Shard(new_id, s.path, at, s.end, s.data_epoch, s.size, s.format)
+            self._shards[sid] = Shard(s.shard_id, s.path, s.start, at, s.data_epoch, s.size,
+                                      s.format)
+            self._shards[new_id] = rest
+            self._todo.appendleft(new_id)
+            self._shard_dicts = None  # the shard list changed
+            return rest
+
+    def holder(self, sid: int) -> str | None:
+        """The worker a DOING shard belongs to (None: not DOING)."""
+        with self._lock:
+            return self._doing.get(sid)
+
+    def doing(self) -> dict[int, str]:
+        """DOING shard id -> its worker."""
+        with self._lock:
+            return dict(self._doing)
+
     def position(self, sid: int) -> int | None:
         """Where shard ``sid``'s next hand-out starts (None: no such shard)."""
         with self._lock:
@@ -299,7 +334,7 @@ class ShardQueue:
 
     def to_state(self) -> dict:
         with self._lock:
-            if self._shard_dicts is None:  # the shard list never changes: built once
+            if self._shard_dicts is None:  # built once, again after a split
                 self._shard_dicts = [asdict(s) for s in self._shards.values()]
             return {"unit": STATE_UNIT, "shards": list(self._shard_dicts),
                     "todo": list(self._todo), "doing": dict(self._doing), "done": sorted(self._done),
