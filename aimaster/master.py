@@ -110,6 +110,10 @@ class JobMaster:
         self._signalled = False
         self._closing = False  # shutdown started: no new work for the main thread
         self._warm_tables: set | None = None  # tables of the init_from checkpoint
+        # stragglers: worker -> when it last got WAIT for a shard; worker -> (the idle
+        # worker its shard's rest is for, when asked), answered with its next heartbeat
+        self._waiting: dict[str, float] = {}
+        self._split_asks: dict[str, tuple[str, float]] = {}
         self.final_checkpoint = ""   # directory of the final checkpoint, once taken
         self.export_dir = ""         # the SavedModel exported after it
 
@@ -1288,8 +1292,57 @@ class JobMaster:
         """(state, shard) for a live worker's request; persisted before it is answered."""
         state, shard = self.shards.assign(worker_id)
         if state == ShardState.DOING:
+            self._waiting.pop(worker_id, None)
             self._save()
+        elif state is None:
+            self._waiting[worker_id] = self.clock()
         return state, shard
+
+    # -- stragglers: a slow worker's shard is split for an idle one ----------------------------
+    def waiting_workers(self, within: float = 2.0) -> list[str]:
+        """Live workers that asked for a shard in the last ``within`` seconds and got none."""
+        now, live = self.clock(), {m.id for m in self.live_workers()}
+        return [w for w, t in list(self._waiting.items()) if now - t <= within and w in live]
+
+    def request_split(self, worker_id: str, for_worker: str) -> bool:
+        """Ask ``worker_id`` (with its next heartbeat) to cut its shard at the record it
+        reached; the rest is reserved for ``for_worker``. False: an ask is outstanding."""
+        with self._lock:
+            if worker_id in self._split_asks:
+                return False
+            self._split_asks[worker_id] = (for_worker, self.clock())
+        return True
+
+    def take_split_ask(self, worker_id: str) -> bool:
+        """Heartbeat: whether to tell this worker to split (once per ask; an ask left
+        unanswered for 3 heartbeats lapses)."""
+        with self._lock:
+            ask = self._split_asks.get(worker_id)
+            if ask is None:
+                return False
+            if self.clock() - ask[1] > 3 * self.config.heartbeat_seconds + 1:
+                del self._split_asks[worker_id]
+            return True
+
+    def split_shards(self, worker_id: str, shard_ids: list[int], positions: list[int]) -> list[int]:
+        """A worker's answer to a split ask: each shard cut at its position; returns the ids
+        that were split (a cut that cannot be exact is refused: the worker keeps all)."""
+        with self._lock:
+            ask = self._split_asks.pop(worker_id, None)
+        for_worker = ask[0] if ask else None
+        done = []
+        for sid, at in zip(shard_ids, positions):
+            rest = self.shards.split(worker_id, int(sid), int(at), reserve_for=for_worker,
+                                     reserve_seconds=max(5.0, 3 * self.config.heartbeat_seconds))
+            if rest is None:
+                continue
+            done.append(int(sid))
+            self.record_event("shard_split", worker=worker_id, shard=int(sid), at=int(at),
+                              new_shard=rest.shard_id, rest=rest.end - rest.start
+                              if rest.end < (1 << 62) else None, to=for_worker)
+        if done:
+            self._save()
+        return done
 
     def report_shards(self, worker_id: str, done: list[int], returned: list[int],
                       positions: list[int]) -> list[int]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from enum import Enum
@@ -201,6 +202,7 @@ class ShardQueue:
         self._done: set[int] = set()
         self._resume: dict[int, int] = {}  # shard id -> position of its first untrained record
         self._shard_dicts: list[dict] | None = None  # to_state's shard list (never mutated)
+        self._reserved: dict[int, tuple[str, float]] = {}  # split rest -> (worker, until)
 
     def _handout(self, sid: int) -> Shard:
         s = self._shards[sid]
@@ -212,7 +214,9 @@ class ShardQueue:
         """(DOING, shard) if one was assigned; (None, None) to wait; (DONE, None) when finished."""
         with self._lock:
             if self._todo:
-                sid = self._todo.popleft()
+                sid = self._take(worker_id)
+                if sid is None:  # all reserved for other (idle) workers: theirs to take
+                    return None, None
                 self._doing[sid] = worker_id
                 return ShardState.DOING, self._handout(sid)
             if self._doing:
@@ -258,14 +262,28 @@ class ShardQueue:
                 self._todo.appendleft(sid)
             return mine
 
-    def split(self, worker_id: str, sid: int, at: int) -> Shard | None:
+    def _take(self, worker_id: str) -> int | None:
+        """The first TODO shard this worker may take: not one reserved for another worker
+        (a split's rest, until its reservation lapses). Caller holds the lock."""
+        now = time.monotonic()
+        for sid in self._todo:
+            who, until = self._reserved.get(sid, (worker_id, 0.0))
+            if who == worker_id or until < now:
+                self._todo.remove(sid)
+                self._reserved.pop(sid, None)
+                return sid
+        return None
+
+    def split(self, worker_id: str, sid: int, at: int, reserve_for: str | None = None,
+              reserve_seconds: float = 5.0) -> Shard | None:
         """Split a DOING shard of ``worker_id`` at position ``at`` (the end of the last
         record the worker has taken in; a record boundary): the worker keeps the records
         that begin in ``[hand-out start, at)`` under the same id, and those that begin in
         ``[at, end)`` become a new shard at the front of TODO, for an idle worker. Returns
         the new shard; None (nothing changes) when the worker does not hold the shard, the
         shard cannot be split (a compressed file is one stream) or ``at`` leaves one side
-        empty. The sum of the parts is the shard: no record is skipped or trained twice."""
+        empty. ``reserve_for``: only that worker may take the rest for ``reserve_seconds``
+        (the slow worker asks for its next shard at once and would take it back). The sum of the parts is the shard: no record is skipped or trained twice."""
         with self._lock:
             s = self._shards.get(sid)
             if s is None or self._doing.get(sid) != worker_id or s.format.endswith(".gz"):
@@ -280,6 +298,8 @@ class ShardQueue:
                                       s.format)
             self._shards[new_id] = rest
             self._todo.appendleft(new_id)
+            if reserve_for and reserve_for != worker_id:  # not straight back to the slow one
+                self._reserved[new_id] = (reserve_for, time.monotonic() + reserve_seconds)
             self._shard_dicts = None  # the shard list changed
             return rest
 

@@ -127,3 +127,22 @@ def test_split_is_refused_when_it_cannot_be_exact(tmp_path):
     _, g = q.assign("a")
     assert q.split("a", g.shard_id, 2) is None               # one stream: not splittable
     assert q.counts() == {"todo": 0, "doing": 1, "done": 0}
+
+
+def test_tracker_truncate_moves_the_shard_end_back():
+    import numpy as np
+
+    from deeprec_ext.worker import ShardTracker
+    done, back = [], []
+    t = ShardTracker(done.extend, lambda ids, pos: back.extend(zip(ids, pos)))
+    t.add(1, 3, 0, np.array([5, 9, 14]))
+    t.add(2, 6, 14, np.array([20, 26, 30, 35, 40, 44]))
+    assert t.truncate(2, 4)                      # 2 records kept, 4 handed on (cut at 26)
+    assert not t.truncate(2, 9) and not t.truncate(7, 1)
+    t.emitted(5)
+    t.advance(1)
+    assert done == [1, 2] and t.handed_out == 5  # shard 2 done after its 2 kept records
+    t.add(3, 4, 50, np.array([52, 54, 56, 58]))
+    t.truncate(3, 2)
+    t.finish()
+    assert back == [(3, 50)]
