@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 from concurrent.futures import Future
@@ -743,7 +744,8 @@ class JobMaster:
         return self._run_op(OpKind.RESCALE, lambda cancel: self._rebalance_op(tolerance),
                             key="rebalance", timeout=timeout + 60)
 
-    def _rebalance_op(self, tolerance: float) -> dict:
+    def _rebalance_op(self, tolerance: float, capacity: dict[str, float] | None = None,
+                      detail: dict | None = None) -> dict:
         self._require_running()
         old = self.routing
         live = {m.id for m in self.live_ps()}
@@ -755,14 +757,22 @@ class JobMaster:
             raise Busy("not every PS reported its slot statistics yet")
         nbytes, lookups = stats
         ids, n = list(old.ps_ids), len(old.ps_ids)
+        weights = None if capacity is None else [float(capacity.get(i, 1.0)) for i in ids]
         new_owner = placement.balance(old.slot_owner, ids, ids,
-                                      placement.slot_loads(nbytes, lookups), tolerance)
-        event = {"kind": "rebalance", "ps": n, "moved_slots": int((new_owner != old.slot_owner).sum()),
+                                      placement.slot_loads(nbytes, lookups), tolerance, weights)
+        event = {"kind": "rebalance" if capacity is None else "straggler_rebalance", "ps": n,
+                 "moved_slots": int((new_owner != old.slot_owner).sum()),
                  "bytes_imbalance": [round(placement.imbalance(old.slot_owner, nbytes, n), 4),
                                      round(placement.imbalance(new_owner, nbytes, n), 4)],
                  "lookup_imbalance": [round(placement.imbalance(old.slot_owner, lookups, n), 4),
                                       round(placement.imbalance(new_owner, lookups, n), 4)],
                  "moved_rows": 0, "moved_bytes": 0, "fence_ms": 0.0}
+        if weights is not None:
+            event["capacity"] = {i: round(w, 3) for i, w in zip(ids, weights)}
+            event["lookup_share"] = {i: round(float(lookups[new_owner == k].sum()) /
+                                              max(float(lookups.sum()), 1.0), 4)
+                                     for k, i in enumerate(ids)}
+            event.update(detail or {})
         if event["moved_slots"]:
             try:
                 with self._around_migration():
@@ -772,6 +782,72 @@ class JobMaster:
                 raise OperationRefused(str(exc)) from exc
             event.update(moved_rows=result.moved_rows, moved_bytes=result.moved_bytes,
                          fence_ms=round(result.fence_ms, 3), epoch=result.routing.epoch)
+        event["duration_ms"] = round((self.clock() - start) * 1000, 3)
+        return self._record(event, started_at)
+
+    # -- stragglers: a slow PS owns less, then is replaced --------------------------------------
+    def straggler_rebalance(self, capacity: dict[str, float], detail: dict,
+                            tolerance: float = 0.05, timeout: float = 600.0) -> dict:
+        """Re-place slots so each PS's share is proportional to its capacity weight (a PS
+        serving at half speed owns about half the load); a live migration queued as an
+        operation. Returns the event (kind ``straggler_rebalance``)."""
+        self._require_running()
+        return self._run_op(OpKind.RESCALE,
+                            lambda cancel: self._rebalance_op(tolerance, capacity, detail),
+                            key="straggler", timeout=timeout + 60)
+
+    def replace_ps(self, ps_id: str, detail: dict, timeout: float = 600.0) -> dict:
+        """Start a new PS, move every slot of ``ps_id`` to the fleet live (the new PS takes
+        its share), then retire ``ps_id``: a slow PS's replacement, queued as an
+        operation. Returns the event (kind ``straggler_replace``)."""
+        self._require_running()
+        return self._run_op(OpKind.RESCALE, lambda cancel: self._replace_op(ps_id, detail, timeout),
+                            key="straggler", timeout=timeout + 60)
+
+    def _replace_op(self, slow: str, detail: dict, timeout: float) -> dict:
+        self._require_running()
+        old = self.routing
+        old_ids = list(old.ps_ids)
+        live = {m.id for m in self.live_ps()}
+        if any(p not in live for p in old_ids):
+            raise Busy("a PS died and its recovery is in progress; replace after it")
+        if slow not in old_ids:
+            raise OperationRefused(f"{slow} owns no slots")
+        if not hasattr(self.scaler, "kill"):
+            raise OperationRefused("this scaler cannot retire one chosen PS")
+        start, started_at = self.clock(), time.time()
+        deadline = start + timeout
+        n = len(old_ids)
+        self.on_main(lambda: self.scaler.apply(ScalePlan(ps=n + 1)))
+        try:
+            fresh = self._wait(lambda: [m for m in self.live_ps() if m.id not in old_ids],
+                               deadline, "the replacement PS to register")
+        except OperationRefused:
+            for m in self.live_ps():
+                if m.id not in old_ids:
+                    self.registry.mark(m.id, MemberState.LEFT)
+            self.on_main(lambda: self.scaler.apply(ScalePlan(ps=self._count_keeping("ps", old_ids))))
+            raise
+        new = sorted(fresh, key=lambda m: m.rank)[0]
+        new_ids = [i for i in old_ids if i != slow] + [new.id]
+        addresses = {m.id: m.address for m in self.live_ps()}
+        loads = self._slot_loads(old)
+        new_owner = rebalance(old.slot_owner, old_ids, new_ids) if loads is None else \
+            placement.balance(old.slot_owner, old_ids, new_ids, loads)
+        try:
+            with self._around_migration():
+                result = migrate(self.fleet, old, new_owner, new_ids,
+                                 [addresses[i] for i in new_ids], self._publish)
+        except MigrationError as exc:
+            self.registry.mark(new.id, MemberState.LEFT)
+            self.scaler.kill(new.id, signal.SIGTERM)
+            raise OperationRefused(str(exc)) from exc
+        self.registry.mark(slow, MemberState.LEFT)
+        self.scaler.kill(slow, signal.SIGTERM)  # it owns nothing now: it just exits
+        event = {"kind": "straggler_replace", "slow": slow, "new": new.id,
+                 "moved_slots": result.moved_slots, "moved_rows": result.moved_rows,
+                 "moved_bytes": result.moved_bytes, "fence_ms": round(result.fence_ms, 3),
+                 "epoch": result.routing.epoch, **detail}
         event["duration_ms"] = round((self.clock() - start) * 1000, 3)
         return self._record(event, started_at)
 

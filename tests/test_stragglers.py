@@ -2,6 +2,7 @@
 section's refusals of contradictory thresholds."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from aimaster.config import ConfigError, parse_job
@@ -31,3 +32,59 @@ def test_defaults_and_the_off_switch():
     on = parse_job({"stragglers": {"enabled": True, "k": 2.5, "window_seconds": 4}})
     assert on.stragglers.enabled and on.stragglers.k == 2.5
     assert parse_job({"stragglers": {"enabled": False}}).stragglers.enabled is False
+
+
+# -- detection and placement, without processes ------------------------------------------------
+from aimaster.placement import balance, capacity_weights, imbalance  # noqa: E402
+from aimaster.stragglers import Hysteresis, PsWindow, ps_verdicts, worker_verdicts  # noqa: E402
+
+
+def test_hysteresis_ignores_a_blip_and_needs_a_window_both_ways():
+    h = Hysteresis(window=5.0)
+    assert [h.update("ps-0", t, True) for t in (0, 1, 2)] == [None] * 3
+    assert h.update("ps-0", 3, False) is None            # a 3 s pause: forgotten
+    assert [h.update("ps-0", t, True) for t in (4, 6, 8)] == [None] * 3
+    assert h.update("ps-0", 9, None) is None              # no evidence changes nothing
+    assert h.update("ps-0", 9.5, True) == "detected" and "ps-0" in h.marked
+    assert [h.update("ps-0", t, False) for t in (10, 12, 14)] == [None] * 3
+    assert h.update("ps-0", 15, False) == "cleared" and not h.marked
+
+
+def test_ps_verdicts_compare_each_ps_with_the_median_of_the_others():
+    w = {"ps-0": PsWindow(500, 0.3, 2.0, 0.4), "ps-1": PsWindow(480, 0.35, 2.5, 0.45),
+         "ps-2": PsWindow(200, 3.0, 40.0, 0.3)}
+    v = ps_verdicts(w, k=3, min_requests=20, cpu_saturated=0.9)
+    assert [v[p][0] for p in sorted(v)] == [False, False, True]
+    assert v["ps-2"][1]["ratio"] > 8
+    # too few requests: no evidence, unless its CPU is saturated while the others idle
+    w["ps-2"] = PsWindow(5, 30.0, 90.0, 0.2)
+    assert ps_verdicts(w, 3, 20, 0.9)["ps-2"][0] is None
+    w["ps-2"] = PsWindow(5, 30.0, 90.0, 0.97)
+    assert ps_verdicts(w, 3, 20, 0.9)["ps-2"][0] is True
+    assert ps_verdicts({"ps-0": w["ps-0"]}, 3, 20, 0.9)["ps-0"][0] is None  # alone
+
+
+def test_worker_verdicts_use_the_median_of_the_others():
+    v = worker_verdicts({"w0": 1000.0, "w1": 950.0, "w2": 280.0}, k=3)
+    assert [v[w][0] for w in ("w0", "w1", "w2")] == [False, False, True]
+
+
+def test_capacity_weighted_placement_gives_a_half_speed_ps_half_the_load():
+    rng = np.random.default_rng(0)
+    n_slots = 512
+    lookups = rng.integers(900, 1100, n_slots)
+    loads = np.stack([np.full(n_slots, 1 / n_slots), lookups / lookups.sum()], axis=1)
+    owner = (np.arange(n_slots) % 3).astype(np.int32)
+    ids = ["ps-0", "ps-1", "ps-2"]
+    w = capacity_weights({"ps-0": 1.0, "ps-1": 1.0, "ps-2": 2.0}, ids, 0.1)
+    assert w == pytest.approx([1.0, 1.0, 0.5])
+    new = balance(owner, ids, ids, loads, 0.05, w)
+    share = np.bincount(new, weights=lookups, minlength=3) / lookups.sum()
+    assert share[2] == pytest.approx(0.2, abs=0.02)       # 0.5 / 2.5 of the load
+    assert share[0] == pytest.approx(0.4, abs=0.02)
+    # equal weights: exactly the plain balance
+    assert np.array_equal(balance(owner, ids, ids, loads, 0.05, [1, 1, 1]),
+                          balance(owner, ids, ids, loads, 0.05))
+    assert imbalance(new, lookups, 3) > 1.1
+    with pytest.raises(ValueError, match="capacity"):
+        balance(owner, ids, ids, loads, 0.05, [1, 0, 1])
