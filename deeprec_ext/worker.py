@@ -402,6 +402,7 @@ def shard_batches(ctx: "WorkerContext", batch_size: int, poll_seconds: float = 0
             buf = buf[:len(buf) - rest]
             ctx.tracker.truncate(s.shard_id, rest)
             cur = (s, next_pos[:kept], kept)
+            ctx.tracker.advance(0)  # its kept records may all be trained already: DONE
 
     try:
         while not ctx.stop_requested.is_set():

@@ -88,3 +88,80 @@ def test_capacity_weighted_placement_gives_a_half_speed_ps_half_the_load():
     assert imbalance(new, lookups, 3) > 1.1
     with pytest.raises(ValueError, match="capacity"):
         balance(owner, ids, ids, loads, 0.05, [1, 0, 1])
+
+
+# -- real processes -----------------------------------------------------------------------------
+from tests.conftest import ROOT, wait_for  # noqa: E402
+from tests.throttle import Throttle  # noqa: E402
+
+
+def _records(tmp_path, files, per_file):
+    paths = []
+    for f in range(files):
+        p = tmp_path / f"rec-{f}.txt"
+        p.write_text("\n".join(map(str, range(f * per_file, (f + 1) * per_file))) + "\n")
+        paths.append(str(p))
+    return paths, files * per_file
+
+
+def _counting_job(start_job, paths, stragglers, ps=1, workers=2, bytes_per_shard=20000,
+                  delay="0.02"):
+    job = start_job({
+        "name": "strag",
+        "ps": {"replicas": ps, "max_replicas": 4},
+        "worker": {"replicas": workers, "max_replicas": 4,
+                   "command": ["{python}", str(ROOT / "tests" / "counting_worker.py")],
+                   "env": {"COUNTING_DELAY": delay, "PYTHONPATH": str(ROOT),
+                           "COUNTING_HOLD_FILE": str(paths[0]) + ".release"}},
+        "data": {"files": paths, "bytes_per_shard": bytes_per_shard},
+        "master": {"heartbeat_seconds": 0.5},
+        "stragglers": stragglers,
+    })
+    wait_for(lambda: job.status()["phase"] == "running", 60, "the job to be running")
+    return job
+
+
+def _member_pid(job, member_id):
+    return wait_for(lambda: next((m["pid"] for m in job.status()["members"]
+                                  if m["id"] == member_id and m["state"] == "running"), None),
+                    60, f"{member_id} to run")
+
+
+def _all_done(job):
+    sh = job.state()["shards"]  # one read: a split's rest is TODO between two reads
+    return not sh["todo"] and not sh["doing"]
+
+
+def _every_record_once(job, total, paths):
+    from deeprec_ext.client import PSClient
+    client = PSClient.connect(job.address, timeout=30)
+    got = client.lookup("records", np.arange(total, dtype=np.int64), insert_missing=False)[:, 0]
+    client.close()
+    open(str(paths[0]) + ".release", "w").close()
+    assert job.wait(120) == 0, job.output()[-3000:]
+    counts = np.bincount(np.clip(got.astype(np.int64), 0, 3), minlength=4)
+    assert counts[1] == total, f"records trained 0/1/2/3+ times: {counts.tolist()}"
+
+
+def test_worker_throttled_mid_shard_has_its_shard_split_every_record_once(start_job, tmp_path):
+    # 2 x 40000 records in 4 shards; worker-1 runs at 5% of a core from the start: it
+    # still holds its first shard, with seconds of work left, when worker-0 has trained
+    # the other three. Pushes, not sleeps, pace the workers (a stopped process's
+    # sleep runs out while it is stopped)
+    paths, total = _records(tmp_path, 2, 40000)
+    job = _counting_job(start_job, paths, {"enabled": True, "window_seconds": 2,
+                                           "interval_seconds": 0.5, "k": 2,
+                                           "replace_below": 0.1},
+                        bytes_per_shard=120000, delay="0.004")
+    slow = Throttle(wait_for(lambda: next((m["pid"] for m in job.state()["members"]
+                                           if m["id"] == "worker-1"), None), 60, "worker-1"),
+                    share=0.05, period=0.1).start()
+    try:
+        wait_for(lambda: _all_done(job), 120, "every shard DONE")
+    finally:
+        slow.stop()
+    events = job.state()["events"]
+    splits = [e for e in events if e["kind"] == "shard_split"]
+    assert splits and all(e["worker"] == "worker-1" and e["to"] == "worker-0" for e in splits), \
+        (events, job.output()[-3000:])
+    _every_record_once(job, total, paths)
