@@ -769,9 +769,10 @@ class JobMaster:
                  "moved_rows": 0, "moved_bytes": 0, "fence_ms": 0.0}
         if weights is not None:
             event["capacity"] = {i: round(w, 3) for i, w in zip(ids, weights)}
-            event["lookup_share"] = {i: round(float(lookups[new_owner == k].sum()) /
-                                              max(float(lookups.sum()), 1.0), 4)
-                                     for k, i in enumerate(ids)}
+            if lookups.sum() > 0:
+                event["lookup_share"] = {i: round(float(lookups[new_owner == k].sum()) /
+                                                  float(lookups.sum()), 4)
+                                         for k, i in enumerate(ids)}
             event.update(detail or {})
         if event["moved_slots"]:
             try:

@@ -51,6 +51,9 @@ DATA_PLANE = ("Lookup", "Push")
 _BUCKETS = len(LATENCY_BOUNDS_MS) + 1
 STEAL_SPEEDUP = 1.5  # an idle worker steals from a holder at least this much slower
 FLOOR_MS = LATENCY_BOUNDS_MS[0]  # below the first bucket's bound times are not told apart
+# a probe's round trip on a busy host varies by a millisecond or two: not a straggler
+PROBE_FLOOR_MS = 2.0
+PROBES = 5  # per PS and observation, spread over the interval
 
 
 class Hysteresis:
@@ -93,6 +96,7 @@ class PsWindow:
     p50_ms: float
     p99_ms: float
     cpu: float            # cores used
+    probe_ms: float = 0.0  # median time to answer the AIMaster's probes (0: not probed)
 
 
 def ps_verdicts(windows: dict[str, PsWindow], k: float, min_requests: int,
@@ -117,8 +121,13 @@ def ps_verdicts(windows: dict[str, PsWindow], k: float, min_requests: int,
         med99 = max(float(np.median([o.p99_ms for o in timed])), FLOOR_MS)
         ratio = max(w.p50_ms / med50, w.p99_ms / med99)
         detail.update(p50_ms=round(w.p50_ms, 3), p99_ms=round(w.p99_ms, 3),
-                      median_p50_ms=round(med50, 3), median_p99_ms=round(med99, 3),
-                      ratio=round(ratio, 2), cpu_saturated=saturated)
+                      median_p50_ms=round(med50, 3), median_p99_ms=round(med99, 3))
+        probed = [o.probe_ms for o in others if o.probe_ms > 0]
+        if w.probe_ms > 0 and probed:
+            medp = max(float(np.median(probed)), PROBE_FLOOR_MS)
+            ratio = max(ratio, w.probe_ms / medp)
+            detail.update(probe_ms=round(w.probe_ms, 3), median_probe_ms=round(medp, 3))
+        detail.update(ratio=round(ratio, 2), cpu_saturated=saturated)
         out[ps] = (ratio > k or saturated, detail)
     return out
 
@@ -256,10 +265,16 @@ class StragglerPlugin(MasterPlugin):
                        if p in owners and time.monotonic() - t <= fresh}
         if len(windows) < 2:
             return
-        for ps, (bad, detail) in ps_verdicts(windows, float(self.cfg.k), self.cfg.min_requests,
-                                             float(self.cfg.cpu_saturated)).items():
-            if detail.get("p50_ms"):
-                self._ps_p50.setdefault(ps, deque(maxlen=64)).append((now, detail["p50_ms"]))
+        probes = self._probe(master, routing)
+        for p, w in windows.items():
+            w.probe_ms = probes.get(p, 0.0)
+        verdicts = ps_verdicts(windows, float(self.cfg.k), self.cfg.min_requests,
+                               float(self.cfg.cpu_saturated))
+        log.debug("stragglers: PS %s", {p: (b, d) for p, (b, d) in verdicts.items()})
+        for ps, (bad, detail) in verdicts.items():
+            service = max(detail.get("p50_ms", 0.0), detail.get("probe_ms", 0.0))
+            if service:
+                self._ps_p50.setdefault(ps, deque(maxlen=64)).append((now, service))
             change = self.ps_marks.update(ps, now, bad)
             if bad:
                 self._details[ps] = detail
@@ -272,6 +287,21 @@ class StragglerPlugin(MasterPlugin):
                 self._details.pop(ps, None)
             elif ps in self.ps_marks.marked:
                 self._act_on_ps(master, ps, now, first=False)
+
+    def _probe(self, master, routing) -> dict[str, float]:
+        """Median probe time per PS: PROBES trivial requests to every PS, spread over about
+        half an interval (a PS stopped part of the time answers some of them late)."""
+        times: dict[str, list[float]] = {p: [] for p in routing.ps_ids}
+        gap = float(self.cfg.interval_seconds) / 2 / PROBES
+        for _ in range(PROBES):
+            for p, address in zip(routing.ps_ids, routing.ps_addresses):
+                try:
+                    times[p].append(master.ps_probe_ms(address, timeout=2.0))
+                except Exception:  # noqa: BLE001 - no answer in 2 s: as slow as that
+                    times[p].append(2000.0)
+            if self._stop.wait(gap):
+                break
+        return {p: float(np.median(v)) for p, v in times.items() if v}
 
     def _service_ms(self, now: float) -> dict[str, float]:
         """Each PS's mean p50 over the window: the inverse of its service rate."""

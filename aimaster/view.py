@@ -141,6 +141,16 @@ class JobView:
         routing = self._m.routing
         return None if routing is None else self._m.fleet.slot_stats(routing)
 
+    def ps_probe_ms(self, address: str, timeout: float = 2.0) -> float:
+        """Milliseconds a PS takes to answer a trivial request (ListTables): its queueing
+        and scheduling delay as a client sees it, which its own timers do not show."""
+        import time
+
+        from deeprec_ext.proto import ps_pb2
+        t = time.perf_counter()
+        self._m.fleet.stub(address).ListTables(ps_pb2.ListTablesRequest(), timeout=timeout)
+        return (time.perf_counter() - t) * 1000.0
+
     def waiting_workers(self, within: float = 2.0) -> list[str]:
         return self._m.waiting_workers(within)
 
