@@ -166,10 +166,11 @@ class StragglerPlugin(MasterPlugin):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._actor: threading.Thread | None = None
-        # PS: the cumulative data-plane histogram of its previous report, and the window
-        # between its last two reports: (received, PsWindow)
-        self._ps_prev: dict[str, tuple[float, np.ndarray, float]] = {}
-        self._ps_window: dict[str, tuple[float, PsWindow]] = {}
+        # PS: its reports over the last window, (received, cumulative data-plane
+        # histogram, CPU seconds), and the AIMaster's probes, (time, ms): each verdict
+        # pools a whole window (a p99 of one heartbeat's 25 requests is their maximum)
+        self._ps_reports: dict[str, deque] = {}
+        self._ps_probes: dict[str, deque] = {}
         self._ps_p50: dict[str, deque] = {}
         self._worker_samples: dict[str, deque] = {}
         self.ps_marks = Hysteresis(float(self.cfg.window_seconds))
@@ -196,14 +197,12 @@ class StragglerPlugin(MasterPlugin):
             return
         now = time.monotonic()
         with self._lock:
-            prev = self._ps_prev.get(request.id)
-            self._ps_prev[request.id] = (now, counts, stats.cpu_seconds)
-            if prev is None or now - prev[0] < 1e-3 or prev[1].shape != counts.shape:
-                return
-            delta = np.maximum(counts - prev[1], 0)
-            cpu = max(stats.cpu_seconds - prev[2], 0.0) / (now - prev[0])
-            self._ps_window[request.id] = (now, PsWindow(
-                int(delta.sum()), quantile_ms(delta, 0.5), quantile_ms(delta, 0.99), cpu))
+            q = self._ps_reports.setdefault(request.id, deque())
+            if q and q[-1][1].shape != counts.shape:
+                q.clear()
+            q.append((now, counts, stats.cpu_seconds))
+            while len(q) > 2 and now - q[1][0] >= self.cfg.window_seconds:
+                q.popleft()
 
     def on_tick(self, master) -> None:
         if self._thread is None and master.phase == JobPhase.RUNNING:
@@ -254,20 +253,33 @@ class StragglerPlugin(MasterPlugin):
         owners = set(routing.ps_ids)
         live = {m.id for m in master.live_ps()}
         fresh = 2 * max(float(self.job.heartbeat_seconds), float(self.cfg.interval_seconds)) + 1
+        window = float(self.cfg.window_seconds)
+        probes = self._probe(master, routing)
         with self._lock:
-            for p in list(self._ps_window):
+            for p in list(self._ps_reports):
                 if p not in owners or p not in live:
-                    self._ps_window.pop(p, None)
-                    self._ps_prev.pop(p, None)
+                    self._ps_reports.pop(p, None)
+                    self._ps_probes.pop(p, None)
                     self.ps_marks.forget(p)
-            # a PS whose last report is stale (stopped, busy migrating) gives no evidence
-            windows = {p: w for p, (t, w) in self._ps_window.items()
-                       if p in owners and time.monotonic() - t <= fresh}
+            windows = {}
+            for p, q in self._ps_reports.items():
+                # a PS whose last report is stale (stopped, busy migrating): no evidence
+                if p not in owners or len(q) < 2 or time.monotonic() - q[-1][0] > fresh:
+                    continue
+                (t0, c0, cpu0), (t1, c1, cpu1) = q[0], q[-1]
+                delta = np.maximum(c1 - c0, 0)
+                windows[p] = PsWindow(int(delta.sum()), quantile_ms(delta, 0.5),
+                                      quantile_ms(delta, 0.99),
+                                      max(cpu1 - cpu0, 0.0) / max(t1 - t0, 1e-3))
+            for p, ms in probes.items():
+                pq = self._ps_probes.setdefault(p, deque())
+                pq.extend((now, v) for v in ms)
+                while pq and now - pq[0][0] > window:
+                    pq.popleft()
+                if p in windows:
+                    windows[p].probe_ms = float(np.median([v for _, v in pq]))
         if len(windows) < 2:
             return
-        probes = self._probe(master, routing)
-        for p, w in windows.items():
-            w.probe_ms = probes.get(p, 0.0)
         verdicts = ps_verdicts(windows, float(self.cfg.k), self.cfg.min_requests,
                                float(self.cfg.cpu_saturated))
         log.debug("stragglers: PS %s", {p: (b, d) for p, (b, d) in verdicts.items()})
@@ -285,12 +297,12 @@ class StragglerPlugin(MasterPlugin):
             elif change == "cleared":
                 master.record_event("straggler_cleared", role="ps", id=ps, **detail)
                 self._details.pop(ps, None)
-            elif ps in self.ps_marks.marked:
+            elif ps in self.ps_marks.marked and bad:  # still slow in the newest window
                 self._act_on_ps(master, ps, now, first=False)
 
-    def _probe(self, master, routing) -> dict[str, float]:
-        """Median probe time per PS: PROBES trivial requests to every PS, spread over about
-        half an interval (a PS stopped part of the time answers some of them late)."""
+    def _probe(self, master, routing) -> dict[str, list[float]]:
+        """Probe times per PS: PROBES trivial requests to every PS, spread over about half
+        an interval (a PS stopped part of the time answers some of them late)."""
         times: dict[str, list[float]] = {p: [] for p in routing.ps_ids}
         gap = float(self.cfg.interval_seconds) / 2 / PROBES
         for _ in range(PROBES):
@@ -301,7 +313,7 @@ class StragglerPlugin(MasterPlugin):
                     times[p].append(2000.0)
             if self._stop.wait(gap):
                 break
-        return {p: float(np.median(v)) for p, v in times.items() if v}
+        return times
 
     def _service_ms(self, now: float) -> dict[str, float]:
         """Each PS's mean p50 over the window: the inverse of its service rate."""

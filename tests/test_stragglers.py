@@ -2,6 +2,8 @@
 section's refusals of contradictory thresholds."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -165,3 +167,84 @@ def test_worker_throttled_mid_shard_has_its_shard_split_every_record_once(start_
     assert splits and all(e["worker"] == "worker-1" and e["to"] == "worker-0" for e in splits), \
         (events, job.output()[-3000:])
     _every_record_once(job, total, paths)
+
+
+def _ps_job(start_job, stragglers):
+    from deeprec_ext.client import PSClient
+    job = start_job({"name": "strag-ps", "ps": {"replicas": 2, "max_replicas": 4},
+                     "master": {"heartbeat_seconds": 0.5}, "stragglers": stragglers},
+                    ["--workers", "0"])
+    client = PSClient.connect(job.address, timeout=60)
+    client.create_table("c", dim=1, initializer="zeros",
+                        optimizer={"name": "sgd", "learning_rate": 1.0})
+    return job, client
+
+
+def _pushers(job, client, n):
+    from deeprec_ext.client import PSClient
+
+    from tests.conftest import CounterPusher
+    other = PSClient.connect(job.address, timeout=60)
+    return [CounterPusher(client, "c", n, batch=1000, seed=1).start(),
+            CounterPusher(other, "c", n, batch=1000, seed=2).start()], other
+
+
+def _exact(client, pushers, n):
+    for p in pushers:
+        p.stop()
+    expected = sum(p.expected for p in pushers)
+    got = client.lookup("c", np.arange(n, dtype=np.int64), insert_missing=False)[:, 0]
+    assert np.array_equal(got.astype(np.int64), expected), \
+        f"{int((got != expected).sum())} counters differ; {int(expected.sum())} updates"
+    return int(expected.sum())
+
+
+def _kinds(job, *kinds):
+    return [e for e in job.status()["events"] if e["kind"] in kinds]
+
+
+def test_throttled_ps_is_detected_and_its_load_moved_with_exact_counts(start_job):
+    job, client = _ps_job(start_job, {"enabled": True, "window_seconds": 3, "k": 3,
+                                      "replace": False})
+    n = 20000
+    pushers, other = _pushers(job, client, n)
+    try:
+        wait_for(lambda: sum(len(p.acked) for p in pushers) > 100, 60, "pushes")
+        ps1 = next(m["pid"] for m in job.state()["members"] if m["id"] == "ps-1")
+        slots_before = job.status()["placement"]["ps"]["ps-1"]["slots"]
+        with Throttle(ps1, share=0.3, period=0.1).start() as _:
+            moved = wait_for(lambda: _kinds(job, "straggler_rebalance"), 60, "re-placement")
+        detected = _kinds(job, "straggler_detected")
+    finally:
+        total = _exact(client, pushers, n)
+        other.close()
+    assert [(e["role"], e["id"]) for e in detected] == [("ps", "ps-1")]
+    assert detected[0]["ratio"] > 3
+    ev = moved[0]
+    assert ev["slow"] == "ps-1" and ev["moved_slots"] > 0 and ev["capacity"]["ps-1"] < 1
+    assert job.status()["placement"]["ps"]["ps-1"]["slots"] < slots_before
+    assert total > 0
+    client.close()
+
+
+def test_a_moment_of_slowness_or_the_off_switch_moves_nothing(start_job, tmp_path):
+    # a 1.5 s stall against a 6 s window; then a job with stragglers off and a long stall
+    for stragglers, stall in (({"enabled": True, "window_seconds": 6, "k": 3}, 1.5),
+                              ({"enabled": False}, 8.0)):
+        job, client = _ps_job(lambda j, a: start_job(j, a, subdir=str(stall)), stragglers)
+        n = 5000
+        pushers, other = _pushers(job, client, n)
+        try:
+            wait_for(lambda: sum(len(p.acked) for p in pushers) > 50, 60, "pushes")
+            ps1 = next(m["pid"] for m in job.state()["members"] if m["id"] == "ps-1")
+            with Throttle(ps1, share=0.3, period=0.1).start() as _:
+                time.sleep(stall)
+            time.sleep(7)  # longer than the window: a mark would have come by now
+            events = _kinds(job, "straggler_detected", "straggler_rebalance",
+                            "straggler_replace", "routing")
+        finally:
+            _exact(client, pushers, n)
+            other.close()
+        assert [e["kind"] for e in events] == ["routing"], (stragglers, events)  # the first
+        client.close()
+        job.stop()

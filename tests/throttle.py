@@ -42,3 +42,9 @@ class Throttle:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(5)
+
+    def __enter__(self) -> "Throttle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
