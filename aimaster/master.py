@@ -115,6 +115,8 @@ class JobMaster:
         # worker its shard's rest is for, when asked), answered with its next heartbeat
         self._waiting: dict[str, float] = {}
         self._split_asks: dict[str, tuple[str, float]] = {}
+        self.straggler_marks: dict[str, dict] = {}     # member -> what was measured
+        self.straggler_counts: collections.Counter = collections.Counter()  # event kind -> n
         self.final_checkpoint = ""   # directory of the final checkpoint, once taken
         self.export_dir = ""         # the SavedModel exported after it
 
@@ -715,6 +717,8 @@ class JobMaster:
 
     def _record(self, event: dict, started_at: float) -> dict:
         event["time"] = started_at
+        if event["kind"].startswith("straggler_"):
+            self.count_straggler_event(event["kind"])
         with self._lock:
             self.events.append(event)
         log.info("event %s %s", event["kind"], event)
@@ -1376,6 +1380,10 @@ class JobMaster:
         return state, shard
 
     # -- stragglers: a slow worker's shard is split for an idle one ----------------------------
+    def count_straggler_event(self, kind: str) -> None:
+        with self._lock:
+            self.straggler_counts[kind] += 1
+
     def waiting_workers(self, within: float = 2.0) -> list[str]:
         """Live workers that asked for a shard in the last ``within`` seconds and got none."""
         now, live = self.clock(), {m.id for m in self.live_workers()}
@@ -1414,6 +1422,7 @@ class JobMaster:
             if rest is None:
                 continue
             done.append(int(sid))
+            self.count_straggler_event("shard_split")
             self.record_event("shard_split", worker=worker_id, shard=int(sid), at=int(at),
                               new_shard=rest.shard_id, rest=rest.end - rest.start
                               if rest.end < (1 << 62) else None, to=for_worker)

@@ -291,11 +291,11 @@ class StragglerPlugin(MasterPlugin):
             if bad:
                 self._details[ps] = detail
             if change == "detected":
-                master.record_event("straggler_detected", role="ps", id=ps,
+                master.straggler_event("straggler_detected", role="ps", id=ps,
                                     window_seconds=self.cfg.window_seconds, **detail)
                 self._act_on_ps(master, ps, now, first=True)
             elif change == "cleared":
-                master.record_event("straggler_cleared", role="ps", id=ps, **detail)
+                master.straggler_event("straggler_cleared", role="ps", id=ps, **detail)
                 self._details.pop(ps, None)
             elif ps in self.ps_marks.marked and bad:  # still slow in the newest window
                 self._act_on_ps(master, ps, now, first=False)
@@ -368,11 +368,11 @@ class StragglerPlugin(MasterPlugin):
             event, ok = {"reason": str(exc)}, False
             if action == "replace":
                 self._replaced.discard(ps)
-            master.record_event("straggler_refused", action=action, id=ps, reason=str(exc))
+            master.straggler_event("straggler_refused", action=action, id=ps, reason=str(exc))
         except Exception as exc:  # noqa: BLE001 - reported, the detector goes on
             log.exception("stragglers: %s of %s failed", action, ps)
             event, ok = {"reason": f"{type(exc).__name__}: {exc}"}, False
-            master.record_event("straggler_refused", action=action, id=ps,
+            master.straggler_event("straggler_refused", action=action, id=ps,
                                 reason=event["reason"])
         with self._lock:
             self.actions.append({"time": time.time(), "action": action, "id": ps, "ok": ok,
@@ -393,7 +393,7 @@ class StragglerPlugin(MasterPlugin):
         if share >= self.cfg.hot_slot_share and slot not in self._hot_reported:
             self._hot_reported.add(slot)
             owner = routing.ps_ids[int(routing.slot_owner[slot])]
-            master.record_event("hot_slot", slot=slot, lookup_share=round(share, 4), ps=owner,
+            master.straggler_event("hot_slot", slot=slot, lookup_share=round(share, 4), ps=owner,
                                 note="one slot's keys cannot be spread over PS by placement; "
                                      "see docs/guide-stragglers.md")
 
@@ -424,10 +424,10 @@ class StragglerPlugin(MasterPlugin):
             if bad:
                 self._details[w] = detail
             if change == "detected":
-                master.record_event("straggler_detected", role="worker", id=w,
+                master.straggler_event("straggler_detected", role="worker", id=w,
                                     window_seconds=self.cfg.window_seconds, **detail)
             elif change == "cleared":
-                master.record_event("straggler_cleared", role="worker", id=w, **detail)
+                master.straggler_event("straggler_cleared", role="worker", id=w, **detail)
                 self._details.pop(w, None)
 
     def _steal(self, master) -> None:

@@ -165,8 +165,16 @@ class JobView:
         """The members currently marked slow (id -> what was measured), for Gazer."""
         self._m.straggler_marks = dict(marks)
 
+    def straggler_event(self, kind: str, **fields) -> None:
+        """A job event that is also counted by kind (Gazer, Prometheus)."""
+        self._m.count_straggler_event(kind)
+        self._m.record_event(kind, **fields)
+
     def stragglers(self) -> dict[str, dict]:
-        return dict(getattr(self._m, "straggler_marks", {}))
+        return dict(self._m.straggler_marks)
+
+    def straggler_counts(self) -> dict[str, int]:
+        return dict(self._m.straggler_counts)
 
     def migration_progress(self) -> dict:
         from aimaster.migration import progress

@@ -199,6 +199,13 @@ def _exact(client, pushers, n):
     return int(expected.sum())
 
 
+def _snapshot(address):
+    from deeprec_ext.grpc_util import insecure_channel
+    from deeprec_ext.proto import gazer_pb2, gazer_pb2_grpc
+    with insecure_channel(address) as ch:
+        return gazer_pb2_grpc.GazerStub(ch).GetSnapshot(gazer_pb2.SnapshotRequest(), timeout=10)
+
+
 def _kinds(job, *kinds):
     return [e for e in job.status()["events"] if e["kind"] in kinds]
 
@@ -214,6 +221,7 @@ def test_throttled_ps_is_detected_and_its_load_moved_with_exact_counts(start_job
         slots_before = job.status()["placement"]["ps"]["ps-1"]["slots"]
         with Throttle(ps1, share=0.3, period=0.1).start() as _:
             moved = wait_for(lambda: _kinds(job, "straggler_rebalance"), 60, "re-placement")
+            snap = _snapshot(job.address)  # Gazer marks it while it is slow
         detected = _kinds(job, "straggler_detected")
     finally:
         total = _exact(client, pushers, n)
@@ -223,6 +231,10 @@ def test_throttled_ps_is_detected_and_its_load_moved_with_exact_counts(start_job
     ev = moved[0]
     assert ev["slow"] == "ps-1" and ev["moved_slots"] > 0 and ev["capacity"]["ps-1"] < 1
     assert job.status()["placement"]["ps"]["ps-1"]["slots"] < slots_before
+    marked = {m.id: m.straggler_why for m in snap.members if m.straggler}
+    assert list(marked) == ["ps-1"] and "median" in marked["ps-1"], marked
+    assert snap.straggler_events["straggler_detected"] == 1
+    assert snap.straggler_events["straggler_rebalance"] == 1
     assert total > 0
     client.close()
 
