@@ -214,7 +214,7 @@ class StragglersConfig(_Section):
                           "1/k of the median worker's. Above 1.", gt=0)
     interval_seconds: Number = _num(1.0, "One observation (the stats members send with their "
                                          "heartbeats) per interval.", gt=0)
-    window_seconds: Number = _num(8.0, "A member must be slow (or well again) for this long "
+    window_seconds: Number = _num(5.0, "A member must be slow (or well again) for this long "
                                        "before it is marked (or cleared): one GC pause does "
                                        "nothing. At least `interval_seconds` and "
                                        "`master.heartbeat_seconds`.", gt=0)
