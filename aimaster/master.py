@@ -818,8 +818,10 @@ class JobMaster:
             raise Busy("a PS died and its recovery is in progress; replace after it")
         if slow not in old_ids:
             raise OperationRefused(f"{slow} owns no slots")
-        if not hasattr(self.scaler, "kill"):
-            raise OperationRefused("this scaler cannot retire one chosen PS")
+        if not getattr(self.scaler, "retires_chosen", False):
+            # on Kubernetes the operator picks who leaves a scale-in (the highest index)
+            raise OperationRefused("this scaler cannot retire one chosen PS; the slow PS "
+                                   "keeps its re-placed share")
         start, started_at = self.clock(), time.time()
         deadline = start + timeout
         n = len(old_ids)
