@@ -260,3 +260,26 @@ def test_a_moment_of_slowness_or_the_off_switch_moves_nothing(start_job, tmp_pat
         assert [e["kind"] for e in events] == ["routing"], (stragglers, events)  # the first
         client.close()
         job.stop()
+
+
+def test_a_ps_still_slow_after_re_placement_is_replaced_with_exact_counts(start_job):
+    job, client = _ps_job(start_job, {"enabled": True, "window_seconds": 3, "k": 3})
+    n = 20000
+    pushers, other = _pushers(job, client, n)
+    try:
+        wait_for(lambda: sum(len(p.acked) for p in pushers) > 100, 60, "pushes")
+        ps1 = next(m["pid"] for m in job.state()["members"] if m["id"] == "ps-1")
+        with Throttle(ps1, share=0.3, period=0.1).start() as _:
+            rep = wait_for(lambda: _kinds(job, "straggler_replace"), 90, "the replacement")[0]
+        progress = sum(len(p.acked) for p in pushers)
+        wait_for(lambda: sum(len(p.acked) for p in pushers) > progress + 50, 60,
+                 "pushes after the replacement")
+    finally:
+        _exact(client, pushers, n)
+        other.close()
+    assert rep["slow"] == "ps-1" and rep["new"] not in ("ps-0", "ps-1") and rep["moved_slots"] > 0
+    placement = job.status()["placement"]["ps"]
+    assert "ps-1" not in placement and rep["new"] in placement
+    wait_for(lambda: not any(m["id"] == "ps-1" and m["state"] == "running"
+                             for m in job.status()["members"]), 30, "ps-1 to leave")
+    client.close()
