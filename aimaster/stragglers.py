@@ -28,7 +28,6 @@ migration as a scale, so no update is lost) or a shard-service change, each an e
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -179,7 +178,8 @@ class StragglerPlugin(MasterPlugin):
         self._reweighted: dict[str, float] = {}   # PS -> when its share was cut
         self._replaced: set[str] = set()
         self._hot_reported: set[int] = set()
-        self.actions: list[dict] = []
+        self._rates: dict[str, float] = {}        # worker -> records/s over the window
+        self.actions: list[dict] = []             # what was done, for tests and logs
 
     # -- hooks ---------------------------------------------------------------------------
     def on_heartbeat(self, master, request) -> None:
@@ -210,21 +210,10 @@ class StragglerPlugin(MasterPlugin):
                                             name="stragglers")
             self._thread.start()
 
-    def on_status(self, master, response) -> None:
-        # the marks are on every member's Gazer view and the actions are job events;
-        # status shows them through events_json
-        pass
-
     def on_stop(self, master) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
-
-    def status(self) -> dict:
-        with self._lock:
-            return {"ps": dict(self.ps_marks.marked), "workers": dict(self.worker_marks.marked),
-                    "details": json.loads(json.dumps(self._details)),
-                    "actions": self.actions[-20:]}
 
     # -- the loop ------------------------------------------------------------------------
     def _loop(self, master) -> None:
@@ -293,6 +282,7 @@ class StragglerPlugin(MasterPlugin):
             if change == "detected":
                 master.straggler_event("straggler_detected", role="ps", id=ps,
                                     window_seconds=self.cfg.window_seconds, **detail)
+                self._report_hot_slot(master)
                 self._act_on_ps(master, ps, now, first=True)
             elif change == "cleared":
                 master.straggler_event("straggler_cleared", role="ps", id=ps, **detail)
@@ -336,8 +326,6 @@ class StragglerPlugin(MasterPlugin):
                                                  float(self.cfg.min_weight))))
         rate = weights.get(ps, 1.0)
         detail = {"slow": ps, "service_rate": round(rate, 3)}
-        if first:
-            self._report_hot_slot(master, ps)
         if self.cfg.replace and (rate < self.cfg.replace_below or (
                 ps in self._reweighted and now - self._reweighted[ps] >= self.cfg.window_seconds)):
             why = "below replace_below" if rate < self.cfg.replace_below else \
@@ -379,7 +367,9 @@ class StragglerPlugin(MasterPlugin):
                                  "seconds": round(time.monotonic() - started, 3),
                                  "moved_slots": event.get("moved_slots")})
 
-    def _report_hot_slot(self, master, ps: str) -> None:
+    def _report_hot_slot(self, master) -> None:
+        """A slot carrying ``hot_slot_share`` of all lookups: reported once (placement
+        moves whole slots and cannot spread it)."""
         stats = master.slot_stats()
         routing = master.routing
         if stats is None or routing is None:
@@ -439,7 +429,7 @@ class StragglerPlugin(MasterPlugin):
         if not waiting:
             return
         holders = sorted(set(master.shards_doing().values()) - set(waiting))
-        rates = getattr(self, "_rates", {})
+        rates = self._rates
         idle = max(waiting, key=lambda w: rates.get(w, 0.0))
         # a peer as fast as the idle worker gains nothing from handing its rest over
         victims = [h for h in holders

@@ -283,3 +283,27 @@ def test_a_ps_still_slow_after_re_placement_is_replaced_with_exact_counts(start_
     wait_for(lambda: not any(m["id"] == "ps-1" and m["state"] == "running"
                              for m in job.status()["members"]), 30, "ps-1 to leave")
     client.close()
+
+
+def test_a_hot_slot_is_reported_once_with_its_ps():
+    from aimaster.config import parse_job
+    from aimaster.stragglers import StragglerPlugin
+    from deeprec_ext.client.routing import RoutingTable
+
+    class FakeJob:
+        routing = RoutingTable(1, 8, ("ps-0", "ps-1"), ("a", "b"),
+                               np.array([0, 0, 0, 0, 1, 1, 1, 1], np.int32))
+        events: list = []
+
+        def slot_stats(self):
+            return np.ones(8, np.int64), np.array([10, 10, 10, 10, 10, 300, 10, 10])
+
+        def straggler_event(self, kind, **fields):
+            self.events.append((kind, fields))
+
+    plugin = StragglerPlugin(parse_job({"stragglers": {"enabled": True}}))
+    job = FakeJob()
+    plugin._report_hot_slot(job)
+    plugin._report_hot_slot(job)
+    assert [(k, f["slot"], f["ps"]) for k, f in job.events] == [("hot_slot", 5, "ps-1")]
+    assert job.events[0][1]["lookup_share"] == pytest.approx(300 / 370, abs=1e-3)
