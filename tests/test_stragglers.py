@@ -307,3 +307,16 @@ def test_a_hot_slot_is_reported_once_with_its_ps():
     plugin._report_hot_slot(job)
     assert [(k, f["slot"], f["ps"]) for k, f in job.events] == [("hot_slot", 5, "ps-1")]
     assert job.events[0][1]["lookup_share"] == pytest.approx(300 / 370, abs=1e-3)
+
+
+def test_status_lines_name_what_happened():
+    from aimaster.cli import _straggler_line
+    assert _straggler_line({"kind": "straggler_detected", "role": "ps", "id": "ps-1",
+                            "ratio": 9.4}) == "straggler ps ps-1 slow: 9.4 x median"
+    assert "ps-2" in _straggler_line({"kind": "straggler_replace", "slow": "ps-1",
+                                      "new": "ps-2", "reason": "below replace_below"})
+    assert _straggler_line({"kind": "shard_split", "worker": "worker-1", "shard": 3,
+                            "at": 100, "new_shard": 9, "to": "worker-0"}) == \
+        "shard 3 of worker-1 split at 100: the rest (shard 9) to worker-0"
+    assert "81%" in _straggler_line({"kind": "hot_slot", "slot": 5, "ps": "ps-1",
+                                     "lookup_share": 0.81})
