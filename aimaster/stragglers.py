@@ -96,6 +96,7 @@ class PsWindow:
     p99_ms: float
     cpu: float            # cores used
     probe_ms: float = 0.0  # median time to answer the AIMaster's probes (0: not probed)
+    mean_ms: float = 0.0   # mean service time: the inverse of its service rate
 
 
 def ps_verdicts(windows: dict[str, PsWindow], k: float, min_requests: int,
@@ -120,6 +121,7 @@ def ps_verdicts(windows: dict[str, PsWindow], k: float, min_requests: int,
         med99 = max(float(np.median([o.p99_ms for o in timed])), FLOOR_MS)
         ratio = max(w.p50_ms / med50, w.p99_ms / med99)
         detail.update(p50_ms=round(w.p50_ms, 3), p99_ms=round(w.p99_ms, 3),
+                      mean_ms=round(w.mean_ms, 3),
                       median_p50_ms=round(med50, 3), median_p99_ms=round(med99, 3))
         probed = [o.probe_ms for o in others if o.probe_ms > 0]
         if w.probe_ms > 0 and probed:
@@ -150,9 +152,13 @@ def worker_verdicts(rates: dict[str, float], k: float) -> dict[str, tuple[bool |
 
 
 def _data_plane_counts(stats) -> np.ndarray | None:
-    chosen = [np.asarray(r.counts, np.int64) for r in stats.rpcs
+    """The data-plane histogram with the total milliseconds appended (cumulative)."""
+    chosen = [(np.asarray(r.counts, np.int64), r.sum_ms) for r in stats.rpcs
               if r.method in DATA_PLANE and len(r.counts) == _BUCKETS]
-    return np.sum(chosen, axis=0) if chosen else None
+    if not chosen:
+        return None
+    return np.append(np.sum([c for c, _ in chosen], axis=0).astype(np.float64),
+                     sum(ms for _, ms in chosen))
 
 
 class StragglerPlugin(MasterPlugin):
@@ -257,9 +263,11 @@ class StragglerPlugin(MasterPlugin):
                     continue
                 (t0, c0, cpu0), (t1, c1, cpu1) = q[0], q[-1]
                 delta = np.maximum(c1 - c0, 0)
-                windows[p] = PsWindow(int(delta.sum()), quantile_ms(delta, 0.5),
-                                      quantile_ms(delta, 0.99),
-                                      max(cpu1 - cpu0, 0.0) / max(t1 - t0, 1e-3))
+                hist, total_ms = delta[:-1], float(delta[-1])
+                n = int(hist.sum())
+                windows[p] = PsWindow(n, quantile_ms(hist, 0.5), quantile_ms(hist, 0.99),
+                                      max(cpu1 - cpu0, 0.0) / max(t1 - t0, 1e-3),
+                                      mean_ms=total_ms / n if n else 0.0)
             for p, ms in probes.items():
                 pq = self._ps_probes.setdefault(p, deque())
                 pq.extend((now, v) for v in ms)
@@ -273,7 +281,9 @@ class StragglerPlugin(MasterPlugin):
                                float(self.cfg.cpu_saturated))
         log.debug("stragglers: PS %s", {p: (b, d) for p, (b, d) in verdicts.items()})
         for ps, (bad, detail) in verdicts.items():
-            service = max(detail.get("p50_ms", 0.0), detail.get("probe_ms", 0.0))
+            # its service rate: the mean (a stop inside some requests counts in full),
+            # or the probes' wait when that is longer
+            service = max(detail.get("mean_ms", 0.0), detail.get("probe_ms", 0.0))
             if service:
                 self._ps_p50.setdefault(ps, deque(maxlen=64)).append((now, service))
             change = self.ps_marks.update(ps, now, bad)
@@ -306,7 +316,8 @@ class StragglerPlugin(MasterPlugin):
         return times
 
     def _service_ms(self, now: float) -> dict[str, float]:
-        """Each PS's mean p50 over the window: the inverse of its service rate."""
+        """Each PS's service time (mean, or its probes' wait) over the window: the inverse
+        of its service rate."""
         out = {}
         for ps, q in self._ps_p50.items():
             vals = [v for t, v in q if now - t <= self.cfg.window_seconds]
