@@ -282,7 +282,31 @@ def cmd_status(args) -> int:
             print(f"  autoscale {dec['rule']}: {dec['reason']}")
     for name, c in d.get("tables", {}).items():
         print(f"  table {name:20} " + "  ".join(f"{k} {c[k]:,}" for k in TABLE_COUNTERS))
+    for e in [e for e in d["events"] if e["kind"].startswith("straggler_")
+              or e["kind"] in ("shard_split", "hot_slot")][-5:]:
+        print(f"  {_straggler_line(e)}")
     return 0
+
+
+def _straggler_line(e: dict) -> str:
+    """One line of ``aimaster status`` for a straggler event (docs/guide-stragglers.md)."""
+    k = e["kind"]
+    if k in ("straggler_detected", "straggler_cleared"):
+        what = f"{e.get('role')} {e.get('id')} {'slow' if k.endswith('detected') else 'well again'}"
+        if "ratio" in e:
+            what += f": {e['ratio']} x median"
+        return f"straggler {what}"
+    if k == "straggler_rebalance":
+        return (f"straggler re-placement: {e.get('moved_slots')} slots moved, capacity "
+                f"{e.get('capacity')}")
+    if k == "straggler_replace":
+        return f"straggler {e.get('slow')} replaced by {e.get('new')} ({e.get('reason')})"
+    if k == "shard_split":
+        return (f"shard {e.get('shard')} of {e.get('worker')} split at {e.get('at')}: "
+                f"the rest (shard {e.get('new_shard')}) to {e.get('to')}")
+    if k == "hot_slot":
+        return f"hot slot {e.get('slot')} on {e.get('ps')}: {e.get('lookup_share'):.0%} of lookups"
+    return f"{k}: {e.get('reason', '')}"
 
 
 def _refusal(exc: grpc.RpcError) -> str | None:

@@ -223,6 +223,57 @@ class AutoscaleConfig(_Section):
                for k, v in self.model_dump().items() if k not in skip})
 
 
+class StragglersConfig(_Section):
+    """Straggler detection and mitigation (aimaster/stragglers.py); see
+    docs/guide-stragglers.md."""
+    enabled: StrictBool = Field(False, description=(
+        "Detect slow PS and workers and act on them; false: nothing is watched or moved."))
+    dry_run: StrictBool = Field(False, description="Detect and record events, never act.")
+    k: Number = _num(3.0, "A PS is slow when its data-plane p50 or p99 stays above k x the "
+                          "median of the other PS; a worker when its records/s stays below "
+                          "1/k of the median worker's. Above 1.", gt=0)
+    interval_seconds: Number = _num(1.0, "One observation (the stats members send with their "
+                                         "heartbeats) per interval.", gt=0)
+    window_seconds: Number = _num(5.0, "A member must be slow (or well again) for this long "
+                                       "before it is marked (or cleared): one GC pause does "
+                                       "nothing. At least `interval_seconds` and "
+                                       "`master.heartbeat_seconds`.", gt=0)
+    min_requests: StrictInt = Field(20, ge=1, description=(
+        "Data-plane requests a PS must serve in an interval for its latency to count."))
+    cpu_saturated: Number = _num(0.9, "A PS at this fraction of a core (or more) while the "
+                                      "median other PS is below half of it is slow too.",
+                                 gt=0)
+    reweight: StrictBool = Field(True, description=(
+        "Slow PS: re-place slots by measured service rate (a PS serving at half speed "
+        "owns about half the load)."))
+    replace: StrictBool = Field(True, description=(
+        "Slow PS still slow one window after re-placement, or below `replace_below`: "
+        "start a new PS, move its slots live, retire it."))
+    replace_below: Number = _num(0.2, "Replace at once a PS whose service rate is below this "
+                                      "x the median (below 1/k).", gt=0)
+    min_weight: Number = _num(0.1, "Smallest capacity weight re-placement gives a PS.",
+                              gt=0, le=1)
+    split_shards: StrictBool = Field(True, description=(
+        "Slow worker: split its shard at the record it reached and hand the rest to an "
+        "idle worker (also: an idle worker while another holds more than one shard's "
+        "worth of work)."))
+    hot_slot_share: Number = _num(0.2, "A slot carrying this share of all lookups is "
+                                       "reported as hot.", gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.k <= 1:
+            raise ValueError(f"k ({self.k}) must be above 1: a PS or worker at the median "
+                             "speed would be a straggler")
+        if self.window_seconds < self.interval_seconds:
+            raise ValueError(f"window_seconds ({self.window_seconds}) must be at least "
+                             f"interval_seconds ({self.interval_seconds})")
+        if self.replace_below >= 1 / self.k:
+            raise ValueError(f"replace_below ({self.replace_below}) must be below 1/k "
+                             f"({1 / self.k:.4g}, the detection threshold)")
+        return self
+
+
 class GazerConfig(_Section):
     """Gazer statistics (gazer/); see docs/guide-gazer.md."""
     enabled: StrictBool = Field(True, description="Collect and stream statistics.")
@@ -391,6 +442,8 @@ class JobFile(_Section):
         "Auto-scaling (docs/guide-autoscale.md)."))
     gazer: GazerConfig = Field(default_factory=GazerConfig, description=(
         "Monitoring (docs/guide-gazer.md)."))
+    stragglers: StragglersConfig = Field(default_factory=StragglersConfig, description=(
+        "Slow PS and workers (docs/guide-stragglers.md)."))
     consistency: ConsistencyConfig = Field(default_factory=ConsistencyConfig, description=(
         "Consistent mode (docs/guide-consistent.md)."))
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig, description=(
@@ -427,6 +480,11 @@ class JobFile(_Section):
         if self.data.watch and self.consistency.mode == "sync":
             raise ValueError("data.watch: not with consistency sync (its virtual workers "
                              "read a shard list fixed at start)")
+        if self.stragglers.window_seconds < self.master.heartbeat_seconds:
+            raise ValueError(f"stragglers.window_seconds ({self.stragglers.window_seconds}) "
+                             f"must be at least master.heartbeat_seconds "
+                             f"({self.master.heartbeat_seconds}): members report their "
+                             "stats once per heartbeat")
         if self.master.heartbeat_seconds * 2 > self.master.lease_seconds:
             raise ValueError(f"master.heartbeat_seconds ({self.master.heartbeat_seconds}) must "
                              f"be at most half of master.lease_seconds "
@@ -511,6 +569,7 @@ class JobConfig:
     reset_optimizer: bool = False
     autoscale: AutoscaleConfig = AutoscaleConfig()
     gazer: GazerConfig = GazerConfig()
+    stragglers: StragglersConfig = StragglersConfig()
     consistency: ConsistencyConfig = ConsistencyConfig()
     kubernetes: KubernetesConfig = KubernetesConfig()
     security: SecurityConfig = SecurityConfig()
@@ -593,6 +652,7 @@ def parse_job(doc) -> JobConfig:
         checkpoint_keep_chains=ck.keep_chains, checkpoint_full_every=ck.full_every,
         checkpoint_on_success=ck.on_success, export=f.export, init_from=f.init_from,
         reset_optimizer=f.reset_optimizer, autoscale=f.autoscale, gazer=f.gazer,
+        stragglers=f.stragglers,
         consistency=f.consistency, kubernetes=f.kubernetes, security=f.security,
         eval=f.eval)
 

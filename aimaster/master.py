@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 from concurrent.futures import Future
@@ -112,6 +113,12 @@ class JobMaster:
         self._signalled = False
         self._closing = False  # shutdown started: no new work for the main thread
         self._warm_tables: set | None = None  # tables of the init_from checkpoint
+        # stragglers: worker -> when it last got WAIT for a shard; worker -> (the idle
+        # worker its shard's rest is for, when asked), answered with its next heartbeat
+        self._waiting: dict[str, float] = {}
+        self._split_asks: dict[str, tuple[str, float]] = {}
+        self.straggler_marks: dict[str, dict] = {}     # member -> what was measured
+        self.straggler_counts: collections.Counter = collections.Counter()  # event kind -> n
         self.final_checkpoint = ""   # directory of the final checkpoint, once taken
         self.export_dir = ""         # the SavedModel exported after it
         # evaluation while training (aimaster/evaluation.py): files checked at job start
@@ -821,6 +828,8 @@ class JobMaster:
 
     def _record(self, event: dict, started_at: float) -> dict:
         event["time"] = started_at
+        if event["kind"].startswith("straggler_"):
+            self.count_straggler_event(event["kind"])
         with self._lock:
             self.events.append(event)
         log.info("event %s %s", event["kind"], event)
@@ -850,7 +859,8 @@ class JobMaster:
         return self._run_op(OpKind.RESCALE, lambda cancel: self._rebalance_op(tolerance),
                             key="rebalance", timeout=timeout + 60)
 
-    def _rebalance_op(self, tolerance: float) -> dict:
+    def _rebalance_op(self, tolerance: float, capacity: dict[str, float] | None = None,
+                      detail: dict | None = None) -> dict:
         self._require_running()
         old = self.routing
         live = {m.id for m in self.live_ps()}
@@ -862,14 +872,23 @@ class JobMaster:
             raise Busy("not every PS reported its slot statistics yet")
         nbytes, lookups = stats
         ids, n = list(old.ps_ids), len(old.ps_ids)
+        weights = None if capacity is None else [float(capacity.get(i, 1.0)) for i in ids]
         new_owner = placement.balance(old.slot_owner, ids, ids,
-                                      placement.slot_loads(nbytes, lookups), tolerance)
-        event = {"kind": "rebalance", "ps": n, "moved_slots": int((new_owner != old.slot_owner).sum()),
+                                      placement.slot_loads(nbytes, lookups), tolerance, weights)
+        event = {"kind": "rebalance" if capacity is None else "straggler_rebalance", "ps": n,
+                 "moved_slots": int((new_owner != old.slot_owner).sum()),
                  "bytes_imbalance": [round(placement.imbalance(old.slot_owner, nbytes, n), 4),
                                      round(placement.imbalance(new_owner, nbytes, n), 4)],
                  "lookup_imbalance": [round(placement.imbalance(old.slot_owner, lookups, n), 4),
                                       round(placement.imbalance(new_owner, lookups, n), 4)],
                  "moved_rows": 0, "moved_bytes": 0, "fence_ms": 0.0}
+        if weights is not None:
+            event["capacity"] = {i: round(w, 3) for i, w in zip(ids, weights)}
+            if lookups.sum() > 0:
+                event["lookup_share"] = {i: round(float(lookups[new_owner == k].sum()) /
+                                                  float(lookups.sum()), 4)
+                                         for k, i in enumerate(ids)}
+            event.update(detail or {})
         if event["moved_slots"]:
             try:
                 with self._around_migration():
@@ -879,6 +898,74 @@ class JobMaster:
                 raise OperationRefused(str(exc)) from exc
             event.update(moved_rows=result.moved_rows, moved_bytes=result.moved_bytes,
                          fence_ms=round(result.fence_ms, 3), epoch=result.routing.epoch)
+        event["duration_ms"] = round((self.clock() - start) * 1000, 3)
+        return self._record(event, started_at)
+
+    # -- stragglers: a slow PS owns less, then is replaced --------------------------------------
+    def straggler_rebalance(self, capacity: dict[str, float], detail: dict,
+                            tolerance: float = 0.05, timeout: float = 600.0) -> dict:
+        """Re-place slots so each PS's share is proportional to its capacity weight (a PS
+        serving at half speed owns about half the load); a live migration queued as an
+        operation. Returns the event (kind ``straggler_rebalance``)."""
+        self._require_running()
+        return self._run_op(OpKind.RESCALE,
+                            lambda cancel: self._rebalance_op(tolerance, capacity, detail),
+                            key="straggler", timeout=timeout + 60)
+
+    def replace_ps(self, ps_id: str, detail: dict, timeout: float = 600.0) -> dict:
+        """Start a new PS, move every slot of ``ps_id`` to the fleet live (the new PS takes
+        its share), then retire ``ps_id``: a slow PS's replacement, queued as an
+        operation. Returns the event (kind ``straggler_replace``)."""
+        self._require_running()
+        return self._run_op(OpKind.RESCALE, lambda cancel: self._replace_op(ps_id, detail, timeout),
+                            key="straggler", timeout=timeout + 60)
+
+    def _replace_op(self, slow: str, detail: dict, timeout: float) -> dict:
+        self._require_running()
+        old = self.routing
+        old_ids = list(old.ps_ids)
+        live = {m.id for m in self.live_ps()}
+        if any(p not in live for p in old_ids):
+            raise Busy("a PS died and its recovery is in progress; replace after it")
+        if slow not in old_ids:
+            raise OperationRefused(f"{slow} owns no slots")
+        if not getattr(self.scaler, "retires_chosen", False):
+            # on Kubernetes the operator picks who leaves a scale-in (the highest index)
+            raise OperationRefused("this scaler cannot retire one chosen PS; the slow PS "
+                                   "keeps its re-placed share")
+        start, started_at = self.clock(), time.time()
+        deadline = start + timeout
+        n = len(old_ids)
+        self.on_main(lambda: self.scaler.apply(ScalePlan(ps=n + 1)))
+        try:
+            fresh = self._wait(lambda: [m for m in self.live_ps() if m.id not in old_ids],
+                               deadline, "the replacement PS to register")
+        except OperationRefused:
+            for m in self.live_ps():
+                if m.id not in old_ids:
+                    self.registry.mark(m.id, MemberState.LEFT)
+            self.on_main(lambda: self.scaler.apply(ScalePlan(ps=self._count_keeping("ps", old_ids))))
+            raise
+        new = sorted(fresh, key=lambda m: m.rank)[0]
+        new_ids = [i for i in old_ids if i != slow] + [new.id]
+        addresses = {m.id: m.address for m in self.live_ps()}
+        loads = self._slot_loads(old)
+        new_owner = rebalance(old.slot_owner, old_ids, new_ids) if loads is None else \
+            placement.balance(old.slot_owner, old_ids, new_ids, loads)
+        try:
+            with self._around_migration():
+                result = migrate(self.fleet, old, new_owner, new_ids,
+                                 [addresses[i] for i in new_ids], self._publish)
+        except MigrationError as exc:
+            self.registry.mark(new.id, MemberState.LEFT)
+            self.scaler.kill(new.id, signal.SIGTERM)
+            raise OperationRefused(str(exc)) from exc
+        self.registry.mark(slow, MemberState.LEFT)
+        self.scaler.kill(slow, signal.SIGTERM)  # it owns nothing now: it just exits
+        event = {"kind": "straggler_replace", "slow": slow, "new": new.id,
+                 "moved_slots": result.moved_slots, "moved_rows": result.moved_rows,
+                 "moved_bytes": result.moved_bytes, "fence_ms": round(result.fence_ms, 3),
+                 "epoch": result.routing.epoch, **detail}
         event["duration_ms"] = round((self.clock() - start) * 1000, 3)
         return self._record(event, started_at)
 
@@ -1401,8 +1488,62 @@ class JobMaster:
         """(state, shard) for a live worker's request; persisted before it is answered."""
         state, shard = self.shards.assign(worker_id)
         if state == ShardState.DOING:
+            self._waiting.pop(worker_id, None)
             self._save()
+        elif state is None:
+            self._waiting[worker_id] = self.clock()
         return state, shard
+
+    # -- stragglers: a slow worker's shard is split for an idle one ----------------------------
+    def count_straggler_event(self, kind: str) -> None:
+        with self._lock:
+            self.straggler_counts[kind] += 1
+
+    def waiting_workers(self, within: float = 2.0) -> list[str]:
+        """Live workers that asked for a shard in the last ``within`` seconds and got none."""
+        now, live = self.clock(), {m.id for m in self.live_workers()}
+        return [w for w, t in list(self._waiting.items()) if now - t <= within and w in live]
+
+    def request_split(self, worker_id: str, for_worker: str) -> bool:
+        """Ask ``worker_id`` (with its next heartbeat) to cut its shard at the record it
+        reached; the rest is reserved for ``for_worker``. False: an ask is outstanding."""
+        with self._lock:
+            if worker_id in self._split_asks:
+                return False
+            self._split_asks[worker_id] = (for_worker, self.clock())
+        return True
+
+    def take_split_ask(self, worker_id: str) -> bool:
+        """Heartbeat: whether to tell this worker to split (once per ask; an ask left
+        unanswered for 3 heartbeats lapses)."""
+        with self._lock:
+            ask = self._split_asks.get(worker_id)
+            if ask is None:
+                return False
+            if self.clock() - ask[1] > 3 * self.config.heartbeat_seconds + 1:
+                del self._split_asks[worker_id]
+            return True
+
+    def split_shards(self, worker_id: str, shard_ids: list[int], positions: list[int]) -> list[int]:
+        """A worker's answer to a split ask: each shard cut at its position; returns the ids
+        that were split (a cut that cannot be exact is refused: the worker keeps all)."""
+        with self._lock:
+            ask = self._split_asks.pop(worker_id, None)
+        for_worker = ask[0] if ask else None
+        done = []
+        for sid, at in zip(shard_ids, positions):
+            rest = self.shards.split(worker_id, int(sid), int(at), reserve_for=for_worker,
+                                     reserve_seconds=max(5.0, 3 * self.config.heartbeat_seconds))
+            if rest is None:
+                continue
+            done.append(int(sid))
+            self.count_straggler_event("shard_split")
+            self.record_event("shard_split", worker=worker_id, shard=int(sid), at=int(at),
+                              new_shard=rest.shard_id, rest=rest.end - rest.start
+                              if rest.end < (1 << 62) else None, to=for_worker)
+        if done:
+            self._save()
+        return done
 
     def report_shards(self, worker_id: str, done: list[int], returned: list[int],
                       positions: list[int]) -> list[int]:

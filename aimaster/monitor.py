@@ -87,6 +87,15 @@ def _window_p99(new: _Report, old: _Report | None) -> float:
     return quantile_ms(np.sum(chosen, axis=0), 0.99)
 
 
+def _why(mark: dict) -> str:
+    """One line for a straggler mark: what was measured against the median."""
+    if mark.get("role") == "worker" and "ratio" in mark:
+        return f"{mark['ratio']:.2f} x median records/s"
+    if mark.get("cpu_saturated"):
+        return f"CPU {mark.get('cpu', 0):.2f} cores, others {mark.get('cpu_others', 0):.2f}"
+    return f"{mark.get('ratio', 0):.1f} x median service time" if "ratio" in mark else "slow"
+
+
 class GazerPlugin(MasterPlugin, gazer_pb2_grpc.GazerServicer):
     name = "gazer"
 
@@ -191,10 +200,17 @@ class GazerPlugin(MasterPlugin, gazer_pb2_grpc.GazerServicer):
             shards_doing=counts["doing"], shards_done=counts["done"],
             throughput_history=history, samples_per_second=history[-1] if history else 0.0,
             op_sample_every=self.config.op_sample_every_steps)
+        marks, counts = m.stragglers(), m.straggler_counts()
+        for kind, n in counts.items():
+            snap.straggler_events[kind] = n
         ops: dict = defaultdict(lambda: [0.0, 0, 0.0])  # (name, type) -> [micros, workers, share]
         for member in sorted(m.members(), key=lambda x: (x.role != "ps", x.role, x.rank, x.id)):
             view = snap.members.add(id=member.id, role=member.role, state=member.state.value,
                                     address=member.address, stats_age_seconds=-1.0)
+            mark = marks.get(member.id)
+            if mark is not None:
+                view.straggler = True
+                view.straggler_why = _why(mark)
             r = reports.get(member.id)
             if r is None:
                 continue

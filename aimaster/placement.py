@@ -41,28 +41,50 @@ def imbalance(owner: np.ndarray, values: np.ndarray, n: int) -> float:
     return float(per.max() / mean) if mean > 0 else 1.0
 
 
+def capacity_weights(service_ms: dict[str, float], ps_ids: list[str],
+                     min_weight: float = 0.1) -> list[float]:
+    """Each PS's capacity relative to the median PS, from its measured data-plane service
+    time: a PS that serves at half the median speed weighs 0.5 (at most 1, at least
+    ``min_weight``; a PS without a measurement weighs 1)."""
+    known = [v for v in service_ms.values() if v > 0]
+    if not known:
+        return [1.0] * len(ps_ids)
+    med = float(np.median(known))
+    out = []
+    for p in ps_ids:
+        v = service_ms.get(p, 0.0)
+        out.append(1.0 if v <= 0 else float(min(1.0, max(min_weight, med / v))))
+    return out
+
+
 def balance(slot_owner: np.ndarray, old_ps: list[str], new_ps: list[str], loads: np.ndarray,
-            tolerance: float = 0.05) -> np.ndarray:
+            tolerance: float = 0.05, capacity: list[float] | None = None) -> np.ndarray:
     """New slot -> index-into-``new_ps`` owners balancing ``loads`` ([num_slots, k] from
-    ``slot_loads``, each column summing to 1; a 1-D array is one dimension)."""
+    ``slot_loads``, each column summing to 1; a 1-D array is one dimension).
+    ``capacity`` (one weight per new PS, default all equal): each PS's share of every
+    dimension is proportional to its weight (a slow PS takes less)."""
     n = len(new_ps)
     owner = remap_owners(slot_owner, old_ps, new_ps)
     loads = np.asarray(loads, np.float64)
     if loads.ndim == 1:
         loads = loads[:, None]
     blended = loads.sum(axis=1)
-    target = loads.sum(axis=0) / n          # [k] the even share of every dimension
+    w = np.ones(n) if capacity is None else np.asarray(capacity, np.float64)
+    if w.shape != (n,) or not np.all(w > 0):
+        raise ValueError(f"capacity: one positive weight per PS ({n}), got {capacity}")
+    # [n, k] each PS's share of every dimension (the even share when weights are equal)
+    target = np.maximum(loads.sum(axis=0)[None, :] * (w / w.sum())[:, None], 1e-300)
     per = np.zeros((n, loads.shape[1]))
     np.add.at(per, owner[owner >= 0], loads[owner >= 0])
-    # 1. a PS above the even share of a dimension gives up slots, heaviest in its worst
+    # 1. a PS above its share of a dimension gives up slots, heaviest in its worst
     #    dimension first, never going below the share: few moves, the big ones first
-    rel = loads / np.maximum(target, 1e-300)
     for p in range(n):
         mine = list(np.flatnonzero(owner == p))
-        if ((per[p] - target) / np.maximum(target, 1e-300)).max() <= tolerance:
+        rel = loads / target[p]
+        if ((per[p] - target[p]) / target[p]).max() <= tolerance:
             continue  # close enough: moving rows costs more than it gains
         while mine:
-            over = (per[p] - target) / np.maximum(target, 1e-300)
+            over = (per[p] - target[p]) / target[p]
             d = int(np.argmax(over))
             if over[d] <= 0:
                 break
@@ -77,7 +99,7 @@ def balance(slot_owner: np.ndarray, old_ps: list[str], new_ps: list[str], loads:
             mine.remove(s)
     # 2. freed slots, heaviest first, each to the PS whose worst dimension stays lowest
     free = np.flatnonzero(owner < 0)
-    scale = 1.0 / np.maximum(target, 1e-300)
+    scale = 1.0 / target
     for s in free[np.argsort(-blended[free], kind="stable")]:
         p = int(np.argmin(((per + loads[s]) * scale).max(axis=1)))
         owner[s] = p

@@ -58,6 +58,7 @@ FACTORIES: dict[str, str] = {
     "autoscale": "aimaster.autoscale:create",
     "consistent": "aimaster.consistent:create",
     "gazer": "aimaster.monitor:create",
+    "stragglers": "aimaster.stragglers:create",
 }
 
 

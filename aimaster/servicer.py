@@ -62,7 +62,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                           f"[0, {MAX_STEPS}]")
         known, stop = self.m.heartbeat(request.id, request.steps, request.samples,
                                        request.max_stall_ms, request)
-        return master_pb2.HeartbeatResponse(epoch=self.m.epoch, known=known, stop=stop)
+        return master_pb2.HeartbeatResponse(epoch=self.m.epoch, known=known, stop=stop,
+                                            split_shard=known and not stop
+                                            and self.m.take_split_ask(request.id))
 
     def Deregister(self, request, context):
         self.m.deregister(request.id, request.reason)
@@ -116,6 +118,12 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             self.m.report_bad_input(request.worker_id, [
                 {"shard_id": b.shard_id, "path": b.path, "offset": b.offset, "reason": b.reason,
                  "count": b.count or 1} for b in request.bad_records], request.bad_input_fatal)
+        if len(request.split_positions) != len(request.split_shard_ids):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "split_positions must have one entry per split shard")
+        split = self.m.split_shards(request.worker_id, list(request.split_shard_ids),
+                                    list(request.split_positions)) \
+            if request.split_shard_ids else []
         missing = self.m.report_shards(request.worker_id, list(request.done_shard_ids),
                                        list(request.returned_shard_ids),
                                        list(request.returned_positions))
@@ -123,7 +131,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"shards {missing} are not DOING for {request.worker_id!r} "
                           "(reassigned after a lease loss?)")
-        return master_pb2.ReportShardResponse()
+        return master_pb2.ReportShardResponse(split_shard_ids=split)
 
     def Status(self, request, context):
         return self.m.status()

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import struct
 import threading
+import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import Enum
 
 from deeprec_ext.data import fs
@@ -211,6 +212,7 @@ class ShardQueue:
         self._shard_dicts: list[dict] | None = None  # to_state's shard list (never mutated)
         self._files: set[str] = set()  # streaming: files taken (some may have no shard)
         self._bad: dict[int, list[dict]] = {}  # shard id -> bad input found in it
+        self._reserved: dict[int, tuple[str, float]] = {}  # split rest -> (worker, until)
 
     def _handout(self, sid: int) -> Shard:
         s = self._shards[sid]
@@ -222,7 +224,9 @@ class ShardQueue:
         """(DOING, shard) if one was assigned; (None, None) to wait; (DONE, None) when finished."""
         with self._lock:
             if self._todo:
-                sid = self._todo.popleft()
+                sid = self._take(worker_id)
+                if sid is None:  # all reserved for other (idle) workers: theirs to take
+                    return None, None
                 self._doing[sid] = worker_id
                 return ShardState.DOING, self._handout(sid)
             if self._doing or self.streaming:
@@ -267,6 +271,52 @@ class ShardQueue:
                     self._resume[sid] = pos
                 self._todo.appendleft(sid)
             return mine
+
+    def _take(self, worker_id: str) -> int | None:
+        """The first TODO shard this worker may take: not one reserved for another worker
+        (a split's rest, until its reservation lapses). Caller holds the lock."""
+        now = time.monotonic()
+        for sid in self._todo:
+            who, until = self._reserved.get(sid, (worker_id, 0.0))
+            if who == worker_id or until < now:
+                self._todo.remove(sid)
+                self._reserved.pop(sid, None)
+                return sid
+        return None
+
+    def split(self, worker_id: str, sid: int, at: int, reserve_for: str | None = None,
+              reserve_seconds: float = 5.0) -> Shard | None:
+        """Split a DOING shard of ``worker_id`` at position ``at`` (the end of the last
+        record the worker has taken in; a record boundary): the worker keeps the records
+        that begin in ``[hand-out start, at)`` under the same id, and those that begin in
+        ``[at, end)`` become a new shard at the front of TODO, for an idle worker. Returns
+        the new shard; None (nothing changes) when the worker does not hold the shard, the
+        shard cannot be split (a compressed file is one stream) or ``at`` leaves one side
+        empty. ``reserve_for``: only that worker may take the rest for ``reserve_seconds``
+        (the slow worker asks for its next shard at once and would take it back). The sum of the parts is the shard: no record is skipped or trained twice."""
+        with self._lock:
+            s = self._shards.get(sid)
+            if s is None or self._doing.get(sid) != worker_id or s.format.endswith(".gz"):
+                return None
+            start = self._resume.get(sid, s.start)
+            at = int(at)
+            if not start < at < min(s.end, s.size or s.end):
+                return None
+            new_id = max(self._shards) + 1
+            rest = Shard(new_id, s.path, at, s.end, s.data_epoch, s.size, s.format)
+            self._shards[sid] = Shard(s.shard_id, s.path, s.start, at, s.data_epoch, s.size,
+                                      s.format)
+            self._shards[new_id] = rest
+            self._todo.appendleft(new_id)
+            if reserve_for and reserve_for != worker_id:  # not straight back to the slow one
+                self._reserved[new_id] = (reserve_for, time.monotonic() + reserve_seconds)
+            self._shard_dicts = None  # the shard list changed
+            return rest
+
+    def doing(self) -> dict[int, str]:
+        """DOING shard id -> its worker."""
+        with self._lock:
+            return dict(self._doing)
 
     def position(self, sid: int) -> int | None:
         """Where shard ``sid``'s next hand-out starts (None: no such shard)."""
@@ -335,9 +385,11 @@ class ShardQueue:
         the files are known from now on, even one without shards (an empty file)."""
         with self._lock:
             self._files.update(files)
+            nxt = max(self._shards, default=-1) + 1
             for s in shards:
-                if s.shard_id in self._shards:
-                    raise ValueError(f"shard id {s.shard_id} is taken")
+                if s.shard_id in self._shards:  # a split took the id since next_id(): renumber
+                    s = replace(s, shard_id=nxt)
+                nxt = max(nxt, s.shard_id) + 1
                 self._shards[s.shard_id] = s
                 self._todo.append(s.shard_id)
             self._shard_dicts = None
@@ -366,7 +418,7 @@ class ShardQueue:
 
     def to_state(self) -> dict:
         with self._lock:
-            if self._shard_dicts is None:  # the shard list never changes: built once
+            if self._shard_dicts is None:  # built once, again after a split
                 self._shard_dicts = [asdict(s) for s in self._shards.values()]
             return {"unit": STATE_UNIT, "shards": list(self._shard_dicts),
                     "todo": list(self._todo), "doing": dict(self._doing), "done": sorted(self._done),

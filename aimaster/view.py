@@ -128,6 +128,54 @@ class JobView:
         """A PS's StatsResponse, through the job's PS fleet (its channel and retries)."""
         return self._m.fleet.stats(address, timeout)
 
+    # -- stragglers ---------------------------------------------------------------------
+    def straggler_rebalance(self, capacity: dict[str, float], detail: dict,
+                            timeout: float = 600.0) -> dict:
+        return self._m.straggler_rebalance(capacity, detail, timeout=timeout)
+
+    def replace_ps(self, ps_id: str, detail: dict, timeout: float = 600.0) -> dict:
+        return self._m.replace_ps(ps_id, detail, timeout)
+
+    def slot_stats(self):
+        """(bytes, lookups) per slot of the current routing, or None."""
+        routing = self._m.routing
+        return None if routing is None else self._m.fleet.slot_stats(routing)
+
+    def ps_probe_ms(self, address: str, timeout: float = 2.0) -> float:
+        """Milliseconds a PS takes to answer a trivial request (ListTables): its queueing
+        and scheduling delay as a client sees it, which its own timers do not show."""
+        import time
+
+        from deeprec_ext.proto import ps_pb2
+        t = time.perf_counter()
+        self._m.fleet.stub(address).ListTables(ps_pb2.ListTablesRequest(), timeout=timeout)
+        return (time.perf_counter() - t) * 1000.0
+
+    def waiting_workers(self, within: float = 2.0) -> list[str]:
+        return self._m.waiting_workers(within)
+
+    def shards_doing(self) -> dict[int, str]:
+        s = self._m.shards
+        return s.doing() if s is not None else {}
+
+    def request_split(self, worker_id: str, for_worker: str) -> bool:
+        return self._m.request_split(worker_id, for_worker)
+
+    def set_stragglers(self, marks: dict[str, dict]) -> None:
+        """The members currently marked slow (id -> what was measured), for Gazer."""
+        self._m.straggler_marks = dict(marks)
+
+    def straggler_event(self, kind: str, **fields) -> None:
+        """A job event that is also counted by kind (Gazer, Prometheus)."""
+        self._m.count_straggler_event(kind)
+        self._m.record_event(kind, **fields)
+
+    def stragglers(self) -> dict[str, dict]:
+        return dict(self._m.straggler_marks)
+
+    def straggler_counts(self) -> dict[str, int]:
+        return dict(self._m.straggler_counts)
+
     def migration_progress(self) -> dict:
         from aimaster.migration import progress
         return progress()

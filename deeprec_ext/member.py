@@ -41,7 +41,8 @@ class MasterSession:
                  stall_source: Callable[[], float] | None = None,
                  retry: RetryPolicy = RetryPolicy(),
                  stats_source: Callable[[], bytes] | None = None,
-                 control_address: str = ""):
+                 control_address: str = "",
+                 on_split: Callable[[], None] | None = None):
         self.master_address = master_address
         self.role = role
         self.requested_id = member_id
@@ -49,6 +50,7 @@ class MasterSession:
         self.control_address = control_address
         self.on_epoch = on_epoch
         self.on_stop = on_stop
+        self.on_split = on_split  # worker: the AIMaster asks it to split its shard
         self.stall_source = stall_source
         self.stats_source = stats_source  # Gazer: serialized MemberStats for each beat
         self.retry = retry
@@ -111,6 +113,8 @@ class MasterSession:
             self._set_epoch(resp.epoch)
             if resp.stop and self.on_stop is not None:
                 self.on_stop()
+            elif resp.split_shard and self.on_split is not None:
+                self.on_split()
 
     def _stats(self) -> bytes:
         if self.stats_source is None:

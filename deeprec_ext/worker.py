@@ -82,6 +82,25 @@ class ShardTracker:
             self._report_done(done)
         return n
 
+    def truncate(self, shard_id: int, dropped: int) -> bool:
+        """The last ``dropped`` records of a shard were cut off before they were emitted
+        (a split: another worker trains them); its end moves back by that much."""
+        with self._lock:
+            for i, (sid, end, n, start, next_pos) in enumerate(self._pending):
+                if sid != shard_id:
+                    continue
+                if not 0 < dropped <= n:
+                    return False
+                kept = n - dropped
+                self._pending[i] = (sid, end - dropped, kept, start,
+                                    next_pos[:kept] if next_pos is not None else None)
+                for j in range(i + 1, len(self._pending)):
+                    e = self._pending[j]
+                    self._pending[j] = (e[0], e[1] - dropped) + e[2:]
+                self.handed_out -= dropped
+                return True
+            return False
+
     def finish(self, exhausted: bool = False) -> None:
         """End of training: shards not fully trained go back to the master with the
         position where their first untrained record begins, so another worker continues
@@ -114,13 +133,15 @@ class WorkerContext:
                  retry: RetryPolicy = RetryPolicy()):
         self.master_address = master_address_from_env(master_address)
         self.stop_requested = threading.Event()
+        self.split_requested = threading.Event()  # a straggler: cut the current shard
         role = process_role()  # "evaluator": the job's evaluator (deeprec_ext.evaluation)
         self.gazer = MemberCollector(role)  # Gazer statistics, sent with each heartbeat
         self.session = MasterSession(self.master_address, role,
                                      member_id if member_id is not None else os.environ.get(MEMBER_ID_ENV, ""),
                                      on_epoch=self._on_epoch, on_stop=self.request_stop,
                                      stall_source=self._take_stall, retry=retry,
-                                     stats_source=lambda: self.gazer.collect_bytes(self.worker_id))
+                                     stats_source=lambda: self.gazer.collect_bytes(self.worker_id),
+                                     on_split=lambda: self.split_requested.set())
         self.session.register()
         self.client = PSClient.connect(self.master_address, timeout=retry.deadline)
         self.session.start()
@@ -296,6 +317,20 @@ class WorkerContext:
         except grpc.RpcError as exc:
             log.warning("could not return shards %s: %s", shard_ids, exc.details())
 
+    def split_shard(self, shard_id: int, position: int) -> bool:
+        """Offer the AIMaster a cut of a shard at ``position`` (the end of the last record
+        this worker keeps); True when it was made: the records from there on are no
+        longer this worker's to train."""
+        req = master_pb2.ReportShardRequest(worker_id=self.worker_id,
+                                            split_shard_ids=[shard_id],
+                                            split_positions=[int(position)])
+        try:
+            resp = self.session.stub.ReportShard(req, timeout=10)
+        except grpc.RpcError as exc:  # not cut: this worker trains the whole shard
+            log.warning("could not split shard %d: %s", shard_id, exc.details())
+            return False
+        return shard_id in resp.split_shard_ids
+
     def put_model(self, spec: dict) -> None:
         """Send the model's structure to the AIMaster (rank 0 does, once): it goes into every
         checkpoint, so ``aimaster export`` rebuilds the model from a checkpoint alone."""
@@ -381,12 +416,33 @@ def shard_batches(ctx: "WorkerContext", batch_size: int, poll_seconds: float = 0
     """
     reader = ShardReader()
     buf: list[bytes] = []
+    cur = None  # (shard, next_pos, records): the shard whose records end ``buf``
 
     def emit(n):
         nonlocal buf
         out, buf = buf[:n], buf[n:]
         ctx.tracker.emitted(len(out))
         return out
+
+    def maybe_split():
+        """The AIMaster asked (a straggler, or the tail of the data): cut the current
+        shard after the last record emitted, if at least a batch is left to hand on."""
+        nonlocal buf, cur
+        if not ctx.split_requested.is_set():
+            return
+        ctx.split_requested.clear()
+        if cur is None:
+            return
+        s, next_pos, n = cur
+        rest = min(len(buf), n)
+        kept = n - rest
+        if kept < 1 or rest < batch_size:
+            return
+        if ctx.split_shard(s.shard_id, int(next_pos[kept - 1])):
+            buf = buf[:len(buf) - rest]
+            ctx.tracker.truncate(s.shard_id, rest)
+            cur = (s, next_pos[:kept], kept)
+            ctx.tracker.advance(0)  # its kept records may all be trained already: DONE
 
     try:
         while not ctx.stop_requested.is_set():
@@ -397,10 +453,13 @@ def shard_batches(ctx: "WorkerContext", batch_size: int, poll_seconds: float = 0
                 reader.close()
                 buf.extend(records)
                 ctx.tracker.add(s.shard_id, len(records), s.start, next_pos)
+                cur = (s, next_pos, len(records))
                 if not records:  # a range inside one long record: DONE once those before are
                     ctx.tracker.advance(0)
                 while len(buf) >= batch_size and not ctx.stop_requested.is_set():
                     yield emit(batch_size)
+                    maybe_split()
+                cur = None
                 continue
             if buf:
                 yield emit(len(buf))

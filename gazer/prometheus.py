@@ -38,6 +38,10 @@ class SnapshotCollector:
                          ("done", snap.shards_done)):
             shards.add_metric([snap.job, state], n)
         gauge("gazer_job_routing_epoch", "Routing epoch", ["job"]).add_metric(job, snap.epoch)
+        strag = counter("gazer_straggler_events", "Straggler detections and actions, by kind",
+                        ["job", "kind"])
+        for kind, n in sorted(snap.straggler_events.items()):
+            strag.add_metric([snap.job, kind], n)
         mig = snap.migration
         gauge("gazer_migration_active", "1 while a PS scale moves slots", ["job", "phase"]) \
             .add_metric([snap.job, mig.phase or "none"], 1.0 if mig.active else 0.0)
@@ -86,9 +90,11 @@ class SnapshotCollector:
                        "Update sequence numbers not yet shipped to the ring peer", M + ["peer"])
         ship = gauge("gazer_ps_replication_since_ship_seconds",
                      "Time since the last shipment to the ring peer", M + ["peer"])
+        slow = gauge("gazer_member_straggler", "1 while the member is marked a straggler", M)
         for mv in snap.members:
             lab = [mv.role, mv.id]
             up.add_metric(lab + [mv.state], 1.0 if mv.state == "running" else 0.0)
+            slow.add_metric(lab, 1.0 if mv.straggler else 0.0)
             if mv.stats_age_seconds < 0:
                 continue
             s = mv.stats

@@ -97,6 +97,8 @@ def render(snap, notice: str = ""):
         s = mv.stats
         has = mv.stats_age_seconds >= 0
         state = mv.state if not has or mv.stats_age_seconds < 5 else f"{mv.state} (stale)"
+        if mv.straggler:  # marked by the stragglers detector
+            state = Text(f"{state} SLOW ({mv.straggler_why})", style="bold red")
         row = [mv.id, mv.role, state]
         if not has:
             members.add_row(*row, *[""] * 8)

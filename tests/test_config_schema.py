@@ -37,6 +37,8 @@ def _value_for(path: str, kind: str):
                 "autoscale.memory_headroom": 0.3, "master.heartbeat_seconds": 0.5,
                 "export.dtype": "float16", "replication.mode": "sync", "autoscale.recovery": "wait",
                 "kubernetes.image_pull_policy": "Always", "data.format": "tfrecord",
+                "stragglers.replace_below": 0.05, "stragglers.min_weight": 0.5,
+                "stragglers.hot_slot_share": 0.5,
                 # deprecated, and not with bytes_per_shard: null is its documented default
                 "data.records_per_shard": None,
                 # streaming is refused with epochs > 1 and sync mode, both set here

@@ -46,6 +46,8 @@ class _Node:
 
 
 class LocalProcessScaler(Scaler):
+    retires_chosen = True  # kill(node) retires exactly that node (a straggler's replacement)
+
     def __init__(self, master_address: str, config: JobConfig, log_dir: str,
                  python: str = sys.executable):
         self.master_address = master_address

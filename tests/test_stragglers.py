@@ -1,0 +1,326 @@
+"""Stragglers: detection with hysteresis, capacity-weighted placement, and the job-file
+section's refusals of contradictory thresholds."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from aimaster.config import ConfigError, parse_job
+
+
+@pytest.mark.parametrize("doc,key", [
+    ({"stragglers": {"k": 1}}, "stragglers.k (1) must be above 1"),
+    ({"stragglers": {"k": 0.5}}, "stragglers.k (0.5) must be above 1"),
+    ({"stragglers": {"interval_seconds": 2, "window_seconds": 1}},
+     "stragglers.window_seconds (1) must be at least interval_seconds (2)"),
+    ({"master": {"heartbeat_seconds": 2, "lease_seconds": 10},
+      "stragglers": {"interval_seconds": 1, "window_seconds": 1.5}},
+     "stragglers.window_seconds (1.5) must be at least master.heartbeat_seconds (2)"),
+    ({"stragglers": {"k": 2, "replace_below": 0.6}},
+     "stragglers.replace_below (0.6) must be below 1/k (0.5, the detection threshold)"),
+    ({"stragglers": {"bogus": 1}}, "stragglers: unknown key(s) ['bogus']"),
+])
+def test_contradictory_thresholds_are_refused_naming_the_key(doc, key):
+    with pytest.raises(ConfigError) as e:
+        parse_job(doc)
+    assert str(e.value).startswith(key), str(e.value)
+
+
+def test_defaults_and_the_off_switch():
+    cfg = parse_job({})
+    assert cfg.stragglers.enabled is False and cfg.stragglers.k > 1
+    on = parse_job({"stragglers": {"enabled": True, "k": 2.5, "window_seconds": 4}})
+    assert on.stragglers.enabled and on.stragglers.k == 2.5
+    assert parse_job({"stragglers": {"enabled": False}}).stragglers.enabled is False
+
+
+# -- detection and placement, without processes ------------------------------------------------
+from aimaster.placement import balance, capacity_weights, imbalance  # noqa: E402
+from aimaster.stragglers import Hysteresis, PsWindow, ps_verdicts, worker_verdicts  # noqa: E402
+
+
+def test_hysteresis_ignores_a_blip_and_needs_a_window_both_ways():
+    h = Hysteresis(window=5.0)
+    assert [h.update("ps-0", t, True) for t in (0, 1, 2)] == [None] * 3
+    assert h.update("ps-0", 3, False) is None            # a 3 s pause: forgotten
+    assert [h.update("ps-0", t, True) for t in (4, 6, 8)] == [None] * 3
+    assert h.update("ps-0", 9, None) is None              # no evidence changes nothing
+    assert h.update("ps-0", 9.5, True) == "detected" and "ps-0" in h.marked
+    assert [h.update("ps-0", t, False) for t in (10, 12, 14)] == [None] * 3
+    assert h.update("ps-0", 15, False) == "cleared" and not h.marked
+
+
+def test_ps_verdicts_compare_each_ps_with_the_median_of_the_others():
+    w = {"ps-0": PsWindow(500, 0.3, 2.0, 0.4), "ps-1": PsWindow(480, 0.35, 2.5, 0.45),
+         "ps-2": PsWindow(200, 3.0, 40.0, 0.3)}
+    v = ps_verdicts(w, k=3, min_requests=20, cpu_saturated=0.9)
+    assert [v[p][0] for p in sorted(v)] == [False, False, True]
+    assert v["ps-2"][1]["ratio"] > 8
+    # too few requests: no evidence, unless its CPU is saturated while the others idle
+    w["ps-2"] = PsWindow(5, 30.0, 90.0, 0.2)
+    assert ps_verdicts(w, 3, 20, 0.9)["ps-2"][0] is None
+    w["ps-2"] = PsWindow(5, 30.0, 90.0, 0.97)
+    assert ps_verdicts(w, 3, 20, 0.9)["ps-2"][0] is True
+    assert ps_verdicts({"ps-0": w["ps-0"]}, 3, 20, 0.9)["ps-0"][0] is None  # alone
+
+
+def test_worker_verdicts_use_the_median_of_the_others():
+    v = worker_verdicts({"w0": 1000.0, "w1": 950.0, "w2": 280.0}, k=3)
+    assert [v[w][0] for w in ("w0", "w1", "w2")] == [False, False, True]
+
+
+def test_capacity_weighted_placement_gives_a_half_speed_ps_half_the_load():
+    rng = np.random.default_rng(0)
+    n_slots = 512
+    lookups = rng.integers(900, 1100, n_slots)
+    loads = np.stack([np.full(n_slots, 1 / n_slots), lookups / lookups.sum()], axis=1)
+    owner = (np.arange(n_slots) % 3).astype(np.int32)
+    ids = ["ps-0", "ps-1", "ps-2"]
+    w = capacity_weights({"ps-0": 1.0, "ps-1": 1.0, "ps-2": 2.0}, ids, 0.1)
+    assert w == pytest.approx([1.0, 1.0, 0.5])
+    new = balance(owner, ids, ids, loads, 0.05, w)
+    share = np.bincount(new, weights=lookups, minlength=3) / lookups.sum()
+    assert share[2] == pytest.approx(0.2, abs=0.02)       # 0.5 / 2.5 of the load
+    assert share[0] == pytest.approx(0.4, abs=0.02)
+    # equal weights: exactly the plain balance
+    assert np.array_equal(balance(owner, ids, ids, loads, 0.05, [1, 1, 1]),
+                          balance(owner, ids, ids, loads, 0.05))
+    assert imbalance(new, lookups, 3) > 1.1
+    with pytest.raises(ValueError, match="capacity"):
+        balance(owner, ids, ids, loads, 0.05, [1, 0, 1])
+
+
+# -- real processes -----------------------------------------------------------------------------
+from tests.conftest import ROOT, wait_for  # noqa: E402
+from tests.throttle import Throttle  # noqa: E402
+
+
+def _records(tmp_path, files, per_file):
+    paths = []
+    for f in range(files):
+        p = tmp_path / f"rec-{f}.txt"
+        p.write_text("\n".join(map(str, range(f * per_file, (f + 1) * per_file))) + "\n")
+        paths.append(str(p))
+    return paths, files * per_file
+
+
+def _counting_job(start_job, paths, stragglers, ps=1, workers=2, bytes_per_shard=20000,
+                  delay="0.02"):
+    job = start_job({
+        "name": "strag",
+        "ps": {"replicas": ps, "max_replicas": 4},
+        "worker": {"replicas": workers, "max_replicas": 4,
+                   "command": ["{python}", str(ROOT / "tests" / "counting_worker.py")],
+                   "env": {"COUNTING_DELAY": delay, "PYTHONPATH": str(ROOT),
+                           "COUNTING_HOLD_FILE": str(paths[0]) + ".release"}},
+        "data": {"files": paths, "bytes_per_shard": bytes_per_shard},
+        "master": {"heartbeat_seconds": 0.5},
+        "stragglers": stragglers,
+    })
+    wait_for(lambda: job.status()["phase"] == "running", 60, "the job to be running")
+    return job
+
+
+def _member_pid(job, member_id):
+    return wait_for(lambda: next((m["pid"] for m in job.status()["members"]
+                                  if m["id"] == member_id and m["state"] == "running"), None),
+                    60, f"{member_id} to run")
+
+
+def _all_done(job):
+    sh = job.state()["shards"]  # one read: a split's rest is TODO between two reads
+    return not sh["todo"] and not sh["doing"]
+
+
+def _every_record_once(job, total, paths):
+    from deeprec_ext.client import PSClient
+    client = PSClient.connect(job.address, timeout=30)
+    got = client.lookup("records", np.arange(total, dtype=np.int64), insert_missing=False)[:, 0]
+    client.close()
+    open(str(paths[0]) + ".release", "w").close()
+    assert job.wait(120) == 0, job.output()[-3000:]
+    counts = np.bincount(np.clip(got.astype(np.int64), 0, 3), minlength=4)
+    assert counts[1] == total, f"records trained 0/1/2/3+ times: {counts.tolist()}"
+
+
+def test_worker_throttled_mid_shard_has_its_shard_split_every_record_once(start_job, tmp_path):
+    # 2 x 40000 records in 4 shards; worker-1 runs at 5% of a core from the start: it
+    # still holds its first shard, with seconds of work left, when worker-0 has trained
+    # the other three. Pushes, not sleeps, pace the workers (a stopped process's
+    # sleep runs out while it is stopped)
+    paths, total = _records(tmp_path, 2, 40000)
+    job = _counting_job(start_job, paths, {"enabled": True, "window_seconds": 2,
+                                           "interval_seconds": 0.5, "k": 2,
+                                           "replace_below": 0.1},
+                        bytes_per_shard=120000, delay="0.004")
+    slow = Throttle(wait_for(lambda: next((m["pid"] for m in job.state()["members"]
+                                           if m["id"] == "worker-1"), None), 60, "worker-1"),
+                    share=0.05, period=0.1).start()
+    try:
+        wait_for(lambda: _all_done(job), 120, "every shard DONE")
+    finally:
+        slow.stop()
+    events = job.state()["events"]
+    splits = [e for e in events if e["kind"] == "shard_split"]
+    assert splits and all(e["worker"] == "worker-1" and e["to"] == "worker-0" for e in splits), \
+        (events, job.output()[-3000:])
+    _every_record_once(job, total, paths)
+
+
+def _ps_job(start_job, stragglers):
+    from deeprec_ext.client import PSClient
+    job = start_job({"name": "strag-ps", "ps": {"replicas": 2, "max_replicas": 4},
+                     "master": {"heartbeat_seconds": 0.5}, "stragglers": stragglers},
+                    ["--workers", "0"])
+    client = PSClient.connect(job.address, timeout=60)
+    client.create_table("c", dim=1, initializer="zeros",
+                        optimizer={"name": "sgd", "learning_rate": 1.0})
+    return job, client
+
+
+def _pushers(job, client, n):
+    from deeprec_ext.client import PSClient
+
+    from tests.conftest import CounterPusher
+    other = PSClient.connect(job.address, timeout=60)
+    return [CounterPusher(client, "c", n, batch=1000, seed=1).start(),
+            CounterPusher(other, "c", n, batch=1000, seed=2).start()], other
+
+
+def _exact(client, pushers, n):
+    for p in pushers:
+        p.stop()
+    expected = sum(p.expected for p in pushers)
+    got = client.lookup("c", np.arange(n, dtype=np.int64), insert_missing=False)[:, 0]
+    assert np.array_equal(got.astype(np.int64), expected), \
+        f"{int((got != expected).sum())} counters differ; {int(expected.sum())} updates"
+    return int(expected.sum())
+
+
+def _snapshot(address):
+    from deeprec_ext.grpc_util import insecure_channel
+    from deeprec_ext.proto import gazer_pb2, gazer_pb2_grpc
+    with insecure_channel(address) as ch:
+        return gazer_pb2_grpc.GazerStub(ch).GetSnapshot(gazer_pb2.SnapshotRequest(), timeout=10)
+
+
+def _kinds(job, *kinds):
+    return [e for e in job.status()["events"] if e["kind"] in kinds]
+
+
+def test_throttled_ps_is_detected_and_its_load_moved_with_exact_counts(start_job):
+    # k 5: the throttled PS measures 9-27x, healthy ones stay under 3x, so a loaded
+    # machine's noise does not mark the other PS first
+    job, client = _ps_job(start_job, {"enabled": True, "window_seconds": 3, "k": 5,
+                                      "replace_below": 0.1, "replace": False})
+    n = 20000
+    pushers, other = _pushers(job, client, n)
+    try:
+        wait_for(lambda: sum(len(p.acked) for p in pushers) > 100, 60, "pushes")
+        ps1 = next(m["pid"] for m in job.state()["members"] if m["id"] == "ps-1")
+        slots_before = job.status()["placement"]["ps"]["ps-1"]["slots"]
+        with Throttle(ps1, share=0.3, period=0.1).start() as _:
+            moved = wait_for(lambda: _kinds(job, "straggler_rebalance"), 60, "re-placement")
+            snap = _snapshot(job.address)  # Gazer marks it while it is slow
+        detected = _kinds(job, "straggler_detected")
+    finally:
+        total = _exact(client, pushers, n)
+        other.close()
+    assert [(e["role"], e["id"]) for e in detected] == [("ps", "ps-1")]
+    assert detected[0]["ratio"] > 5
+    ev = moved[0]
+    assert ev["slow"] == "ps-1" and ev["moved_slots"] > 0 and ev["capacity"]["ps-1"] < 1
+    assert job.status()["placement"]["ps"]["ps-1"]["slots"] < slots_before
+    marked = {m.id: m.straggler_why for m in snap.members if m.straggler}
+    assert list(marked) == ["ps-1"] and "median" in marked["ps-1"], marked
+    assert snap.straggler_events["straggler_detected"] == 1
+    assert snap.straggler_events["straggler_rebalance"] == 1
+    assert total > 0
+    client.close()
+
+
+def test_a_moment_of_slowness_or_the_off_switch_moves_nothing(start_job, tmp_path):
+    # a 1.5 s stall against a 6 s window; then a job with stragglers off and a long stall
+    for stragglers, stall in (({"enabled": True, "window_seconds": 6, "k": 5,
+                                "replace_below": 0.1}, 1.5),
+                              ({"enabled": False}, 8.0)):
+        job, client = _ps_job(lambda j, a: start_job(j, a, subdir=str(stall)), stragglers)
+        n = 5000
+        pushers, other = _pushers(job, client, n)
+        try:
+            wait_for(lambda: sum(len(p.acked) for p in pushers) > 50, 60, "pushes")
+            ps1 = next(m["pid"] for m in job.state()["members"] if m["id"] == "ps-1")
+            with Throttle(ps1, share=0.3, period=0.1).start() as _:
+                time.sleep(stall)
+            time.sleep(7)  # longer than the window: a mark would have come by now
+            events = _kinds(job, "straggler_detected", "straggler_rebalance",
+                            "straggler_replace", "routing")
+        finally:
+            _exact(client, pushers, n)
+            other.close()
+        assert [e["kind"] for e in events] == ["routing"], (stragglers, events)  # the first
+        client.close()
+        job.stop()
+
+
+def test_a_ps_still_slow_after_re_placement_is_replaced_with_exact_counts(start_job):
+    job, client = _ps_job(start_job, {"enabled": True, "window_seconds": 3, "k": 5,
+                                      "replace_below": 0.1})
+    n = 20000
+    pushers, other = _pushers(job, client, n)
+    try:
+        wait_for(lambda: sum(len(p.acked) for p in pushers) > 100, 60, "pushes")
+        ps1 = next(m["pid"] for m in job.state()["members"] if m["id"] == "ps-1")
+        with Throttle(ps1, share=0.3, period=0.1).start() as _:
+            rep = wait_for(lambda: _kinds(job, "straggler_replace"), 90, "the replacement")[0]
+        progress = sum(len(p.acked) for p in pushers)
+        wait_for(lambda: sum(len(p.acked) for p in pushers) > progress + 50, 60,
+                 "pushes after the replacement")
+    finally:
+        _exact(client, pushers, n)
+        other.close()
+    assert rep["slow"] == "ps-1" and rep["new"] not in ("ps-0", "ps-1") and rep["moved_slots"] > 0
+    placement = job.status()["placement"]["ps"]
+    assert "ps-1" not in placement and rep["new"] in placement
+    wait_for(lambda: not any(m["id"] == "ps-1" and m["state"] == "running"
+                             for m in job.status()["members"]), 30, "ps-1 to leave")
+    client.close()
+
+
+def test_a_hot_slot_is_reported_once_with_its_ps():
+    from aimaster.config import parse_job
+    from aimaster.stragglers import StragglerPlugin
+    from deeprec_ext.client.routing import RoutingTable
+
+    class FakeJob:
+        routing = RoutingTable(1, 8, ("ps-0", "ps-1"), ("a", "b"),
+                               np.array([0, 0, 0, 0, 1, 1, 1, 1], np.int32))
+        events: list = []
+
+        def slot_stats(self):
+            return np.ones(8, np.int64), np.array([10, 10, 10, 10, 10, 300, 10, 10])
+
+        def straggler_event(self, kind, **fields):
+            self.events.append((kind, fields))
+
+    plugin = StragglerPlugin(parse_job({"stragglers": {"enabled": True}}))
+    job = FakeJob()
+    plugin._report_hot_slot(job)
+    plugin._report_hot_slot(job)
+    assert [(k, f["slot"], f["ps"]) for k, f in job.events] == [("hot_slot", 5, "ps-1")]
+    assert job.events[0][1]["lookup_share"] == pytest.approx(300 / 370, abs=1e-3)
+
+
+def test_status_lines_name_what_happened():
+    from aimaster.cli import _straggler_line
+    assert _straggler_line({"kind": "straggler_detected", "role": "ps", "id": "ps-1",
+                            "ratio": 9.4}) == "straggler ps ps-1 slow: 9.4 x median"
+    assert "ps-2" in _straggler_line({"kind": "straggler_replace", "slow": "ps-1",
+                                      "new": "ps-2", "reason": "below replace_below"})
+    assert _straggler_line({"kind": "shard_split", "worker": "worker-1", "shard": 3,
+                            "at": 100, "new_shard": 9, "to": "worker-0"}) == \
+        "shard 3 of worker-1 split at 100: the rest (shard 9) to worker-0"
+    assert "81%" in _straggler_line({"kind": "hot_slot", "slot": 5, "ps": "ps-1",
+                                     "lookup_share": 0.81})
