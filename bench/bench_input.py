@@ -270,12 +270,11 @@ def amplification(data, where: str, shard_bytes: int, workers=(1, 2, 4)) -> list
                 jobs[i % w]["shards"].setdefault(fmt, []).append([s.path, s.start, s.end, s.size])
         procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_reader",
                                    json.dumps(j)], stdout=subprocess.PIPE) for j in jobs]
-        results = []
-        for p in procs:
-            out, _ = p.communicate()
-            if p.returncode:
-                raise RuntimeError(f"reader subprocess failed ({p.returncode})")
-            results.append(json.loads(out.decode().strip().splitlines()[-1]))
+        outs = [p.communicate()[0] for p in procs]  # every reader waited for, even on failure
+        failed = [p.returncode for p in procs if p.returncode]
+        if failed:
+            raise RuntimeError(f"reader subprocess failed (exit codes {failed})")
+        results = [json.loads(o.decode().strip().splitlines()[-1]) for o in outs]
         for fmt in FORMATS:
             total = sum(fs.size(p) for p in data[fmt])
             read = sum(r.get(fmt, {}).get("bytes", 0) for r in results)
