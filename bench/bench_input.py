@@ -1,0 +1,409 @@
+"""Input pipeline alone (read + parse, no training), issue 18 item 7.
+
+    python bench/bench_input.py [--quick] [--mb 32] [--big-mb 2048] [--no-s3]
+
+1. Records/s of ``deeprec_ext.data.tf_dataset.record_dataset`` over byte/row-range shards
+   (``aimaster.shards.make_shards``) for text, gzip text, TFRecord and Parquet, from local
+   disk and from a local S3 server (moto's server mode on a free 127.0.0.1 port), against a
+   plain ``tf.data.TextLineDataset`` over the same records as local text files (the
+   target's reference; its runs alternate with ours, so both see the same load), plus the
+   format's own tf.data reader where TensorFlow has one.
+   The same parse runs on every pipeline: batches of 4096 records,
+   ``tf.strings.split(batch, "\\t")``, counted with ``reduce``.
+2. Read amplification (bytes read by all workers / bytes of the files) with 1, 2 and 4
+   workers: shards dealt round-robin, every worker a fresh subprocess reading its shards
+   with ``read_shard`` (the worker's path). Local files: ``/proc/self/io`` ``rchar``
+   delta around the reads of each format. S3: bytes returned by s3fs's ``_cat_file`` and
+   ``S3File._fetch_range`` (sockets are not counted by ``rchar``), wrapped in the worker.
+3. Time to the first record of a 4 MiB shard at the start and at the end of a big text
+   file (2 GB by default; made by repeating the generated text: the records repeat).
+
+Data: criteo-like TSV (label, 13 ints, 26 hex categoricals), the same records written as
+text, gzip text, TFRecord (one line per record) and Parquet (several row groups), split
+into ``--files`` files (the parts hold the same records: bench_data_path's generator has
+a fixed seed), cached under /tmp/bench-input/ keyed by size.
+Output: a table with PASS/MISS per target and JSON (``--out``).
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import logging
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+FORMATS = ("text", "text.gz", "tfrecord", "parquet")
+EXT = {"text": ".txt", "text.gz": ".txt.gz", "tfrecord": ".tfrecord", "parquet": ".parquet"}
+BUCKET = "bench-input"
+AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+       "AWS_DEFAULT_REGION": "us-east-1"}
+RATE_TARGET, AMP_TARGET, TTFR_TARGET = 0.9, 1.05, 1.5
+
+
+# ---------------------------------------------------------------- data
+
+def make_data(root: str, mb: int, files: int, row_group: int) -> dict[str, list[str]]:
+    """The same records in every format, ``files`` files each; made once per size."""
+    from bench_data_path import make_file
+    d = os.path.join(root, f"{mb}mb-{files}f")
+    out = {f: [os.path.join(d, f"part-{i}{EXT[f]}") for i in range(files)] for f in FORMATS}
+    done = os.path.join(d, "DONE")
+    if os.path.exists(done):
+        return out
+    os.makedirs(d, exist_ok=True)
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+    import pyarrow.parquet as pq
+    import tensorflow as tf
+    names = ["label"] + [f"I{i}" for i in range(1, 14)] + [f"C{i}" for i in range(1, 27)]
+    types = {n: (pa.string() if n.startswith("C") else pa.int64()) for n in names}
+    for i in range(files):
+        txt = out["text"][i]
+        make_file(txt, max(1, mb // files))
+        with open(txt, "rb") as f:
+            data = f.read()
+        with gzip.open(out["text.gz"][i], "wb", compresslevel=6) as g:
+            g.write(data)
+        with tf.io.TFRecordWriter(out["tfrecord"][i]) as w:
+            for line in data.splitlines():
+                w.write(line)
+        table = pcsv.read_csv(txt, read_options=pcsv.ReadOptions(column_names=names),
+                              parse_options=pcsv.ParseOptions(delimiter="\t"),
+                              convert_options=pcsv.ConvertOptions(column_types=types))
+        pq.write_table(table, out["parquet"][i], row_group_size=row_group)
+    open(done, "w").close()
+    return out
+
+
+def make_big(root: str, mb: int, seed_file: str) -> str:
+    """A text file of ``mb`` MB made by repeating ``seed_file`` (whole lines)."""
+    path = os.path.join(root, f"big-{mb}mb.txt")
+    if os.path.exists(path) and os.path.getsize(path) >= mb << 20:
+        return path
+    with open(seed_file, "rb") as f:
+        block = f.read()
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        written = 0
+        while written < mb << 20:
+            f.write(block)
+            written += len(block)
+    os.replace(tmp, path)
+    return path
+
+
+# ---------------------------------------------------------------- S3 server
+
+class S3Server:
+    """moto's server mode on a free 127.0.0.1 port (as tests/test_data_remote.py); the
+    AWS_* variables are set for this process and its children while it runs."""
+
+    def __enter__(self):
+        from moto import server as moto_server
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        sock.close()
+        self.server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port,
+                                                     verbose=False)
+        self.server.start()
+        self.saved = {k: os.environ.get(k) for k in [*AWS, "AWS_ENDPOINT_URL"]}
+        os.environ.update(AWS, AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
+        return self
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        self.server.stop()
+
+
+def upload(data: dict[str, list[str]]) -> dict[str, list[str]]:
+    from deeprec_ext.data import fs
+    s3, _ = fs.filesystem(f"s3://{BUCKET}")
+    s3.mkdir(BUCKET)
+    out = {}
+    for fmt, paths in data.items():
+        out[fmt] = []
+        for p in paths:
+            url = f"s3://{BUCKET}/{os.path.basename(p)}"
+            s3.put_file(p, url)
+            out[fmt].append(url)
+    return out
+
+
+# ---------------------------------------------------------------- rates
+
+def median_time(fn, repeat: int) -> tuple[float, object]:
+    times, result = [], None
+    for _ in range(repeat):
+        t = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), result
+
+
+def parse_count(ds):
+    """The same parse on every pipeline: batches split into fields, rows counted."""
+    import numpy as np
+    import tensorflow as tf
+    ds = ds.batch(4096).map(lambda x: tf.strings.split(x, "\t"),
+                            num_parallel_calls=tf.data.AUTOTUNE)
+    return int(ds.reduce(np.int64(0), lambda c, r: c + r.nrows(out_type=tf.int64)).numpy())
+
+
+def native_dataset(fmt: str, paths: list[str]):
+    import tensorflow as tf
+    if fmt == "text":
+        return tf.data.TextLineDataset(paths)
+    if fmt == "text.gz":
+        return tf.data.TextLineDataset(paths, compression_type="GZIP")
+    if fmt == "tfrecord":
+        return tf.data.TFRecordDataset(paths)
+    return None  # no Parquet reader in TensorFlow
+
+
+def rates(data, where: str, shard_bytes: int, repeat: int, records: int, ref_paths) -> list[dict]:
+    """Per format: ``record_dataset`` runs alternate with the reference (TextLineDataset
+    over the local text files), so both see the same load; medians of ``repeat`` each."""
+    import tensorflow as tf
+
+    from aimaster.shards import make_shards
+    from deeprec_ext.data.tf_dataset import record_dataset
+    rows = []
+    for fmt in FORMATS:
+        shards = make_shards(data[fmt], shard_bytes, fmt=fmt)
+        ranges = [(s.path, s.start, s.end) for s in shards]
+        ours, ref = [], []
+        for _ in range(repeat):
+            t, n = median_time(lambda: parse_count(tf.data.TextLineDataset(ref_paths)), 1)
+            assert n == records, ("reference", n, records)
+            ref.append(t)
+            t, n = median_time(lambda: parse_count(record_dataset(ranges, fmt)), 1)
+            assert n == records, (fmt, where, n, records)
+            ours.append(t)
+        dt, rdt = statistics.median(ours), statistics.median(ref)
+        row = {"format": fmt, "where": where, "shards": len(shards), "records": records,
+               "seconds": dt, "records_per_s": records / dt, "seconds_all": ours,
+               "reference_records_per_s": records / rdt, "reference_seconds_all": ref,
+               "native_records_per_s": None}
+        if native_dataset(fmt, data[fmt]) is not None:
+            try:
+                ndt, nn = median_time(lambda: parse_count(native_dataset(fmt, data[fmt])), repeat)
+                assert nn == records, (fmt, where, "native", nn)
+                row["native_records_per_s"] = nn / ndt
+            except Exception as exc:  # noqa: BLE001 e.g. no s3:// file system in this TF
+                row["native_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+        rows.append(row)
+        print(f"  {where:5s} {fmt:8s} {records / dt / 1e6:6.3f} M records/s ({dt:.2f} s, "
+              f"{len(shards)} shards); reference {records / rdt / 1e6:6.3f} M records/s", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------- read amplification
+
+def reader_main(spec: str) -> int:
+    """A worker subprocess: reads its shards of every format, prints bytes read."""
+    job = json.loads(spec)
+    import importlib
+    for mod in ("zlib", "gzip", "pyarrow", "pyarrow.compute", "pyarrow.parquet", "fsspec"):
+        importlib.import_module(mod)  # before counting: rchar counts what imports read
+    from deeprec_ext.data.ranges import read_shard
+    counted = [0]
+    if job["remote"]:
+        import s3fs.core as c
+        orig_cat, orig_fetch = c.S3FileSystem._cat_file, c.S3File._fetch_range
+
+        async def cat(self, path, *a, **k):
+            d = await orig_cat(self, path, *a, **k)
+            counted[0] += len(d)
+            return d
+
+        def fetch(self, start, end):
+            d = orig_fetch(self, start, end)
+            counted[0] += len(d)
+            return d
+        c.S3FileSystem._cat_file, c.S3File._fetch_range = cat, fetch
+
+    def rchar() -> int:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("rchar:"):
+                    return int(line.split()[1])
+        return 0
+
+    out = {}
+    for fmt, shards in job["shards"].items():
+        counted[0] = 0
+        r0 = rchar()
+        n = 0
+        for path, start, end, size in shards:
+            n += len(read_shard(path, start, end, fmt, size)[0])
+        r1 = rchar()
+        out[fmt] = {"bytes": counted[0] if job["remote"] else r1 - r0, "records": n}
+    print(json.dumps(out))
+    return 0
+
+
+def amplification(data, where: str, shard_bytes: int, workers=(1, 2, 4)) -> list[dict]:
+    from aimaster.shards import make_shards
+    from deeprec_ext.data import fs
+    remote = where == "s3"
+    rows = []
+    for w in workers:
+        jobs = [{"remote": remote, "shards": {}} for _ in range(w)]
+        for fmt in FORMATS:
+            shards = make_shards(data[fmt], shard_bytes, fmt=fmt)
+            for i, s in enumerate(shards):
+                jobs[i % w]["shards"].setdefault(fmt, []).append([s.path, s.start, s.end, s.size])
+        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_reader",
+                                   json.dumps(j)], stdout=subprocess.PIPE) for j in jobs]
+        outs = [p.communicate()[0] for p in procs]  # every reader waited for, even on failure
+        failed = [p.returncode for p in procs if p.returncode]
+        if failed:
+            raise RuntimeError(f"reader subprocess failed (exit codes {failed})")
+        results = [json.loads(o.decode().strip().splitlines()[-1]) for o in outs]
+        for fmt in FORMATS:
+            total = sum(fs.size(p) for p in data[fmt])
+            read = sum(r.get(fmt, {}).get("bytes", 0) for r in results)
+            busy = sum(1 for r in results if fmt in r)
+            rows.append({"format": fmt, "where": where, "workers": w, "workers_with_shards": busy,
+                         "bytes_read": read, "file_bytes": total, "amplification": read / total,
+                         "counted_by": "s3fs _cat_file/_fetch_range bytes" if remote
+                         else "/proc/self/io rchar delta"})
+            print(f"  {where:5s} {fmt:8s} W={w}: {read / total:.4f}", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------- time to first record
+
+def first_record(big: str, shard_bytes: int, repeat: int) -> list[dict]:
+    from aimaster.shards import make_shards
+    from deeprec_ext.data.ranges import read_shard
+    from deeprec_ext.data.tf_dataset import record_dataset
+    shards = make_shards([big], shard_bytes)
+    first, last = shards[0], shards[-1]
+    readers = [
+        ("read_shard (worker path)", lambda s: read_shard(big, s.start, s.end, "text", s.size)[0][0]),
+        ("record_dataset (tf.data, built each time)",
+         lambda s: next(iter(record_dataset([(big, s.start, s.end)])))),
+    ]
+    rows = []
+    for name, fn in readers:
+        fn(first)  # warm up imports and graph building
+        t0, _ = median_time(lambda: fn(first), repeat)
+        t1, _ = median_time(lambda: fn(last), repeat)
+        rows.append({"reader": name, "start_s": t0, "end_s": t1, "end_byte": last.start,
+                     "file_bytes": os.path.getsize(big)})
+        print(f"  {name:42s} start {t0 * 1e3:7.1f} ms  end {t1 * 1e3:7.1f} ms", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------- main
+
+def loadavg() -> float:
+    return os.getloadavg()[0]
+
+
+def table(res: dict) -> str:
+    lines = ["x ref: ours / a plain tf.data.TextLineDataset over the local text files (same "
+             "records, same parse), run alternately with ours", "",
+             f"{'input rate':28s} {'ours M/s':>9s} {'native M/s':>10s} {'x nat':>6s} {'x ref':>6s}  target >= {RATE_TARGET}"]
+    for r in res["rates"]:
+        nat = f"{r['native_records_per_s'] / 1e6:10.3f}" if r["native_records_per_s"] else f"{'n/a':>10s}"
+        x = r["records_per_s"] / r["reference_records_per_s"]
+        xn = (f"{r['records_per_s'] / r['native_records_per_s']:6.2f}"
+              if r["native_records_per_s"] else f"{'n/a':>6s}")
+        lines.append(f"  {r['where'] + ' ' + r['format']:26s} {r['records_per_s'] / 1e6:9.3f} {nat} "
+                     f"{xn} {x:6.2f}  {'PASS' if x >= RATE_TARGET else 'MISS'}")
+    lines += ["", f"{'read amplification':28s} {'W=1':>7s} {'W=2':>7s} {'W=4':>7s}  target <= {AMP_TARGET}"]
+    by = {}
+    for r in res["amplification"]:
+        by.setdefault((r["where"], r["format"]), {})[r["workers"]] = r["amplification"]
+    for (where, fmt), amps in by.items():
+        worst = max(amps.values())
+        lines.append(f"  {where + ' ' + fmt:26s} " + " ".join(f"{amps.get(w, float('nan')):7.4f}"
+                                                           for w in (1, 2, 4))
+                     + f"  {'PASS' if worst <= AMP_TARGET else 'MISS'}")
+    lines += ["", f"{'time to first record':42s} {'start':>8s} {'end':>8s}  target end/start <= "
+              f"{TTFR_TARGET} (or within 10 ms)"]
+    for r in res["first_record"]:
+        ok = r["end_s"] <= TTFR_TARGET * r["start_s"] or r["end_s"] - r["start_s"] <= 0.010
+        lines.append(f"  {r['reader']:40s} {r['start_s'] * 1e3:6.1f}ms {r['end_s'] * 1e3:6.1f}ms  "
+                     f"{'PASS' if ok else 'MISS'}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="8 MB of records, a 256 MB big file")
+    ap.add_argument("--mb", type=int, default=32, help="MB of text records (per format)")
+    ap.add_argument("--files", type=int, default=4)
+    ap.add_argument("--big-mb", type=int, default=2048, help="the file for time to first record")
+    ap.add_argument("--shard-bytes", type=int, default=4 << 20)
+    ap.add_argument("--row-group", type=int, default=20000, help="Parquet rows per row group")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--root", default="/tmp/bench-input")
+    ap.add_argument("--no-s3", action="store_true")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "input.json"))
+    ap.add_argument("--_reader", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a._reader:
+        return reader_main(a._reader)
+    if a.quick:
+        a.mb, a.big_mb = 8, 256
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    res = {"args": {k: v for k, v in vars(a).items() if not k.startswith("_")},
+           "load_start": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    t = time.perf_counter()
+    data = make_data(a.root, a.mb, a.files, a.row_group)
+    big = make_big(a.root, a.big_mb, data["text"][0])
+    print(f"data: {a.files} files per format in {os.path.dirname(data['text'][0])}, "
+          f"big file {big} ({os.path.getsize(big) / 1e9:.2f} GB), ready in "
+          f"{time.perf_counter() - t:.1f} s; load {loadavg():.2f}", flush=True)
+    import tensorflow as tf
+    from deeprec_ext.data import fs
+    records = parse_count(tf.data.TextLineDataset(data["text"]))
+    res["data"] = {f: {"files": ps, "bytes": sum(fs.size(p) for p in ps)} for f, ps in data.items()}
+    res["records"] = records
+    print(f"{records} records per format", flush=True)
+
+    print("records/s (read + parse), median of %d:" % a.repeat, flush=True)
+    res["rates"] = rates(data, "local", a.shard_bytes, a.repeat, records, data["text"])
+    res["amplification"] = []
+    print("read amplification:", flush=True)
+    res["amplification"] += amplification(data, "local", a.shard_bytes)
+    if not a.no_s3:
+        with S3Server():
+            t = time.perf_counter()
+            remote = upload(data)
+            print(f"uploaded to the local S3 server in {time.perf_counter() - t:.1f} s", flush=True)
+            res["rates"] += rates(remote, "s3", a.shard_bytes, a.repeat, records, data["text"])
+            res["amplification"] += amplification(remote, "s3", a.shard_bytes)
+    print("time to first record of a %d B shard, median of %d:" % (a.shard_bytes, a.repeat), flush=True)
+    res["first_record"] = first_record(big, a.shard_bytes, a.repeat)
+    res["load_end"] = os.getloadavg()
+    print()
+    print(table(res))
+    print(f"\nload average: start {res['load_start'][0]:.2f}, end {res['load_end'][0]:.2f}")
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
