@@ -136,7 +136,7 @@ def parquet_row_groups(path: str) -> list[int]:
         import pyarrow.parquet as pq
     except ImportError as exc:  # pragma: no cover - pyarrow is a dependency
         raise ValueError(f"{path}: Parquet needs pyarrow ({exc})") from None
-    with fs.open_binary(path) as f:
+    with fs.open_binary(path, sequential=False) as f:  # the footer only
         md = pq.ParquetFile(f).metadata
     return [md.row_group(i).num_rows for i in range(md.num_row_groups)]
 

@@ -307,7 +307,7 @@ def parquet_rows(path: str, start: int, end: int):
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    with fs.open_binary(path) as f:
+    with fs.open_binary(path, sequential=False) as f:
         return _parquet_rows(pq.ParquetFile(f), start, end, pa, pc)
 
 
