@@ -189,6 +189,12 @@ class _FakeView:
     def migration_progress(self):
         return {"phase": ""}
 
+    def stragglers(self):
+        return {}
+
+    def straggler_counts(self):
+        return {}
+
     def eval_state(self):
         return self._ev
 
