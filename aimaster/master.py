@@ -920,6 +920,17 @@ class JobMaster:
         return self._run_op(OpKind.RESCALE, lambda cancel: self._replace_op(ps_id, detail, timeout),
                             key="straggler", timeout=timeout + 60)
 
+    def _move_slots(self, old, old_ids: list[str], new_ids: list[str]):
+        """Place the slots of ``old`` on ``new_ids`` (by measured loads when the PS can
+        report them) and migrate them live; raises MigrationError."""
+        addresses = {m.id: m.address for m in self.live_ps()}
+        loads = self._slot_loads(old)
+        new_owner = rebalance(old.slot_owner, old_ids, new_ids) if loads is None else \
+            placement.balance(old.slot_owner, old_ids, new_ids, loads)
+        with self._around_migration():
+            return migrate(self.fleet, old, new_owner, new_ids,
+                           [addresses[i] for i in new_ids], self._publish)
+
     def _replace_op(self, slow: str, detail: dict, timeout: float) -> dict:
         self._require_running()
         old = self.routing
@@ -948,14 +959,8 @@ class JobMaster:
             raise
         new = sorted(fresh, key=lambda m: m.rank)[0]
         new_ids = [i for i in old_ids if i != slow] + [new.id]
-        addresses = {m.id: m.address for m in self.live_ps()}
-        loads = self._slot_loads(old)
-        new_owner = rebalance(old.slot_owner, old_ids, new_ids) if loads is None else \
-            placement.balance(old.slot_owner, old_ids, new_ids, loads)
         try:
-            with self._around_migration():
-                result = migrate(self.fleet, old, new_owner, new_ids,
-                                 [addresses[i] for i in new_ids], self._publish)
+            result = self._move_slots(old, old_ids, new_ids)
         except MigrationError as exc:
             self.registry.mark(new.id, MemberState.LEFT)
             self.scaler.kill(new.id, signal.SIGTERM)
@@ -1343,15 +1348,8 @@ class JobMaster:
             new_ids = [i for i in old_ids if i not in leaving]
             if not new_ids:
                 raise OperationRefused(f"scaling PS to {n} would remove every PS that owns slots")
-        addresses = {m.id: m.address for m in self.live_ps()}
-        loads = self._slot_loads(old)
-        new_owner = rebalance(old.slot_owner, old_ids, new_ids) if loads is None else \
-            placement.balance(old.slot_owner, old_ids, new_ids, loads)
-
         try:
-            with self._around_migration():
-                result = migrate(self.fleet, old, new_owner, new_ids,
-                                 [addresses[i] for i in new_ids], self._publish)
+            result = self._move_slots(old, old_ids, new_ids)
         except MigrationError as exc:
             joined = [i for i in new_ids if i not in old_ids]
             for ps_id in joined:  # the layout is the old one again: the new PS own nothing

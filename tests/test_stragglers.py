@@ -94,6 +94,7 @@ def test_capacity_weighted_placement_gives_a_half_speed_ps_half_the_load():
 
 # -- real processes -----------------------------------------------------------------------------
 from tests.conftest import ROOT, wait_for  # noqa: E402
+from tests.test_elasticity import _check_every_record_once  # noqa: E402
 from tests.throttle import Throttle  # noqa: E402
 
 
@@ -134,17 +135,6 @@ def _all_done(job):
     return not sh["todo"] and not sh["doing"]
 
 
-def _every_record_once(job, total, paths):
-    from deeprec_ext.client import PSClient
-    client = PSClient.connect(job.address, timeout=30)
-    got = client.lookup("records", np.arange(total, dtype=np.int64), insert_missing=False)[:, 0]
-    client.close()
-    open(str(paths[0]) + ".release", "w").close()
-    assert job.wait(120) == 0, job.output()[-3000:]
-    counts = np.bincount(np.clip(got.astype(np.int64), 0, 3), minlength=4)
-    assert counts[1] == total, f"records trained 0/1/2/3+ times: {counts.tolist()}"
-
-
 def test_worker_throttled_mid_shard_has_its_shard_split_every_record_once(start_job, tmp_path):
     # 2 x 40000 records in 4 shards; worker-1 runs at 5% of a core from the start: it
     # still holds its first shard, with seconds of work left, when worker-0 has trained
@@ -166,7 +156,7 @@ def test_worker_throttled_mid_shard_has_its_shard_split_every_record_once(start_
     splits = [e for e in events if e["kind"] == "shard_split"]
     assert splits and all(e["worker"] == "worker-1" and e["to"] == "worker-0" for e in splits), \
         (events, job.output()[-3000:])
-    _every_record_once(job, total, paths)
+    _check_every_record_once(job, total, paths)
 
 
 def _ps_job(start_job, stragglers):
