@@ -920,6 +920,23 @@ class JobMaster:
         return self._run_op(OpKind.RESCALE, lambda cancel: self._replace_op(ps_id, detail, timeout),
                             key="straggler", timeout=timeout + 60)
 
+    def _start_ps(self, total: int, old_ids: list[str], deadline: float) -> list:
+        """Ask the scaler for ``total`` PS and wait for the new ones to register; returns
+        them by rank. On timeout the new PS are forgotten and the count goes back."""
+        want = total - len(old_ids)
+        self.on_main(lambda: self.scaler.apply(ScalePlan(ps=total)))
+        try:
+            fresh = self._wait(lambda: (lambda new: new if len(new) >= want else None)(
+                [m for m in self.live_ps() if m.id not in old_ids]), deadline,
+                f"{want} new PS to register")
+        except OperationRefused:
+            for m in self.live_ps():
+                if m.id not in old_ids:
+                    self.registry.mark(m.id, MemberState.LEFT)
+            self.on_main(lambda: self.scaler.apply(ScalePlan(ps=self._count_keeping("ps", old_ids))))
+            raise
+        return sorted(fresh, key=lambda m: m.rank)[:want]
+
     def _move_slots(self, old, old_ids: list[str], new_ids: list[str]):
         """Place the slots of ``old`` on ``new_ids`` (by measured loads when the PS can
         report them) and migrate them live; raises MigrationError."""
@@ -947,17 +964,7 @@ class JobMaster:
         start, started_at = self.clock(), time.time()
         deadline = start + timeout
         n = len(old_ids)
-        self.on_main(lambda: self.scaler.apply(ScalePlan(ps=n + 1)))
-        try:
-            fresh = self._wait(lambda: [m for m in self.live_ps() if m.id not in old_ids],
-                               deadline, "the replacement PS to register")
-        except OperationRefused:
-            for m in self.live_ps():
-                if m.id not in old_ids:
-                    self.registry.mark(m.id, MemberState.LEFT)
-            self.on_main(lambda: self.scaler.apply(ScalePlan(ps=self._count_keeping("ps", old_ids))))
-            raise
-        new = sorted(fresh, key=lambda m: m.rank)[0]
+        new = self._start_ps(n + 1, old_ids, deadline)[0]
         new_ids = [i for i in old_ids if i != slow] + [new.id]
         try:
             result = self._move_slots(old, old_ids, new_ids)
@@ -1328,18 +1335,7 @@ class JobMaster:
         old = self.routing
         old_ids = list(old.ps_ids)
         if n > len(old_ids):
-            self.on_main(lambda: self.scaler.apply(ScalePlan(ps=n)))
-            try:
-                fresh = self._wait(lambda: (lambda new: new if len(new) >= n - len(old_ids) else None)(
-                    [m for m in self.live_ps() if m.id not in old_ids]), deadline,
-                    f"{n - len(old_ids)} new PS to register")
-            except OperationRefused:
-                for m in self.live_ps():
-                    if m.id not in old_ids:
-                        self.registry.mark(m.id, MemberState.LEFT)
-                self.on_main(lambda: self.scaler.apply(ScalePlan(ps=self._count_keeping("ps", old_ids))))
-                raise
-            joining = sorted(fresh, key=lambda m: m.rank)[: n - len(old_ids)]
+            joining = self._start_ps(n, old_ids, deadline)
             new_ids = old_ids + [m.id for m in joining]
         else:
             # the backend decides who leaves (on Kubernetes the operator deletes the
