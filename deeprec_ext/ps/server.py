@@ -6,6 +6,7 @@ Errors cross the wire as status codes with a message naming the problem.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -101,6 +102,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._counter_lock = threading.Lock()
         self._data_calls = 0  # lookups and pushes in flight (migration yields to them)
         self._data_calls_lock = threading.Lock()
+        self._paced_rounds = 0  # snapshot rounds of migrations running now (one pace budget)
         self._configs: dict[str, ps_pb2.TableConfig] = {}
         # warm start: tables restored from another job's checkpoint, which take the config
         # of this job's first CreateTable (name -> checkpoint it came from)
@@ -147,17 +149,35 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         here as time spent) it sleeps so that the round is busy at most ``share`` of the
         wall time. Yielding only while training calls are in flight is not enough on a
         small machine: between two steps the copy takes every core and the next step
-        waits for the CPU, not for a lock."""
+        waits for the CPU, not for a lock. The share is the PS's, not each stream's: with
+        ``streams()`` paced rounds running at once (a scale-in sends to every remaining PS)
+        each one sleeps that many times longer."""
 
-        def __init__(self, share: float):
+        def __init__(self, share: float, streams=lambda: 1):
             self.share = share
+            self.streams = streams
             self.mark = time.monotonic()
 
         def pace(self) -> None:
             if self.share < 1.0:
                 busy = time.monotonic() - self.mark
-                time.sleep(min(busy * (1.0 - self.share) / self.share, 1.0))
+                wait = busy * (max(self.streams(), 1) - self.share) / self.share
+                time.sleep(min(wait, 1.0))
             self.mark = time.monotonic()
+
+    @contextlib.contextmanager
+    def _paced_round(self, paced: bool):
+        """Counts the paced rounds running at once (``_Pacer`` shares the PS's budget)."""
+        if not paced:
+            yield
+            return
+        with self._data_calls_lock:
+            self._paced_rounds += 1
+        try:
+            yield
+        finally:
+            with self._data_calls_lock:
+                self._paced_rounds -= 1
 
     def _data_call(self, delta: int) -> None:
         with self._data_calls_lock:
@@ -379,7 +399,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         background = not request.send_request_ids  # the last round runs fenced: no yielding
         # only the snapshot round is paced: a paced catch-up round lets more rows change
         # meanwhile, the deltas stop shrinking and the fenced last round grows with them
-        pacer = self._Pacer(self.migration_share if since is None else 1.0)
+        paced = background and since is None and self.migration_share < 1.0
+        pacer = self._Pacer(self.migration_share if paced else 1.0, lambda: self._paced_rounds)
 
         def batches():
             for name, table in sorted(self.store.tables().items()):
@@ -405,7 +426,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 yield ps_pb2.RowBatch(applied_request_ids=self.applied.snapshot())
 
         from deeprec_ext.grpc_util import insecure_channel
-        with insecure_channel(request.dst_address) as ch:
+        with insecure_channel(request.dst_address) as ch, self._paced_round(paced):
             try:
                 # within the caller's deadline: an unreachable destination must not hold
                 # this handler (one of the PS's few threads) after the caller gave up
