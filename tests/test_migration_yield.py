@@ -43,3 +43,15 @@ def test_in_flight_count_is_exact_under_concurrent_calls():
     for t in threads:
         t.join()
     assert svc._data_calls == 0
+
+
+def test_bad_migration_share_is_refused_at_start():
+    import os
+    import subprocess
+    import sys
+    from tests.conftest import ROOT
+    for bad in ("0", "1.5", "-0.2"):
+        r = subprocess.run([sys.executable, "-m", "deeprec_ext.ps", "--migration-share", bad],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert r.returncode == 2 and "--migration-share" in r.stderr and bad in r.stderr, r.stderr
