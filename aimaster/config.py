@@ -249,14 +249,19 @@ class StragglersConfig(_Section):
     replace: StrictBool = Field(True, description=(
         "Slow PS still slow one window after re-placement, or below `replace_below`: "
         "start a new PS, move its slots live, retire it."))
-    replace_below: Number = _num(0.2, "Replace at once a PS whose service rate is below this "
-                                      "x the median (below 1/k).", gt=0)
+    replace_below: Number = _num(0.2, "Replace at once a PS whose service rate (a worker "
+                                      "whose records/s) is below this x the median (below "
+                                      "1/k).", gt=0)
     min_weight: Number = _num(0.1, "Smallest capacity weight re-placement gives a PS.",
                               gt=0, le=1)
     split_shards: StrictBool = Field(True, description=(
         "Slow worker: split its shard at the record it reached and hand the rest to an "
         "idle worker (also: an idle worker while another holds more than one shard's "
         "worth of work)."))
+    replace_workers: StrictBool = Field(True, description=(
+        "Slow worker still slow one window after it was marked, or below `replace_below`: "
+        "start a new worker and retire the slow one at a step boundary (its shards handed "
+        "back at the record it reached). Needs worker.max_replicas above the worker count."))
     hot_slot_share: Number = _num(0.2, "A slot carrying this share of all lookups is "
                                        "reported as hot.", gt=0, le=1)
 

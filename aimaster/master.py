@@ -920,11 +920,16 @@ class JobMaster:
         return self._run_op(OpKind.RESCALE, lambda cancel: self._replace_op(ps_id, detail, timeout),
                             key="straggler", timeout=timeout + 60)
 
-    def _start_ps(self, total: int, old_ids: list[str], deadline: float) -> list:
+    def _start_ps(self, total: int, old_ids: list[str], deadline: float,
+                  replacing: str | None = None) -> list:
         """Ask the scaler for ``total`` PS and wait for the new ones to register; returns
-        them by rank. On timeout the new PS are forgotten and the count goes back."""
+        them by rank. On timeout the new PS are forgotten and the count goes back.
+        ``replacing``: the slow PS the new one replaces (kept off its machine)."""
         want = total - len(old_ids)
-        self.on_main(lambda: self.scaler.apply(ScalePlan(ps=total)))
+        if replacing is None:
+            self.on_main(lambda: self.scaler.apply(ScalePlan(ps=total)))
+        else:
+            self.on_main(lambda: self.scaler.start_replacement("ps", replacing, total))
         try:
             fresh = self._wait(lambda: (lambda new: new if len(new) >= want else None)(
                 [m for m in self.live_ps() if m.id not in old_ids]), deadline,
@@ -964,7 +969,7 @@ class JobMaster:
         start, started_at = self.clock(), time.time()
         deadline = start + timeout
         n = len(old_ids)
-        new = self._start_ps(n + 1, old_ids, deadline)[0]
+        new = self._start_ps(n + 1, old_ids, deadline, replacing=slow)[0]
         new_ids = [i for i in old_ids if i != slow] + [new.id]
         try:
             result = self._move_slots(old, old_ids, new_ids)
@@ -978,6 +983,73 @@ class JobMaster:
                  "moved_slots": result.moved_slots, "moved_rows": result.moved_rows,
                  "moved_bytes": result.moved_bytes, "fence_ms": round(result.fence_ms, 3),
                  "epoch": result.routing.epoch, **detail}
+        event["duration_ms"] = round((self.clock() - start) * 1000, 3)
+        return self._record(event, started_at)
+
+    def replace_worker(self, worker_id: str, detail: dict, timeout: float = 600.0) -> dict:
+        """Start a new worker, then retire ``worker_id`` at its next step boundary: it hands
+        its shards back at the record it reached (the new or another idle worker trains
+        the rest) and exits. A slow worker's replacement, queued as an operation; returns
+        the event (kind ``straggler_replace``, ``role: worker``)."""
+        self._require_running()
+        return self._run_op(OpKind.RESCALE,
+                            lambda cancel: self._replace_worker_op(worker_id, detail, timeout),
+                            key="straggler", timeout=timeout + 60)
+
+    def _replace_worker_op(self, slow: str, detail: dict, timeout: float) -> dict:
+        self._require_running()
+        cfg = self.config
+        live = sorted(self.live_workers(), key=lambda w: w.rank)
+        if slow not in {w.id for w in live}:
+            raise OperationRefused(f"{slow} is not a live worker")
+        if self.shards is not None and self.shards.finished():
+            raise OperationRefused("every shard is done: nothing left to hand over")
+        if not getattr(self.scaler, "retires_chosen", False):
+            raise OperationRefused("this scaler cannot retire one chosen worker; the slow "
+                                   "worker's shards are still split for idle workers")
+        n = len(live)
+        if n + 1 > cfg.worker.max_replicas:
+            raise OperationRefused(f"a replacement needs {n + 1} workers for a moment, above "
+                                   f"worker.max_replicas ({cfg.worker.max_replicas})")
+        start, started_at = self.clock(), time.time()
+        deadline = start + timeout
+        before = {w.id for w in live}
+        started = self.on_main(lambda: self.scaler.start_replacement("worker", slow, n + 1))
+        try:
+            new = self._wait(lambda: next((w for w in self.live_workers()
+                                           if w.id not in before), None),
+                             deadline, "the new worker to register")
+        except OperationRefused:
+            for node_id in started.started:  # never a worker that was there before
+                self.registry.mark(node_id, MemberState.LEFT)
+                with self._lock:
+                    self._leaving.add(node_id)
+                self.on_main(lambda i=node_id: self.scaler.kill(i, signal.SIGTERM))
+            raise
+        # the slow worker is told to leave with its next heartbeat: it finishes the step
+        # in flight, hands its shards back at the record it reached, deregisters and exits
+        with self._lock:
+            self._leaving.add(slow)
+        self.record_event("workers_leaving", ids=[slow])
+        held_before = sorted(s for s, w in (self.shards.doing() if self.shards else {}).items()
+                             if w == slow)
+
+        def gone():
+            nodes = {x.id: x for x in self.scaler.nodes()}
+            return slow not in nodes or nodes[slow].state != NodeState.RUNNING
+        clean = True
+        try:
+            self._wait(gone, min(deadline, self.clock() + cfg.grace_seconds),
+                       f"{slow} to leave")
+        except OperationRefused:
+            clean = False
+            log.warning("%s did not leave in time; stopping it", slow)
+        if self.registry.mark(slow, MemberState.LEFT) is not None and self.shards:
+            # it did not leave cleanly: its shards go back from their last recorded position
+            self.shards.give_back(slow)
+        self.on_main(lambda: self.scaler.kill(slow, signal.SIGTERM))
+        event = {"kind": "straggler_replace", "role": "worker", "slow": slow, "new": new.id,
+                 "shards": held_before, "left_cleanly": clean, **detail}
         event["duration_ms"] = round((self.clock() - start) * 1000, 3)
         return self._record(event, started_at)
 

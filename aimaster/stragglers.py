@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from aimaster.errors import OperationRefused
+from aimaster.errors import Busy, OperationRefused
 from aimaster.placement import capacity_weights
 from aimaster.plugins import MasterPlugin
 from aimaster.view import JobPhase
@@ -360,13 +360,17 @@ class StragglerPlugin(MasterPlugin):
             if action == "rebalance":
                 event = master.straggler_rebalance(weights, {"slow": ps})
                 self._reweighted[ps] = time.monotonic()  # the next window starts now
+            elif action == "replace_worker":
+                event = master.replace_worker(ps, dict(detail))
+                # nor is its replacement replaced in turn: slow too, it points at the host
+                self._replaced.add(event.get("new", ""))
             else:
                 event = master.replace_ps(ps, {"reason": detail.get("reason", "")})
             ok = True
         except OperationRefused as exc:
             event, ok = {"reason": str(exc)}, False
-            if action == "replace":
-                self._replaced.discard(ps)
+            if action == "replace" or (action == "replace_worker" and isinstance(exc, Busy)):
+                self._replaced.discard(ps)  # a worker's refusal for good is told once
             master.straggler_event("straggler_refused", action=action, id=ps, reason=str(exc))
         except Exception as exc:  # noqa: BLE001 - reported, the detector goes on
             log.exception("stragglers: %s of %s failed", action, ps)
@@ -430,6 +434,26 @@ class StragglerPlugin(MasterPlugin):
             elif change == "cleared":
                 master.straggler_event("straggler_cleared", role="worker", id=w, **detail)
                 self._details.pop(w, None)
+            if bad and w in self.worker_marks.marked:
+                self._act_on_worker(master, w, now, detail)
+
+    def _act_on_worker(self, master, w: str, now: float, detail: dict) -> None:
+        """A marked worker is replaced when its records/s is below ``replace_below`` x the
+        median, or when it is still slow a window after it was marked (a split of its
+        shard, at the tail, did not make up for it). Each worker id at most once: a
+        replacement that is slow too points at the host, not the worker."""
+        if (not self.cfg.replace_workers or self.cfg.dry_run or w in self._replaced
+                or (self._actor is not None and self._actor.is_alive())):
+            return
+        ratio = float(detail.get("ratio", 1.0))
+        if ratio < self.cfg.replace_below:
+            why = "below replace_below"
+        elif now - self.worker_marks.marked[w] >= self.cfg.window_seconds:
+            why = "still slow a window after detection"
+        else:
+            return
+        self._replaced.add(w)
+        self._start(master, "replace_worker", w, {"reason": why, "ratio": ratio})
 
     def _steal(self, master) -> None:
         """An idle worker while another holds a shard: ask the holder to split it (the

@@ -136,6 +136,9 @@ class JobView:
     def replace_ps(self, ps_id: str, detail: dict, timeout: float = 600.0) -> dict:
         return self._m.replace_ps(ps_id, detail, timeout)
 
+    def replace_worker(self, worker_id: str, detail: dict, timeout: float = 600.0) -> dict:
+        return self._m.replace_worker(worker_id, detail, timeout)
+
     def slot_stats(self):
         """(bytes, lookups) per slot of the current routing, or None."""
         routing = self._m.routing

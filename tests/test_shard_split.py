@@ -48,13 +48,13 @@ class _Worker:
 
 @pytest.mark.parametrize("kind", ["text", "tfrecord"])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_splits_returns_and_restarts_train_every_record_once(tmp_path, kind, seed):
+def test_random_splits_returns_replacements_and_restarts_train_every_record_once(tmp_path, kind, seed):
     path, expected = (_text_file if kind == "text" else _tfrecord_file)(tmp_path)
     rng = random.Random(seed)
     q = ShardQueue(make_shards([path], rng.choice([300, 1000, 4000])))
     workers = [_Worker(f"w{i}") for i in range(3)]
     trained: list[bytes] = []
-    splits = 0
+    splits = replaced = 0
     for _ in range(100000):
         if q.finished():
             break
@@ -77,6 +77,12 @@ def test_random_splits_returns_and_restarts_train_every_record_once(tmp_path, ki
         elif r < 0.83:                                   # it leaves cleanly
             q.give_back(w.id, None, {w.shard.shard_id: w.position()})
             w.shard = None
+        elif r < 0.845:                                  # it is replaced (a straggler): a
+            replaced += 1                                # new worker joins, the slow one
+            workers.append(_Worker(f"new{replaced}"))     # hands back at the
+            q.give_back(w.id, None, {w.shard.shard_id: w.position()})  # record reached
+            workers.remove(w)                            # and never comes back
+            continue
         elif r < 0.85:                                   # the AIMaster's state is saved
             for x in workers:                            # and loaded again, with the workers'
                 if x.shard is not None:                  # positions handed back first
@@ -88,7 +94,7 @@ def test_random_splits_returns_and_restarts_train_every_record_once(tmp_path, ki
             assert q.complete(w.id, [w.shard.shard_id]) == [w.shard.shard_id]
             w.shard = None
     assert q.finished()
-    assert splits > 0
+    assert splits > 0 and replaced > 0
     assert sorted(trained) == sorted(expected) and len(trained) == len(expected)
     assert q.records_done() == q.total_records()
 

@@ -139,11 +139,11 @@ def test_worker_throttled_mid_shard_has_its_shard_split_every_record_once(start_
     # 2 x 40000 records in 4 shards; worker-1 runs at 5% of a core from the start: it
     # still holds its first shard, with seconds of work left, when worker-0 has trained
     # the other three. Pushes, not sleeps, pace the workers (a stopped process's
-    # sleep runs out while it is stopped)
+    # sleep runs out while it is stopped). No replacement: the split alone is tested
     paths, total = _records(tmp_path, 2, 40000)
     job = _counting_job(start_job, paths, {"enabled": True, "window_seconds": 2,
                                            "interval_seconds": 0.5, "k": 2,
-                                           "replace_below": 0.1},
+                                           "replace_below": 0.1, "replace_workers": False},
                         bytes_per_shard=120000, delay="0.004")
     slow = Throttle(wait_for(lambda: next((m["pid"] for m in job.state()["members"]
                                            if m["id"] == "worker-1"), None), 60, "worker-1"),
@@ -157,6 +157,60 @@ def test_worker_throttled_mid_shard_has_its_shard_split_every_record_once(start_
     assert splits and all(e["worker"] == "worker-1" and e["to"] == "worker-0" for e in splits), \
         (events, job.output()[-3000:])
     _check_every_record_once(job, total, paths)
+
+
+def test_a_worker_slow_from_the_start_is_replaced_every_record_once(start_job, tmp_path):
+    # worker-1 at 5% of a core from its start: marked after a window, replaced at once
+    # (below replace_below); it leaves at a step boundary handing its shard back at the
+    # record it reached, and a new worker (worker-2) trains on. Splits stay on: the
+    # counting covers both
+    paths, total = _records(tmp_path, 2, 40000)
+    job = _counting_job(start_job, paths, {"enabled": True, "window_seconds": 2,
+                                           "interval_seconds": 0.5, "k": 2,
+                                           "replace_below": 0.4},
+                        bytes_per_shard=60000, delay="0.004")
+    pid = wait_for(lambda: next((m["pid"] for m in job.state()["members"]
+                                 if m["id"] == "worker-1"), None), 60, "worker-1")
+    slow = Throttle(pid, share=0.05, period=0.1).start()
+    try:
+        rep = wait_for(lambda: [e for e in _kinds(job, "straggler_replace")
+                                if e.get("role") == "worker"], 90, "the replacement")[0]
+        wait_for(lambda: _all_done(job), 120, "every shard DONE")
+    finally:
+        slow.stop()
+    assert rep["slow"] == "worker-1" and rep["new"] == "worker-2", rep
+    assert rep["left_cleanly"] is True and rep["reason"] == "below replace_below", rep
+    events = job.state()["events"]
+    detected = [e for e in events if e["kind"] == "straggler_detected"]
+    assert [(e["role"], e["id"]) for e in detected] == [("worker", "worker-1")], detected
+    # it handed its shard back where it stopped: the rest was trained by the others
+    back = [e for e in events if e["kind"] == "shards_returned" and e["worker"] == "worker-1"]
+    assert back and back[0]["shards"] == rep["shards"] and back[0]["progress"][0] > 0, \
+        (back, rep)
+    assert any(e["kind"] == "register" and e["id"] == "worker-2" for e in events)
+    assert not any(e["kind"] in ("worker_restart", "worker_replaced") for e in events)
+    _check_every_record_once(job, total, paths)
+    members = {m["id"]: m["state"] for m in job.state()["members"]}
+    assert members["worker-1"] == "left", members
+
+
+def test_with_replace_workers_off_a_slow_worker_is_marked_not_replaced(start_job, tmp_path):
+    # the off switch of the replacement alone: the worker is marked, nothing else happens
+    paths, total = _records(tmp_path, 2, 20000)
+    job = _counting_job(start_job, paths, {"enabled": True, "window_seconds": 2,
+                                           "interval_seconds": 0.5, "k": 2,
+                                           "replace_below": 0.4, "replace_workers": False,
+                                           "split_shards": False},
+                        bytes_per_shard=60000, delay="0.004")
+    pid = wait_for(lambda: next((m["pid"] for m in job.state()["members"]
+                                 if m["id"] == "worker-1"), None), 60, "worker-1")
+    with Throttle(pid, share=0.05, period=0.1).start() as _:
+        wait_for(lambda: _kinds(job, "straggler_detected"), 60, "the detection")
+        time.sleep(4)  # two windows: a replacement would have started
+        assert not _kinds(job, "straggler_replace", "straggler_refused", "workers_leaving")
+    wait_for(lambda: _all_done(job), 120, "every shard DONE")
+    _check_every_record_once(job, total, paths)
+    job.stop()
 
 
 def _ps_job(start_job, stragglers):

@@ -63,6 +63,13 @@ class Scaler(abc.ABC):
         node that is not live). A caller that scales in drains exactly these nodes (a PS's
         slots migrated away, a worker's shards handed back) before it calls ``apply``."""
 
+    def start_replacement(self, role: str, slow_id: str, count: int) -> ScaleResult:
+        """Raise ``role`` to ``count`` nodes to replace the slow ``slow_id`` (a straggler):
+        the new node should not share the slow one's machine. Here: a plain scale-out
+        (the local scaler has one machine); on Kubernetes the new pod is kept off the slow
+        pod's node."""
+        return self.apply(ScalePlan(ps=count) if role == "ps" else ScalePlan(workers=count))
+
     @abc.abstractmethod
     def nodes(self) -> list[NodeInfo]:
         """Every node this scaler manages, live or exited."""
