@@ -259,9 +259,10 @@ class StragglersConfig(_Section):
         "idle worker (also: an idle worker while another holds more than one shard's "
         "worth of work)."))
     replace_workers: StrictBool = Field(True, description=(
-        "Slow worker still slow one window after it was marked, or below `replace_below`: "
-        "start a new worker and retire the slow one at a step boundary (its shards handed "
-        "back at the record it reached). Needs worker.max_replicas above the worker count."))
+        "Slow worker (marked while data is left to hand out, below `replace_below`, or "
+        "still slow one window after it was marked): start a new worker and retire the "
+        "slow one at a step boundary (its shards handed back at the record it reached). "
+        "Needs worker.max_replicas above the worker count."))
     hot_slot_share: Number = _num(0.2, "A slot carrying this share of all lookups is "
                                        "reported as hot.", gt=0, le=1)
 

@@ -962,14 +962,16 @@ class JobMaster:
             raise Busy("a PS died and its recovery is in progress; replace after it")
         if slow not in old_ids:
             raise OperationRefused(f"{slow} owns no slots")
-        if not getattr(self.scaler, "retires_chosen", False):
-            # on Kubernetes the operator picks who leaves a scale-in (the highest index)
-            raise OperationRefused("this scaler cannot retire one chosen PS; the slow PS "
-                                   "keeps its re-placed share")
+        refusal = self.scaler.retire_refusal(slow)
+        if refusal:
+            raise OperationRefused(f"{slow} cannot be retired ({refusal}); it keeps its "
+                                   "re-placed share")
         start, started_at = self.clock(), time.time()
         deadline = start + timeout
         n = len(old_ids)
-        new = self._start_ps(n + 1, old_ids, deadline, replacing=slow)[0]
+        # a replacement the cluster cannot place (Pending) must not hold the queue long
+        new = self._start_ps(n + 1, old_ids, min(deadline, start + self.config.ps_start_timeout),
+                             replacing=slow)[0]
         new_ids = [i for i in old_ids if i != slow] + [new.id]
         try:
             result = self._move_slots(old, old_ids, new_ids)
@@ -977,8 +979,8 @@ class JobMaster:
             self.registry.mark(new.id, MemberState.LEFT)
             self.scaler.kill(new.id, signal.SIGTERM)
             raise OperationRefused(str(exc)) from exc
-        self.registry.mark(slow, MemberState.LEFT)
-        self.scaler.kill(slow, signal.SIGTERM)  # it owns nothing now: it just exits
+        self.registry.mark(slow, MemberState.LEFT)  # told to stop with its next heartbeat
+        self.on_main(lambda: self.scaler.retire(slow))  # it owns nothing now: it just exits
         event = {"kind": "straggler_replace", "slow": slow, "new": new.id,
                  "moved_slots": result.moved_slots, "moved_rows": result.moved_rows,
                  "moved_bytes": result.moved_bytes, "fence_ms": round(result.fence_ms, 3),
@@ -1004,9 +1006,10 @@ class JobMaster:
             raise OperationRefused(f"{slow} is not a live worker")
         if self.shards is not None and self.shards.finished():
             raise OperationRefused("every shard is done: nothing left to hand over")
-        if not getattr(self.scaler, "retires_chosen", False):
-            raise OperationRefused("this scaler cannot retire one chosen worker; the slow "
-                                   "worker's shards are still split for idle workers")
+        refusal = self.scaler.retire_refusal(slow)
+        if refusal:
+            raise OperationRefused(f"{slow} cannot be retired ({refusal}); its shards are "
+                                   "still split for idle workers")
         n = len(live)
         if n + 1 > cfg.worker.max_replicas:
             raise OperationRefused(f"a replacement needs {n + 1} workers for a moment, above "
@@ -1018,13 +1021,14 @@ class JobMaster:
         try:
             new = self._wait(lambda: next((w for w in self.live_workers()
                                            if w.id not in before), None),
-                             deadline, "the new worker to register")
+                             min(deadline, start + cfg.ps_start_timeout),
+                             "the new worker to register")
         except OperationRefused:
-            for node_id in started.started:  # never a worker that was there before
+            # the count goes back (on Kubernetes the operator deletes the Pending pod)
+            for node_id in started.started:
                 self.registry.mark(node_id, MemberState.LEFT)
-                with self._lock:
-                    self._leaving.add(node_id)
-                self.on_main(lambda i=node_id: self.scaler.kill(i, signal.SIGTERM))
+            self.on_main(lambda: self.scaler.apply(ScalePlan(
+                workers=self._count_keeping("worker", sorted(before)))))
             raise
         # the slow worker is told to leave with its next heartbeat: it finishes the step
         # in flight, hands its shards back at the record it reached, deregisters and exits
@@ -1047,7 +1051,10 @@ class JobMaster:
         if self.registry.mark(slow, MemberState.LEFT) is not None and self.shards:
             # it did not leave cleanly: its shards go back from their last recorded position
             self.shards.give_back(slow)
-        self.on_main(lambda: self.scaler.kill(slow, signal.SIGTERM))
+        if clean:
+            self.on_main(lambda: self.scaler.retire(slow))
+        else:  # hung: stopped for good (on Kubernetes its pod is deleted; a fresh one joins)
+            self.on_main(lambda: self.scaler.kill(slow))
         event = {"kind": "straggler_replace", "role": "worker", "slow": slow, "new": new.id,
                  "shards": held_before, "left_cleanly": clean, **detail}
         event["duration_ms"] = round((self.clock() - start) * 1000, 3)

@@ -438,16 +438,19 @@ class StragglerPlugin(MasterPlugin):
                 self._act_on_worker(master, w, now, detail)
 
     def _act_on_worker(self, master, w: str, now: float, detail: dict) -> None:
-        """A marked worker is replaced when its records/s is below ``replace_below`` x the
-        median, or when it is still slow a window after it was marked (a split of its
-        shard, at the tail, did not make up for it). Each worker id at most once: a
-        replacement that is slow too points at the host, not the worker."""
+        """A marked worker is replaced at once while data is left in TODO (no split can
+        help then: splits only serve an idle worker at the tail) or when its records/s is
+        below ``replace_below`` x the median; at the tail, when it is still slow a window
+        after it was marked (a split of its shard did not make up for it). Each worker id
+        at most once: a replacement that is slow too points at the host, not the worker."""
         if (not self.cfg.replace_workers or self.cfg.dry_run or w in self._replaced
                 or (self._actor is not None and self._actor.is_alive())):
             return
         ratio = float(detail.get("ratio", 1.0))
         if ratio < self.cfg.replace_below:
             why = "below replace_below"
+        elif master.shard_counts()["todo"]:
+            why = "slow with data left to hand out"
         elif now - self.worker_marks.marked[w] >= self.cfg.window_seconds:
             why = "still slow a window after detection"
         else:

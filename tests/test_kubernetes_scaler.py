@@ -51,6 +51,7 @@ class FakeKubeAPI:
 
     def __init__(self, ps: int = 2, workers: int = 1, operator: bool = False):
         self.operator = operator
+        self.nodes = ["node-a", "node-b", "node-c"]  # where the fake scheduler puts new pods
         self.timeline: list[tuple] = []        # ("patch", body) / ("deleted", member), in order
         self.on_operator_delete = None        # called with the member just before its pod goes
         self.requests: list[dict] = []
@@ -163,8 +164,11 @@ class FakeKubeAPI:
             self.cond.notify_all()
 
     def put_pod(self, rtype: str, index: int, state: dict | None = None, phase: str = "Running",
-                restarts: int = 0, uid: str | None = None, reason: str | None = None) -> dict:
+                restarts: int = 0, uid: str | None = None, reason: str | None = None,
+                node: str | None = None) -> dict:
         name = f"{JOB}-{rtype}-{index}"
+        if node is None and name in self.pods:  # a status change keeps the pod's node
+            node = (self.pods[name].get("spec") or {}).get("nodeName")
         kind = "MODIFIED" if name in self.pods else "ADDED"
         status = {"phase": phase, "containerStatuses": [{
             "name": "tensorflow", "restartCount": restarts, "ready": True, "image": "img",
@@ -177,6 +181,8 @@ class FakeKubeAPI:
                                        "training.kubeflow.org/replica-type": rtype,
                                        "training.kubeflow.org/replica-index": str(index)}},
                "status": status}
+        if node:  # scheduled
+            pod["spec"] = {"nodeName": node, "containers": [{"name": "tensorflow", "image": "img"}]}
         with self.cond:
             self.pods[name] = pod
         self._event(kind, pod)
@@ -204,7 +210,30 @@ class FakeKubeAPI:
                     self._operator_delete(rt, index, have[index])
             for index in range(n):
                 if index not in have:
-                    self.put_pod(rt, index, uid=f"uid-{JOB}-{rt}-{index}-{next(self.rv)}")
+                    node = self.schedule(spec.get("template") or {})
+                    if node is None:  # unschedulable: Pending, no container ran
+                        self.put_pod(rt, index, uid=f"uid-{JOB}-{rt}-{index}-{next(self.rv)}",
+                                     state={"waiting": {"reason": "Unschedulable"}},
+                                     phase="Pending")
+                    else:
+                        self.put_pod(rt, index, uid=f"uid-{JOB}-{rt}-{index}-{next(self.rv)}",
+                                     node=node)
+
+    def schedule(self, template: dict) -> str | None:
+        """The scheduler's filter for what the scaler sets: the first of ``nodes`` that
+        satisfies the template's required node affinity (terms ORed; ``In``/``NotIn``
+        expressions on the hostname ANDed), or None."""
+        required = ((((template.get("spec") or {}).get("affinity") or {}).get("nodeAffinity")
+                     or {}).get("requiredDuringSchedulingIgnoredDuringExecution") or {})
+        terms = required.get("nodeSelectorTerms")
+
+        def fits(node, term):
+            for e in term.get("matchExpressions") or []:
+                assert e["key"] == "kubernetes.io/hostname", e
+                if (e["operator"] == "NotIn") == (node in e["values"]):
+                    return False
+            return True
+        return next((n for n in self.nodes if not terms or any(fits(n, t) for t in terms)), None)
 
     def _operator_delete(self, rt: str, index: int, name: str) -> None:
         member = naming.member_id(rt, index)
@@ -635,3 +664,92 @@ def test_local_scaler_leavers_are_the_live_nodes_it_stops(tmp_path):
     finally:
         s.shutdown(timeout=5)
     assert all(n.state != NodeState.RUNNING for n in s.nodes())
+
+
+# -- a straggler's replacement: the new pod avoids the slow pod's node ---------------------------
+def test_avoiding_adds_a_not_in_to_every_term_and_keeps_the_users_affinity():
+    from aimaster.scaler.kubernetes import _avoiding
+    assert _avoiding(None, "n1") == {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["n1"]}]}]}}}
+    user = {"podAntiAffinity": {"x": 1}, "nodeAffinity": {
+        "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 1}],
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["gpu"]}]},
+            {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn",
+                                   "values": ["n0"]}]}]}}}
+    out = _avoiding(user, "n1")
+    assert out["podAntiAffinity"] == {"x": 1}
+    assert out["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"] == [{"weight": 1}]
+    terms = out["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms[0]["matchExpressions"] == [
+        {"key": "pool", "operator": "In", "values": ["gpu"]},
+        {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["n1"]}]
+    assert terms[1]["matchExpressions"] == [
+        {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["n0", "n1"]}]
+    assert _avoiding(out, "n1") == out                  # once per node
+    assert "nodeAffinity" not in user["podAntiAffinity"] and len(user["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
+        "matchExpressions"]) == 1                         # the input is not changed
+
+
+def test_a_replacement_pod_avoids_the_slow_node_and_the_slow_member_retires_in_place():
+    api = FakeKubeAPI(ps=2, workers=1, operator=True)
+    api.put_pod("chief", 0, node="node-a")
+    api.put_pod("ps", 0, node="node-b")
+    api.put_pod("ps", 1, node="node-a")          # the slow PS
+    api.put_pod("worker", 0, node="node-b")      # worker-1, slow too (later)
+    api.tfjob["spec"]["tfReplicaSpecs"]["PS"]["template"] = {"spec": {"containers": [{"name": "tensorflow"}]}}
+    s = _scaler(api)
+    try:
+        s.apply(ScalePlan(ps=2, workers=2))
+        assert s.start_replacement("ps", "ps-1", 3).started == ("ps-2",)
+        # one patch: the count and the template's required node affinity together (the
+        # operator creates the pod from it); the user's template is kept
+        patch = api.mutations()[0][2]["spec"]["tfReplicaSpecs"]["PS"]
+        assert patch["replicas"] == 3
+        assert patch["template"]["spec"]["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"] == [
+            {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn",
+                                   "values": ["node-a"]}]}]
+        assert api.tfjob["spec"]["tfReplicaSpecs"]["PS"]["template"]["spec"]["containers"] == [
+            {"name": "tensorflow"}]
+        assert api.pods[f"{JOB}-ps-2"]["spec"]["nodeName"] == "node-b"   # not node-a
+        _wait(lambda: "ps-2" in _running(s))
+
+        # the slow PS owns nothing now and was told to stop: retired in place, no delete
+        # (the operator would re-create a missing index), its pod completes
+        n = len(api.mutations())
+        assert s.retire_refusal("ps-1") is None and "Chief" in s.retire_refusal("worker-0")
+        s.retire("ps-1")
+        assert len(api.mutations()) == n
+        api.put_pod("ps", 1, state={"terminated": {"exitCode": 0, "reason": "Completed"}},
+                    phase="Succeeded")
+        assert [(e.id, e.state) for e in _wait(s.poll_exits)] == [("ps-1", NodeState.STOPPED)]
+        assert f"{JOB}-ps-1" in api.pods                 # the operator left it completed
+        # two PS run: the count keeps the retired index; a scale-out adds after it, a
+        # scale-in removes the highest indices (the retired one's pod goes with its index)
+        assert s.apply(ScalePlan(ps=2)).stopped == () and len(api.mutations()) == n
+        assert s.leavers("ps", 1) == ["ps-1", "ps-2"]     # the completed pod goes too
+        assert s.apply(ScalePlan(ps=3)).started == ("ps-3",)
+        assert api.tfjob["spec"]["tfReplicaSpecs"]["PS"]["replicas"] == 4
+        assert api.pods[f"{JOB}-ps-3"]["spec"]["nodeName"] == "node-b"   # node-a still avoided
+        assert s.apply(ScalePlan(ps=1)).stopped == ("ps-1", "ps-2", "ps-3")
+        assert sorted(p for p in api.pods if "-ps-" in p) == [f"{JOB}-ps-0"]
+        assert s.apply(ScalePlan(ps=2)).started == ("ps-1",)   # index 1 is an ordinary one again
+
+        # a worker: the Worker template avoids its node (node-b): only node-a and node-c are left
+        assert s.start_replacement("worker", "worker-1", 3).started == ("worker-2",)
+        assert api.pods[f"{JOB}-worker-1"]["spec"]["nodeName"] == "node-a"
+        _wait(lambda: "worker-2" in _running(s))          # the scaler saw where it runs
+        api.nodes = ["node-b"]                            # only the slow node has room
+        assert s.start_replacement("worker", "worker-2", 4).started == ("worker-3",)
+        pending = api.pods[f"{JOB}-worker-2"]
+        assert pending["status"]["phase"] == "Pending" and "spec" not in pending  # no node
+        worker_terms = api.tfjob["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"][
+            "affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert worker_terms["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == [
+            "node-b", "node-a"]
+    finally:
+        s.shutdown()
+        api.close()

@@ -108,11 +108,11 @@ def _records(tmp_path, files, per_file):
 
 
 def _counting_job(start_job, paths, stragglers, ps=1, workers=2, bytes_per_shard=20000,
-                  delay="0.02"):
+                  delay="0.02", max_workers=4):
     job = start_job({
         "name": "strag",
         "ps": {"replicas": ps, "max_replicas": 4},
-        "worker": {"replicas": workers, "max_replicas": 4,
+        "worker": {"replicas": workers, "max_replicas": max_workers,
                    "command": ["{python}", str(ROOT / "tests" / "counting_worker.py")],
                    "env": {"COUNTING_DELAY": delay, "PYTHONPATH": str(ROOT),
                            "COUNTING_HOLD_FILE": str(paths[0]) + ".release"}},
@@ -194,22 +194,34 @@ def test_a_worker_slow_from_the_start_is_replaced_every_record_once(start_job, t
     assert members["worker-1"] == "left", members
 
 
-def test_with_replace_workers_off_a_slow_worker_is_marked_not_replaced(start_job, tmp_path):
-    # the off switch of the replacement alone: the worker is marked, nothing else happens
+@pytest.mark.parametrize("off", ["replace_workers", "max_replicas"])
+def test_with_replace_workers_off_or_no_room_a_slow_worker_is_not_replaced(start_job, tmp_path,
+                                                                           off):
+    # the off switch of the replacement alone: the worker is marked, nothing else happens;
+    # no room above worker.max_replicas: refused once, naming the key
     paths, total = _records(tmp_path, 2, 20000)
     job = _counting_job(start_job, paths, {"enabled": True, "window_seconds": 2,
                                            "interval_seconds": 0.5, "k": 2,
-                                           "replace_below": 0.4, "replace_workers": False,
-                                           "split_shards": False},
-                        bytes_per_shard=60000, delay="0.004")
+                                           "replace_below": 0.4, "split_shards": False,
+                                           "replace_workers": off != "replace_workers"},
+                        bytes_per_shard=60000, delay="0.004",
+                        max_workers=2 if off == "max_replicas" else 4)
     pid = wait_for(lambda: next((m["pid"] for m in job.state()["members"]
                                  if m["id"] == "worker-1"), None), 60, "worker-1")
     with Throttle(pid, share=0.05, period=0.1).start() as _:
         wait_for(lambda: _kinds(job, "straggler_detected"), 60, "the detection")
         time.sleep(4)  # two windows: a replacement would have started
-        assert not _kinds(job, "straggler_replace", "straggler_refused", "workers_leaving")
+        assert not _kinds(job, "straggler_replace", "workers_leaving")
+        refused = _kinds(job, "straggler_refused")
+        if off == "replace_workers":
+            assert not refused
+        else:
+            assert len(refused) == 1 and "worker.max_replicas (2)" in refused[0]["reason"], \
+                refused
     wait_for(lambda: _all_done(job), 120, "every shard DONE")
     _check_every_record_once(job, total, paths)
+    assert len([e for e in job.state()["events"] if e["kind"] == "register"
+                and e["role"] == "worker"]) == 2
     job.stop()
 
 

@@ -47,6 +47,18 @@ class ScalerError(RuntimeError):
 
 
 class Scaler(abc.ABC):
+    retires_chosen = False  # ``retire`` can let one chosen node go (a straggler's replacement)
+
+    def retire_refusal(self, node_id: str) -> str | None:
+        """Why ``retire(node_id)`` cannot be done here (None: it can): asked before a
+        replacement starts anything."""
+        return None if self.retires_chosen else "this backend cannot retire one chosen node"
+
+    def retire(self, node_id: str) -> None:
+        """Let ``node_id`` go (it owns nothing any more and was told to stop), keeping the
+        others: a replaced straggler. Only where ``retires_chosen``."""
+        raise ScalerError(f"this backend cannot retire one chosen node ({node_id})")
+
     @abc.abstractmethod
     def apply(self, plan: ScalePlan) -> ScaleResult:
         """Start or stop nodes until each role has the planned count."""

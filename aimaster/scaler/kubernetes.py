@@ -13,6 +13,17 @@ The only module that imports the ``kubernetes`` client (tests/test_layering.py c
   every leaver before it sends the patch, and a leaver that still owns slots or shards makes
   it refuse (``ScalerError``, nothing changed). After the patch the scaler deletes the
   leavers' pods too (a no-op when the operator was first).
+- **Replace a straggler.** ``start_replacement`` raises the count and, in the same patch,
+  adds to the replica type's pod template a *required* node affinity ``NotIn`` the slow
+  pod's node: the new pod (and any later pod of the type) is never scheduled there. Required,
+  not preferred: a preferred term is only a score, and the scheduler may well put the new
+  pod back on the slow node (it has room: the slow pod is leaving), which would make the
+  replacement pointless. A cluster with no other node that fits leaves the pod Pending; the
+  AIMaster's wait for it to register times out and the count goes back (nothing moved).
+  ``retire`` lets one chosen member go without lowering the count: the member, told to stop
+  with its next heartbeat, exits 0 and its pod completes; the operator re-creates neither a
+  completed PS (restartPolicy ExitCode) nor a completed worker (OnFailure). The retired index
+  stays counted in ``replicas`` (``_want`` adds it back), until a scale-in removes it.
 - **Observe.** A pod watch turns a container exit, a failed (evicted) pod or a deleted pod
   into a node exit at once, instead of after the member's lease runs out.
 - **Where.** Namespace and TFJob name come from the pod's environment (downward API, set by
@@ -104,7 +115,35 @@ def _container_state(pod: dict) -> tuple[NodeState, int | None, int]:
     return NodeState.PENDING, None, restarts
 
 
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+_TYPE = {"ps": "PS", "worker": "Worker"}
+
+
+def _avoiding(affinity: dict | None, node: str) -> dict:
+    """``affinity`` (a pod template's) with a required node affinity keeping pods off
+    ``node``: a ``NotIn`` on the hostname added to every node selector term (terms are
+    ORed, a term's expressions ANDed), the rest of the user's affinity kept."""
+    out = json.loads(json.dumps(affinity or {}))
+    required = out.setdefault("nodeAffinity", {}).setdefault(
+        "requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.get("nodeSelectorTerms") or [{}]
+    for term in terms:
+        exprs = term.setdefault("matchExpressions", [])
+        mine = next((e for e in exprs if e.get("key") == HOSTNAME_LABEL
+                     and e.get("operator") == "NotIn"), None)
+        if mine is None:
+            exprs.append({"key": HOSTNAME_LABEL, "operator": "NotIn", "values": [node]})
+        elif node not in mine.setdefault("values", []):
+            mine["values"].append(node)
+    required["nodeSelectorTerms"] = terms
+    return out
+
+
 class KubernetesScaler(Scaler):
+    # retire(node) lets exactly that member go: it exits and its pod completes (the count
+    # keeps its index); a straggler's replacement
+    retires_chosen = True
+
     def __init__(self, config: JobConfig, master_address: str = "", namespace: str | None = None,
                  job_name: str | None = None, api_client: "client.ApiClient | None" = None,
                  drain: Callable[[list[str]], None] | None = None,
@@ -135,6 +174,7 @@ class KubernetesScaler(Scaler):
         self._nodes: dict[str, _Node] = {}
         self._pods: dict[str, dict] = {}   # member id -> last seen pod
         self._adopted = False
+        self._retired: set[str] = set()  # members let go below the count (their pods completed)
         self._stop = threading.Event()
         job = self._api(lambda: self.custom.get_namespaced_custom_object(
             GROUP, VERSION, self.namespace, PLURAL, self.job_name), f"read TFJob {self.job_name}")
@@ -249,14 +289,24 @@ class KubernetesScaler(Scaler):
         container when ``chief_is_worker``: ``workers`` counts it, ``Worker.replicas`` not."""
         want = dict(self._replicas)
         if plan.ps is not None:
-            want["PS"] = max(plan.ps, 0)
+            want["PS"] = self._with_retired("ps", max(plan.ps, 0))
         if plan.workers is not None:
-            want["Worker"] = max(plan.workers - self._worker_offset(), 0)
+            want["Worker"] = self._with_retired("worker",
+                                                max(plan.workers - self._worker_offset(), 0))
         if not self._adopted:
             # the operator already created the manifest's pods; the AIMaster's first
             # call (PS now, workers later) must not delete the workers meanwhile
             want = {k: max(v, self._replicas[k]) for k, v in want.items()}
         return want
+
+    def _with_retired(self, role: str, live: int) -> int:
+        """The replica count that runs ``live`` pods of ``role``: retired indices below it
+        hold completed pods and count in ``replicas`` (lock held)."""
+        retired = {naming.replica_of(m)[1] for m in self._retired if m.startswith(role + "-")}
+        n = live
+        while n - sum(1 for i in retired if i < n) < live:
+            n += 1
+        return n
 
     def _removed(self, want: dict[str, int]) -> list[str]:
         """Members whose pods the operator deletes when the counts become ``want``: replica
@@ -274,6 +324,46 @@ class KubernetesScaler(Scaler):
             return [m for m in self._removed(self._want(plan)) if m.startswith(role + "-")]
 
     def apply(self, plan: ScalePlan) -> ScaleResult:
+        return self._apply(plan)
+
+    def start_replacement(self, role: str, slow_id: str, count: int) -> ScaleResult:
+        """Raise ``role`` to ``count`` pods, the new one kept off the slow pod's node by a
+        required node affinity in the replica type's template, sent in the same patch as
+        the count (the operator creates the pod from the patched template). A slow pod
+        not scheduled yet (no node): a plain scale-out."""
+        if role not in _TYPE:
+            raise ValueError(f"role {role!r}: expected 'ps' or 'worker'")
+        with self._lock:
+            node = ((self._pods.get(slow_id) or {}).get("spec") or {}).get("nodeName")
+        plan = ScalePlan(ps=count) if role == "ps" else ScalePlan(workers=count)
+        if not node:
+            log.warning("%s has no node yet: its replacement is not kept off any node", slow_id)
+            return self._apply(plan)
+        rtype = _TYPE[role]
+        job = self._api(lambda: self.custom.get_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, self.job_name), f"read TFJob {self.job_name}")
+        template = (((job.get("spec") or {}).get("tfReplicaSpecs") or {}).get(rtype) or {}) \
+            .get("template") or {}
+        affinity = _avoiding((template.get("spec") or {}).get("affinity"), node)
+        log.info("replacing %s: new %s pods avoid node %s", slow_id, rtype, node)
+        return self._apply(plan, {rtype: {"template": {"spec": {"affinity": affinity}}}})
+
+    def retire_refusal(self, node_id: str) -> str | None:
+        if node_id == "worker-0" and self.chief_is_worker:
+            # its container ending is the Chief's: the TFJob would count as finished
+            return "worker-0 runs in the Chief pod, whose end is the job's"
+        return None
+
+    def retire(self, node_id: str) -> None:
+        """Let ``node_id`` go without lowering the count: the AIMaster already told it to
+        stop (it exits 0, its pod completes and is not re-created). Its pod is not
+        deleted: the operator would re-create a missing index below ``replicas``."""
+        with self._lock:
+            self._retired.add(node_id)
+            if node_id in self._nodes:
+                self._nodes[node_id].stopping = True
+
+    def _apply(self, plan: ScalePlan, template_patch: dict | None = None) -> ScaleResult:
         with self._lock:
             want = self._want(plan)
             self._adopted = True
@@ -285,6 +375,8 @@ class KubernetesScaler(Scaler):
                 # be drained first; raises ScalerError, and then nothing was changed
                 self.drain(removed)
             patch = {k: {"replicas": want[k]} for k in ("PS", "Worker") if want[k] != self._replicas[k]}
+            for k, v in (template_patch or {}).items():
+                patch.setdefault(k, {}).update(v)
             if patch:
                 self._api(lambda: self.custom.patch_namespaced_custom_object(
                     GROUP, VERSION, self.namespace, PLURAL, self.job_name,
@@ -302,6 +394,7 @@ class KubernetesScaler(Scaler):
                 if member in self._nodes:
                     self._nodes[member].stopping = True
                 self._delete(member, grace=None)
+                self._retired.discard(member)  # its completed pod goes with the index
             for member in added:
                 node = self._nodes.setdefault(member, _Node(member.split("-")[0], member))
                 node.stopping = False

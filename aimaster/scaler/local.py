@@ -46,7 +46,7 @@ class _Node:
 
 
 class LocalProcessScaler(Scaler):
-    retires_chosen = True  # kill(node) retires exactly that node (a straggler's replacement)
+    retires_chosen = True  # retire(node) stops exactly that node (a straggler's replacement)
 
     def __init__(self, master_address: str, config: JobConfig, log_dir: str,
                  python: str = sys.executable):
@@ -191,6 +191,10 @@ class LocalProcessScaler(Scaler):
             node = self._spawn(old.role, node_id, old.restarts + 1)
             self._nodes[node_id] = node
             return node.info()
+
+    def retire(self, node_id: str) -> None:
+        """SIGTERM to exactly that node; the others keep their indices."""
+        self.kill(node_id, signal.SIGTERM)
 
     def kill(self, node_id: str, sig: int = signal.SIGKILL) -> None:
         """Deliver a signal to one node (a hung or departed member; tests kill -9 too)."""
