@@ -7,9 +7,9 @@ The job: 2 PS, 2 workers (tests/counting_worker.py: each record is one +1 push t
 counter, so the PS are on every step's path), text records in shards. A throttle is a
 SIGSTOP/SIGCONT duty cycle giving the process ``--share`` of a core, from ``--after``
 seconds into training to the end. Per run: job time (first shard handed out to the last
-DONE), throughput over the run (records / job time), for a PS throttle the time from the
+DONE), throughput over the run (records / job time), for a throttle the time from the
 throttle's start to the detection event and to the end of the last mitigation (its
-operation's end), and the tail (from the first moment a worker had no shard while TODO
+operation's end: a PS's re-placement or replacement, a worker's replacement), and the tail (from the first moment a worker had no shard while TODO
 was empty, to the end). Every record is checked to be trained exactly once.
 The stragglers section is the job file's defaults (``enabled: true``) or off.
 """
@@ -123,8 +123,9 @@ def run(base: pathlib.Path, name: str, n: int, victim: str | None, mitigate: boo
             last = max(acts, key=lambda e: e["time"] + e.get("duration_ms", 0) / 1000)
             out["mitigated_s"] = round(last["time"] + last.get("duration_ms", 0) / 1000
                                        - throttled_at_wall, 2)
-            out["actions"] = [(e["kind"], e.get("moved_slots")) for e in
-                              sorted(acts, key=lambda e: e["time"])]
+            out["actions"] = [(e["kind"], e.get("moved_slots") if e.get("role") != "worker"
+                               else f"{e['slow']} -> {e['new']}")
+                              for e in sorted(acts, key=lambda e: e["time"])]
         splits = after("shard_split")
         if splits:
             out["splits"] = len(splits)

@@ -730,6 +730,13 @@ def test_a_replacement_pod_avoids_the_slow_node_and_the_slow_member_retires_in_p
         # two PS run: the count keeps the retired index; a scale-out adds after it, a
         # scale-in removes the highest indices (the retired one's pod goes with its index)
         assert s.apply(ScalePlan(ps=2)).stopped == () and len(api.mutations()) == n
+        again = _scaler(api)      # an AIMaster restarted: the completed pod tells it
+        try:
+            assert again.apply(ScalePlan(ps=2, workers=2)) == s.apply(ScalePlan(ps=2))
+            assert len(api.mutations()) == n     # no patch: it runs 2 PS with replicas 3
+            assert again.leavers("ps", 1) == ["ps-1", "ps-2"]
+        finally:
+            again.shutdown()
         assert s.leavers("ps", 1) == ["ps-1", "ps-2"]     # the completed pod goes too
         assert s.apply(ScalePlan(ps=3)).started == ("ps-3",)
         assert api.tfjob["spec"]["tfReplicaSpecs"]["PS"]["replicas"] == 4

@@ -185,6 +185,10 @@ class KubernetesScaler(Scaler):
                               "spec(s) to scale; render it with `aimaster manifest`")
         self._replicas = {k: int(specs[k].get("replicas", 0) or 0) for k in ("PS", "Worker")}
         self._resource_version = self._list()
+        # an AIMaster restarted after a straggler's replacement: a completed PS or Worker
+        # pod below the count is a retired member (the operator does not re-run it)
+        self._retired = {m for m, n in self._nodes.items() if n.state == NodeState.SUCCEEDED
+                         and m in self._pods and not self._is_chief(self._pods[m])}
         self._watcher = threading.Thread(target=self._watch_loop, name="k8s-pod-watch", daemon=True)
         self._watcher.start()
 
@@ -347,6 +351,11 @@ class KubernetesScaler(Scaler):
         affinity = _avoiding((template.get("spec") or {}).get("affinity"), node)
         log.info("replacing %s: new %s pods avoid node %s", slow_id, rtype, node)
         return self._apply(plan, {rtype: {"template": {"spec": {"affinity": affinity}}}})
+
+    @staticmethod
+    def _is_chief(pod: dict) -> bool:
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        return str(labels.get(naming.REPLICA_TYPE_LABEL, "")).lower() in ("chief", "master")
 
     def retire_refusal(self, node_id: str) -> str | None:
         if node_id == "worker-0" and self.chief_is_worker:
