@@ -369,6 +369,56 @@ def test_a_hot_slot_is_reported_once_with_its_ps():
     assert job.events[0][1]["lookup_share"] == pytest.approx(300 / 370, abs=1e-3)
 
 
+def test_when_a_marked_worker_is_replaced():
+    """At detection while data is left in TODO or below replace_below; at the tail only a
+    window later (a split first); each worker once, never its replacement; off switch."""
+    from aimaster.config import parse_job
+    from aimaster.stragglers import StragglerPlugin
+
+    class FakeJob:
+        todo = 3
+
+        def __init__(self):
+            self.calls = []
+
+        def shard_counts(self):
+            return {"todo": self.todo, "doing": 2, "done": 0}
+
+        def replace_worker(self, w, detail):
+            self.calls.append((w, detail["reason"]))
+            return {"new": f"new-{w}"}
+
+        def straggler_event(self, kind, **fields):
+            self.calls.append((kind, fields["reason"]))
+
+    def plugin(**over):
+        return StragglerPlugin(parse_job({"stragglers": {"enabled": True, "window_seconds": 5,
+                                                         **over}}))
+
+    def act(p, job, w, now, ratio, marked_at=0.0):
+        p.worker_marks.marked.setdefault(w, marked_at)
+        p._act_on_worker(job, w, now, {"ratio": ratio})
+        if p._actor is not None:
+            p._actor.join(5)
+
+    p, job = plugin(), FakeJob()
+    act(p, job, "worker-1", 0.0, 0.3)                     # data left: at once
+    act(p, job, "worker-1", 9.0, 0.3)                     # once
+    act(p, job, "new-worker-1", 9.0, 0.1)                 # never its replacement
+    assert job.calls == [("worker-1", "slow with data left to hand out")]
+    job.todo = 0                                          # the tail: a split first
+    act(p, job, "worker-2", 2.0, 0.3)
+    assert len(job.calls) == 1
+    act(p, job, "worker-2", 5.0, 0.3)
+    assert job.calls[-1] == ("worker-2", "still slow a window after detection")
+    act(p, job, "worker-3", 0.0, 0.1)                     # far below: at once
+    assert job.calls[-1] == ("worker-3", "below replace_below")
+    for off in ({"replace_workers": False}, {"dry_run": True}):
+        p, job = plugin(**off), FakeJob()
+        act(p, job, "worker-1", 9.0, 0.1)
+        assert job.calls == []
+
+
 def test_status_lines_name_what_happened():
     from aimaster.cli import _straggler_line
     assert _straggler_line({"kind": "straggler_detected", "role": "ps", "id": "ps-1",
