@@ -976,8 +976,10 @@ class JobMaster:
         try:
             result = self._move_slots(old, old_ids, new_ids)
         except MigrationError as exc:
+            # the count goes back (a deleted pod below the count would be re-created)
             self.registry.mark(new.id, MemberState.LEFT)
-            self.scaler.kill(new.id, signal.SIGTERM)
+            self.on_main(lambda: self.scaler.apply(ScalePlan(
+                ps=self._count_keeping("ps", old_ids))))
             raise OperationRefused(str(exc)) from exc
         self.registry.mark(slow, MemberState.LEFT)  # told to stop with its next heartbeat
         self.on_main(lambda: self.scaler.retire(slow))  # it owns nothing now: it just exits
