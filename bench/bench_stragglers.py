@@ -9,8 +9,8 @@ SIGSTOP/SIGCONT duty cycle giving the process ``--share`` of a core, from ``--af
 seconds into training to the end. Per run: job time (first shard handed out to the last
 DONE), throughput over the run (records / job time), for a throttle the time from the
 throttle's start to the detection event and to the end of the last mitigation (its
-operation's end: a PS's re-placement or replacement, a worker's replacement), and the tail (from the first moment a worker had no shard while TODO
-was empty, to the end). Every record is checked to be trained exactly once.
+operation's end: a PS's re-placement or replacement, a worker's replacement), and the
+tail (from the first moment a worker had no shard while TODO was empty, to the end). Every record is checked to be trained exactly once.
 The stragglers section is the job file's defaults (``enabled: true``) or off.
 """
 from __future__ import annotations
