@@ -154,8 +154,6 @@ def export(checkpoint_dir, out, tables=None, dtype: str = "float32", min_count: 
     directory beside ``out`` and renamed, so ``out`` is complete or absent. ``min_count``:
     keep only rows updated by at least that many pushes. Returns a summary (dir, tables
     and their rows, signatures, bytes, seconds, warnings)."""
-    import tensorflow as tf
-
     from checkpoint import CheckpointError, load
 
     start = time.perf_counter()
@@ -188,6 +186,10 @@ def export(checkpoint_dir, out, tables=None, dtype: str = "float32", min_count: 
     if loaded.model is None:
         warnings.append("the checkpoint has no model record (no worker sent one): lookup "
                         "signatures only")
+    # TensorFlow only now: a bad option or checkpoint fails in well under a second, not
+    # after the seconds TF takes to import.
+    import tensorflow as tf
+
     lookups = {name: _table_module(tf, name, t, dtype) for name, t in loaded.tables.items()}
     root = tf.Module()
     root.tables = lookups
