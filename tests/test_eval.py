@@ -230,3 +230,120 @@ def test_gazer_snapshot_prometheus_and_top_show_the_latest_round(tmp_path):
     plugin.master = _FakeView(None)  # no eval section: nothing about it
     assert not plugin.snapshot().HasField("eval")
     assert "gazer_eval_auc" not in generate_latest(registry).decode()
+
+
+def test_tf1_job_evaluates_while_training_read_only(start_job, eval_data):
+    """The unchanged TF1 script (MonitoredTrainingSession + ElasticSessionHook) as the
+    evaluator: it finds the graph's logits and labels itself, scores every round, and
+    adds not one row to the PS."""
+    job = start_job({
+        "name": "evaltf1",
+        "ps": {"replicas": 1},
+        "worker": {"replicas": 1, "max_restarts": 0,
+                   "command": ["{python}", "-m", "examples.criteo.train", "--mode", "tf1",
+                               "--batch-size", "256"]},
+        "data": {"files": eval_data["train"], "bytes_per_shard": 4 << 20},
+        "master": {"heartbeat_seconds": 0.5},
+        "eval": {"files": [eval_data["eval"]], "every_steps": 40, "batch_size": 1024},
+    })
+    assert job.wait(300) == 0, job.output()[-3000:]
+    state_dir = job.state_dir
+    log = (state_dir / "logs" / "evaluator-0.log").read_text()
+    assert "sigmoid cross-entropy" in log, log[-3000:]  # how it found what to score
+    points = [json.loads(line) for line in (state_dir / "eval.jsonl").read_text().splitlines()]
+    final = [p for p in points if p["final"]]
+    assert len(final) == 1 and points[-1]["final"], points
+    total_steps = json.loads((state_dir / "metrics-worker-0.json").read_text())["steps"]
+    assert final[0]["step"] == total_steps
+    during = [p for p in points if not p["final"]]
+    # a round may land after the last step but before the worker has left
+    assert all(0 < p["step"] <= total_steps for p in during), points
+    assert any(p["step"] < total_steps for p in during), points
+    assert all(p["examples"] == 3000 and 0.0 <= p["auc"] <= 1.0 and 0 < p["logloss"] < 5
+               for p in points), points
+    # the evaluator trained nothing: its script ran no training step
+    assert json.loads((state_dir / "metrics-evaluator-0.json").read_text())["steps"] == 0
+    ev = _events(state_dir / "tensorboard" / "eval")
+    assert [s for s, tag, _ in ev if tag == "eval/auc"] == [p["step"] for p in points]
+    # rows on the PS = the ids training saw, exactly: the eval file's ids (all unseen in
+    # training) were looked up every round by a graph built with training=True
+    import checkpoint
+    import tensorflow as tf
+    from examples.criteo.reader import parse_lines
+    train_ids = np.unique(np.concatenate([
+        parse_lines(tf.constant(open(f).read().splitlines()))[0]["cat"].numpy().ravel()
+        for f in eval_data["train"]]))
+    lines = open(eval_data["eval"]).read().splitlines()
+    eval_ids = np.unique(parse_lines(tf.constant(lines))[0]["cat"].numpy())
+    ck = checkpoint.load(job.state()["final_checkpoint"], slots=False)
+    for name in ("embedding", "linear"):
+        rows = np.sort(ck.tables[name].ids)
+        assert rows.size == train_ids.size and np.array_equal(rows, train_ids), name
+        assert not np.isin(eval_ids, rows).any(), name
+
+
+def _tf1_graph(kind: str):
+    """A small TF1 training graph over a dataset shaped like shard_dataset's."""
+    import tensorflow as tf
+    from deeprec_ext.tf.tf1_eval import eval_tensors
+    v1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        ds = tf.data.Dataset.from_tensor_slices(
+            (np.zeros([8, 4], np.float32), np.zeros([8], np.float32))).batch(4)
+        x, y = v1.data.make_one_shot_iterator(ds).get_next()
+        z = tf.reshape(tf.matmul(tf.math.log1p(x), v1.get_variable("w", [4, 1])), [-1],
+                       name="logits")
+        ce = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=y, logits=z))
+        if kind == "ce":
+            loss = ce
+        elif kind == "v1_sigmoid_ce":
+            loss = v1.losses.sigmoid_cross_entropy(y, z)
+        elif kind == "v1_log_loss":
+            loss = v1.losses.log_loss(y, tf.sigmoid(z))
+        elif kind == "hand_log_loss":
+            p = tf.clip_by_value(tf.sigmoid(z), 1e-7, 1 - 1e-7)
+            loss = -tf.reduce_mean(y * tf.math.log(p) + (1 - y) * tf.math.log(1 - p))
+        elif kind == "ce_and_logged_metric":  # a second CE that is not minimized
+            z2 = tf.reshape(tf.matmul(x, v1.get_variable("w2", [4, 1])), [-1])
+            tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=y, logits=z2))
+            loss = ce
+        elif kind in ("two_heads", "two_heads_named"):
+            z2 = tf.reshape(tf.matmul(x, v1.get_variable("w2", [4, 1])), [-1], name="cvr")
+            loss = ce + tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=y, logits=z2))
+            if kind == "two_heads_named":
+                eval_tensors(labels=y, logits=z2)
+        elif kind == "mse":
+            loss = tf.reduce_mean(tf.square(z - y))
+        v1.train.AdamOptimizer(1e-3).minimize(loss)
+    return g, ds.element_spec
+
+
+@pytest.mark.parametrize("kind, how, scores, from_logits", [
+    ("ce", "sigmoid cross-entropy", "logits:0", True),
+    ("v1_sigmoid_ce", "sigmoid cross-entropy", "logits:0", True),
+    ("v1_log_loss", "log loss", "Sigmoid:0", False),
+    ("hand_log_loss", "log loss", "Sigmoid:0", False),
+    ("ce_and_logged_metric", "sigmoid cross-entropy", "logits:0", True),
+    ("two_heads_named", "dtf.eval_tensors", "cvr:0", True),
+])
+def test_tf1_graph_shapes_the_evaluator_recognizes(kind, how, scores, from_logits):
+    from deeprec_ext.tf.tf1_eval import find_eval_tensors, input_feeds
+    g, spec = _tf1_graph(kind)
+    found = find_eval_tensors(g)
+    assert found["how"].startswith(how) and found["scores"].name == scores
+    assert found["labels"].name == "IteratorGetNext:1" and found["from_logits"] is from_logits
+    assert [t.name for t in input_feeds(g, spec, [found["scores"]])] == \
+        ["IteratorGetNext:0", "IteratorGetNext:1"]
+
+
+@pytest.mark.parametrize("kind, problem", [
+    ("two_heads", "found 2 binary losses"),
+    ("mse", "found no binary loss"),
+])
+def test_tf1_graph_the_evaluator_cannot_read_is_refused_naming_the_line(kind, problem):
+    from deeprec_ext.tf.tf1_eval import EvalTensorsError, find_eval_tensors
+    g, _ = _tf1_graph(kind)
+    with pytest.raises(EvalTensorsError, match=problem) as err:
+        find_eval_tensors(g)
+    assert "dtf.eval_tensors(labels=" in str(err.value)
