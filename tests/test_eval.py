@@ -347,3 +347,63 @@ def test_tf1_graph_the_evaluator_cannot_read_is_refused_naming_the_line(kind, pr
     with pytest.raises(EvalTensorsError, match=problem) as err:
         find_eval_tensors(g)
     assert "dtf.eval_tensors(labels=" in str(err.value)
+
+
+TWO_HEAD_TF1 = r'''
+import tensorflow as tf
+import deeprec_ext.tf as dtf
+
+v1 = tf.compat.v1
+v1.disable_eager_execution()
+
+
+def parse(lines):
+    label, user, item = tf.io.decode_csv(lines, record_defaults=[[0.0], [""], [""]])
+    return tf.strings.to_hash_bucket_fast(tf.stack([user, item], axis=1), 2**62), label
+
+
+ids, label = v1.data.make_one_shot_iterator(dtf.shard_dataset(256, parse_fn=parse)).get_next()
+x = tf.reshape(dtf.embedding_lookup("emb", ids, 4), [-1, 8])
+ctr = tf.squeeze(tf.matmul(x, v1.get_variable("w_ctr", [8, 1])), 1, name="ctr")
+cvr = tf.squeeze(tf.matmul(x, v1.get_variable("w_cvr", [8, 1])), 1, name="cvr")
+loss = (tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=label, logits=ctr)) +
+        tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=label, logits=cvr)))
+train_op = v1.train.AdamOptimizer(1e-2).minimize(loss)
+with v1.train.MonitoredTrainingSession(hooks=[dtf.ElasticSessionHook()], save_checkpoint_secs=None,
+                                       save_summaries_steps=None) as sess:
+    while not sess.should_stop():
+        sess.run(train_op)
+dtf.get_context().close()
+'''
+
+
+def test_tf1_evaluator_refuses_an_ambiguous_graph_and_training_goes_on(start_job, tmp_path):
+    """Two heads, two losses: the evaluator names them and the one line that settles it,
+    scores nothing, and the job still trains every record to success."""
+    (tmp_path / "two_heads.py").write_text(TWO_HEAD_TF1)
+    rnd = random.Random(3)
+    (tmp_path / "train.csv").write_text("".join(
+        f"{rnd.randrange(2)},u{rnd.randrange(300)},i{rnd.randrange(200)}\n" for _ in range(6000)))
+    (tmp_path / "eval.csv").write_text("1,u1,i1\n0,u2,i2\n")
+    job = start_job({
+        "name": "evalamb",
+        "ps": {"replicas": 1},
+        "worker": {"replicas": 1, "max_restarts": 0,
+                   "command": ["{python}", str(tmp_path / "two_heads.py")]},
+        "data": {"files": [str(tmp_path / "train.csv")], "bytes_per_shard": 1 << 20},
+        "master": {"heartbeat_seconds": 0.5},
+        "eval": {"files": [str(tmp_path / "eval.csv")], "every_steps": 5},
+    }, subdir="job")
+    assert job.wait(300) == 0, job.output()[-3000:]
+    log = (job.state_dir / "logs" / "evaluator-0.log").read_text()
+    assert "found 2 binary losses" in log and "(scores ctr:0)" in log and "(scores cvr:0)" in log
+    assert "dtf.eval_tensors(labels=" in log
+    eval_file = job.state_dir / "eval.jsonl"
+    assert not eval_file.exists() or not eval_file.read_text().strip()
+    # training went on to the end: every training id has its row, and nothing else
+    import checkpoint
+    import tensorflow as tf
+    cols = [line.split(",")[1:] for line in (tmp_path / "train.csv").read_text().splitlines()]
+    want = np.unique(tf.strings.to_hash_bucket_fast(tf.constant(cols), 2**62).numpy())
+    rows = checkpoint.load(job.state()["final_checkpoint"], slots=False).tables["emb"].ids
+    assert np.array_equal(np.sort(rows), want)
