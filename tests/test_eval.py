@@ -407,3 +407,40 @@ def test_tf1_evaluator_refuses_an_ambiguous_graph_and_training_goes_on(start_job
     want = np.unique(tf.strings.to_hash_bucket_fast(tf.constant(cols), 2**62).numpy())
     rows = checkpoint.load(job.state()["final_checkpoint"], slots=False).tables["emb"].ids
     assert np.array_equal(np.sort(rows), want)
+
+
+def test_tf1_log_loss_that_hides_its_labels_takes_the_datasets():
+    """A log loss written with tf.where: the labels come from what shard_dataset gave,
+    the second element of (features, labels); the evaluator's parse graph feeds it."""
+    import tensorflow as tf
+    from deeprec_ext.tf import data as dtf_data
+    from deeprec_ext.tf.tf1_eval import EvalTensorsError, TF1Evaluator, find_eval_tensors
+    v1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        def parse(lines):
+            cols = tf.io.decode_csv(lines, record_defaults=[[0.0], [0.0]])
+            return tf.stack([cols[1]], axis=1), cols[0]
+        ds = tf.data.Dataset.from_tensor_slices(tf.constant(["1,0.5"])).batch(1).map(parse)
+        x, y = v1.data.make_one_shot_iterator(ds).get_next()
+        p = tf.sigmoid(tf.reshape(tf.matmul(x, v1.get_variable("w", [1, 1])), [-1]))
+        loss = tf.reduce_mean(tf.where(y > 0.5, -tf.math.log(p), -tf.math.log(1 - p)))
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        with pytest.raises(EvalTensorsError, match="not the labels"):
+            find_eval_tensors(g)
+        saved = dict(dtf_data.EVAL_INPUT)
+        try:
+            dtf_data.EVAL_INPUT.update(parse_fn=parse, element_spec=ds.element_spec)
+            ev = TF1Evaluator([])
+        finally:
+            dtf_data.EVAL_INPUT.clear()
+            dtf_data.EVAL_INPUT.update(saved)
+        assert (ev.labels.name, ev.scores.name, ev.from_logits) == \
+            ("IteratorGetNext:1", "Sigmoid:0", False)
+        with v1.Session(graph=g) as sess:
+            sess.run(v1.global_variables_initializer())
+            values = sess.run(ev.parsed, {ev.records: np.array([b"1,2.0", b"0,-1.0"], object)})
+            got_y, got_p = sess.run([ev.labels, ev.scores], dict(zip(ev.feeds, values)))
+            w = sess.run(v1.trainable_variables()[0])[0, 0]
+        assert got_y.tolist() == [1.0, 0.0]
+        np.testing.assert_allclose(got_p, 1 / (1 + np.exp(-np.array([2.0, -1.0]) * w)), rtol=1e-5)
