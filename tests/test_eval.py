@@ -444,3 +444,30 @@ def test_tf1_log_loss_that_hides_its_labels_takes_the_datasets():
             w = sess.run(v1.trainable_variables()[0])[0, 0]
         assert got_y.tolist() == [1.0, 0.0]
         np.testing.assert_allclose(got_p, 1 / (1 + np.exp(-np.array([2.0, -1.0]) * w)), rtol=1e-5)
+
+
+def test_evaluator_context_reads_only_and_refuses_pushes(start_job, monkeypatch):
+    """Whatever a graph asks (a TF1 training graph looks up with training=True), a
+    process in the evaluator role inserts no row, and a push fails naming the table."""
+    from deeprec_ext.worker import WorkerContext
+    job = start_job({"name": "evalctx"}, ["--ps", "2", "--workers", "0"])
+    monkeypatch.setenv("DEEPREC_ROLE", "evaluator")
+    ctx = WorkerContext(master_address=job.address, member_id="evaluator-0")
+    try:
+        assert ctx.rank == -1
+        ctx.client.create_table("t", dim=2, initializer="ones",
+                                optimizer={"name": "sgd", "learning_rate": 1.0})
+
+        def rows():
+            return sum(t.rows for s in ctx.client.ps_stats() for t in s.tables if t.name == "t")
+        ids = np.arange(1000, dtype=np.int64)
+        got = ctx.lookup("t", ids, insert_missing=True)
+        assert got.shape == (1000, 2) and (got == 1.0).all()  # initial values, read only
+        assert rows() == 0
+        with pytest.raises(RuntimeError, match="evaluator must not push \\(table 't'\\)"):
+            ctx.push_async("t", ids, np.ones((1000, 2), np.float32))
+        assert rows() == 0
+        ctx.client.lookup("t", ids[:10], insert_missing=True)  # the PS still serves writes
+        assert rows() == 10
+    finally:
+        ctx.close()
