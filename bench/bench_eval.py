@@ -2,12 +2,12 @@
 
 Runs the example DeepFM job (``examples.criteo.train``, unchanged) with ``aimaster run``,
 alternately without and with an ``eval`` section, and compares the workers' samples/s
-(``samples / train_seconds`` of ``metrics-worker-*.json``: model.fit's wall time).
+(``samples / train_seconds`` of ``metrics-worker-*.json``: the training loop's wall time).
 
-    .venv/bin/python bench/bench_eval.py [--rows 300000] [--eval-rows 20000] \
+    .venv/bin/python bench/bench_eval.py [--mode keras|tf1] [--rows 300000] [--eval-rows 20000] \
         [--every-seconds 5] [--repeat 3] [--ps 1 --workers 1] [--out bench/results/eval.json]
 
-Every run writes its job under ``runs/bench-eval-<on|off>-<i>/``. On one machine the
+Every run writes its job under ``runs/bench-eval-<mode>-<on|off>-<i>/``. On one machine the
 evaluator shares the CPU with the PS and the workers (on Kubernetes it is a pod of its own);
 it runs at a lower CPU priority (nice 10), as it should yield to training.
 """
@@ -41,12 +41,12 @@ def ensure_data(rows: int, eval_rows: int, seed: int = 5) -> dict:
 
 
 def run_job(tag: str, data: dict, args, with_eval: bool) -> dict:
-    state_dir = os.path.join(REPO, "runs", f"bench-eval-{tag}")
+    state_dir = os.path.join(REPO, "runs", f"bench-eval-{args.mode}-{tag}")
     shutil.rmtree(state_dir, ignore_errors=True)
     os.makedirs(state_dir)
     job = {"name": f"bench-eval-{tag}", "ps": {"replicas": args.ps},
            "worker": {"replicas": args.workers, "max_restarts": 0,
-                      "command": ["{python}", "-m", "examples.criteo.train",
+                      "command": ["{python}", "-m", "examples.criteo.train", "--mode", args.mode,
                                   "--batch-size", str(args.batch_size)]},
            "data": {"files": data["train"], "bytes_per_shard": 4 << 20},
            "checkpoint": {"on_success": False},
@@ -85,6 +85,8 @@ def run_job(tag: str, data: dict, args, with_eval: bool) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=("keras", "tf1"), default="keras",
+                   help="the example's training loop: model.fit or MonitoredTrainingSession")
     p.add_argument("--rows", type=int, default=300_000)
     p.add_argument("--eval-rows", type=int, default=20_000)
     p.add_argument("--every-seconds", type=float, default=5.0)
@@ -111,7 +113,7 @@ def main(argv=None) -> int:
                "ratio_on_off": statistics.median(on) / statistics.median(off),
                "pair_ratios_on_off": pairs,
                "eval_cpu_cores_median": statistics.median(r["eval_cpu_cores"] for r in runs if r["eval"]),
-               "rows": args.rows, "eval_rows": args.eval_rows,
+               "mode": args.mode, "rows": args.rows, "eval_rows": args.eval_rows,
                "every_seconds": args.every_seconds, "ps": args.ps, "workers": args.workers,
                "batch_size": args.batch_size, "cpus": os.cpu_count(),
                "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}

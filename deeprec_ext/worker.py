@@ -174,7 +174,11 @@ class WorkerContext:
         return -1 if self.session.role == EVALUATOR else self.session.rank
 
     def lookup(self, table: str, ids, insert_missing: bool = True):
-        """Rows of unique ``ids``; tables sharing ids travel in one RPC per PS (StepBatcher)."""
+        """Rows of unique ``ids``; tables sharing ids travel in one RPC per PS (StepBatcher).
+        The evaluator's lookups never insert, whatever the graph asked (a TF1 training
+        graph it scores was built with ``training=True``)."""
+        if self.session.role == EVALUATOR:
+            insert_missing = False
         with self._push_lock:
             inflight = self._push_rows.get(table)
         if inflight is not None and inflight[0].done():
@@ -200,6 +204,9 @@ class WorkerContext:
     def push_async(self, table: str, ids, grads) -> None:
         """Queue a table's gradients (unique ids); a step's pushes leave in one call per PS
         once every table it looked up has pushed (StepBatcher)."""
+        if self.session.role == EVALUATOR:
+            raise RuntimeError(f"the evaluator must not push (table {table!r}): it scores the "
+                               "model read-only")
         self.batcher.push(table, ids, grads)
 
     def _send_push(self, batch: dict, return_tables=None) -> dict | None:

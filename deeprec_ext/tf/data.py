@@ -33,9 +33,11 @@ def shard_dataset(batch_size: int, parse_fn: Callable | None = None,
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     ctx = context or get_context()
     if is_evaluator():  # evaluation while training: no training data (deeprec_ext.evaluation)
-        EVAL_INPUT.update(parse_fn=parse_fn, batch_size=batch_size)
         ds = tf.data.Dataset.from_tensor_slices(tf.zeros([0], tf.string)).batch(batch_size)
-        return ds.map(parse_fn) if parse_fn is not None else ds
+        ds = ds.map(parse_fn) if parse_fn is not None else ds
+        # element_spec: a TF1 graph's iterator outputs are found (and fed) by this structure
+        EVAL_INPUT.update(parse_fn=parse_fn, batch_size=batch_size, element_spec=ds.element_spec)
+        return ds
     ds = tf.data.Dataset.from_generator(
         lambda: (np.array(b, dtype=object) for b in shard_batches(ctx, batch_size)),
                                         output_signature=tf.TensorSpec([None], tf.string))

@@ -13,6 +13,7 @@ from deeprec_ext.tf.keras_api import (DEFAULT_INITIALIZER, DEFAULT_OPTIMIZER, _e
                                       record_table_spec)
 from deeprec_ext.tf.op_sampler import sampler_for
 from deeprec_ext.tf.ops import ANCHOR_SUFFIX, elastic_lookup
+from deeprec_ext.tf.tf1_eval import TF1Evaluator
 from deeprec_ext.worker import get_context
 
 v1 = tf.compat.v1
@@ -54,6 +55,10 @@ class ElasticSessionHook(v1.train.SessionRunHook):
     def begin(self):
         anchors = set(v1.get_collection(ANCHOR_COLLECTION))
         self._vars = [v for v in v1.trainable_variables() if v not in anchors]
+        self._evaluator = None
+        if is_evaluator():  # score the graph, never train it (deeprec_ext.tf.tf1_eval)
+            self._evaluator = TF1Evaluator(self._vars)
+            return
         self._placeholders = [v1.placeholder(v.dtype.base_dtype, v.shape) for v in self._vars]
         self._assign_op = tf.group(*[v.assign(p) for v, p in zip(self._vars, self._placeholders)])
         self._dense = DenseSync(get_context().client, [v.op.name for v in self._vars],
@@ -68,10 +73,10 @@ class ElasticSessionHook(v1.train.SessionRunHook):
 
     def after_create_session(self, session, coord):
         if is_evaluator():
-            # not supported for TF1 graphs (docs/guide-eval.md): this process must not
-            # write to the PS, so it creates nothing and pushes nothing; it sees no data
-            log.warning("evaluation while training is not supported for TF1 graphs: the "
-                        "evaluator of this job scores nothing")
+            # the evaluation rounds run here, until training ends; then the session stops
+            # before the script's first training run
+            self._evaluator.run(session)
+            coord.request_stop()
             return
         if self._vars:
             self._assign(session, self._dense.create(session.run(self._vars)))
@@ -82,14 +87,13 @@ class ElasticSessionHook(v1.train.SessionRunHook):
                            "tensorflow": tf.__version__})
 
     def before_run(self, run_context):
+        if is_evaluator():  # a script that ignores should_stop(): its input is over
+            raise tf.errors.OutOfRangeError(None, None, "the evaluator trains nothing")
         # Gazer: every N steps trace this run's ops (RunMetadata.step_stats)
         options = sampler_for(get_context()).run_options()
         return v1.train.SessionRunArgs(fetches=None, options=options) if options else None
 
     def after_run(self, run_context, run_values):
-        if is_evaluator():
-            run_context.request_stop()
-            return
         ctx = get_context()
         sampler_for(ctx).add_run_metadata(run_values.run_metadata)
         session = run_context.session
