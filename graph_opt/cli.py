@@ -19,6 +19,12 @@ def add_parser(sub) -> None:
                    help="expected rows of a table (e.g. embedding=2.5m), repeatable")
     e.add_argument("--optimizer", action="append", default=[], metavar="TABLE=NAME",
                    help="PS optimizer of a table the graph does not record")
+    e.add_argument("--admission", action="append", default=[], metavar="TABLE=SPEC",
+                   help="admission policy of a table the model does not declare (YAML, e.g. "
+                        "'embedding={min_count: 3}'); plans the admitted rows + candidates")
+    e.add_argument("--eviction", action="append", default=[], metavar="TABLE=SPEC",
+                   help="eviction policy (YAML, e.g. 'embedding={steps_to_live: 2000}'); "
+                        "plans the rows live within the window")
     e.add_argument("--feature", action="append", default=[], metavar="TABLE=FEATURE",
                    help="parsed feature that feeds a table (default: traced from the model)")
     e.add_argument("--job", default=os.environ.get("AIMASTER_JOB"),
@@ -84,6 +90,8 @@ def _run(args) -> int:
                    features=parse_assignments(args.feature, "--feature"),
                    sample_records=args.sample_records,
                    optimizers=parse_assignments(args.optimizer, "--optimizer"),
-                   job=getattr(args, "job_config", None), plan_inputs=inputs)
+                   job=getattr(args, "job_config", None), plan_inputs=inputs,
+                   admission=parse_assignments(args.admission, "--admission", parse_literal),
+                   eviction=parse_assignments(args.eviction, "--eviction", parse_literal))
     print(json.dumps(est.to_dict(), indent=2, default=str) if args.json else format_text(est))
     return 0

@@ -66,8 +66,11 @@ def make_plan(tables: list[TableEstimate], dense, flops_per_sample: int | None,
     """``(plan, components of one PS's RSS, arithmetic lines)``."""
     c = inputs.cost
     lines: list[str] = []
-    sparse = [{"name": t.name, "rows": t.rows or 0, "dim": t.dim, "num_slots": t.num_slots}
-              for t in tables]
+    sparse = [{"name": t.name, "rows": t.rows or 0, "dim": t.dim, "num_slots": t.num_slots,
+               "evicting": bool(t.eviction)} for t in tables]
+    # admission candidates live in a companion table (deeprec_ext.store.policies)
+    sparse += [{"name": f"{t.name}::admission", "rows": t.candidate_rows,
+                "dim": t.candidate_dim, "num_slots": 0} for t in tables if t.candidate_rows]
     all_tables = sparse + dense_tables(dense)
     steps = math.ceil((inputs.records or 0) * inputs.epochs / max(inputs.batch_size, 1))
     pushes_per_ps = steps * (len(tables) + 1)  # one push per table + one dense sync per step
@@ -80,6 +83,12 @@ def make_plan(tables: list[TableEstimate], dense, flops_per_sample: int | None,
         lines.append(f"  table {t.name}: {t.rows or 0:,} rows ({t.rows_source}) x (4 x {t.dim} x "
                      f"(1 + {t.num_slots} {t.optimizer} slots) + 28) B = "
                      f"{_mib((t.rows or 0) * per_row)} + index")
+        if t.rows_reason:
+            lines.append(f"    rows planned under its policies: {t.rows_reason}")
+        if t.candidate_rows:
+            lines.append(f"    + admission candidates: {t.candidate_rows:,} rows x (4 x "
+                         f"{t.candidate_dim} + 28) B = "
+                         f"{_mib(t.candidate_rows * (4 * t.candidate_dim + 28))} + index")
     dparams = sum(v.params for v in dense)
     lines.append(f"  dense: {len(dense)} variables, {dparams:,} params -> {len(dense)} "
                  f"assign_add tables")

@@ -110,18 +110,23 @@ def read_lines(files: list[str], limit: int, batch: int):
 
 
 def sample_distinct(files: list[str], parse_fn, features: dict[str, str | None],
-                    records: int, batch: int = 32768, precision: int = 14) -> dict:
+                    records: int, batch: int = 32768, precision: int = 14,
+                    track: set | None = None, batch_records: int = 1024) -> dict:
     """Distinct ids per feature over the first ``records`` lines of ``files``.
 
     ``parse_fn(lines)`` gets a 1-D string tensor and returns ``(features, label)``, a
     feature dict, or one id tensor. ``features`` maps table -> feature name (None: the
-    only id tensor). Returns ``{"records", "per_feature": {feature: [(n, distinct)...]}}``.
+    only id tensor). Returns ``{"records", "per_feature": {feature: [(n, distinct)...]}}``;
+    for the features in ``track`` also ``"occurrences": {feature: (ids, batches)}``, the
+    distinct (id, training batch of ``batch_records`` records) pairs (``batch_occurrences``).
     """
     import tensorflow as tf
 
     sketches: dict[str | None, HyperLogLog] = {f: HyperLogLog(precision) for f in set(features.values())}
     marks = sorted({max(1, records // k) for k in (8, 4, 2, 1)})
     curves: dict = {f: [] for f in sketches}
+    track = set(track or ())
+    occ: dict = {f: [] for f in track}
     seen = 0
     for lines in read_lines(files, records, batch):
         parsed = parse_fn(tf.constant(lines))
@@ -147,12 +152,91 @@ def sample_distinct(files: list[str], parse_fn, features: dict[str, str | None],
                     start = m - seen
                     curves[feat].append((m, sk.count()))
             sk.add(arr[start:])
+            if feat in occ:
+                per = arr.reshape(n, -1)
+                b = (seen + np.arange(n, dtype=np.int64)) // batch_records
+                occ[feat].append(batch_occurrences(per, np.repeat(b, per.shape[1])))
         seen += len(lines)
     for feat, sk in sketches.items():
         if seen and (not curves[feat] or curves[feat][-1][0] != seen):
             curves[feat].append((seen, sk.count()))
-    return {"records": seen, "per_feature": curves}
+    out = {"records": seen, "per_feature": curves}
+    if occ:
+        out["occurrences"] = {
+            f: batch_occurrences(np.concatenate([i for i, _ in parts]),
+                                 np.concatenate([b for _, b in parts]))
+            if parts else (np.zeros(0, np.int64), np.zeros(0, np.int64))
+            for f, parts in occ.items()}
+    return out
 
 
 def file_records(files: list[str]) -> int:
     return sum(count_lines(f) for f in files if os.path.exists(f))
+
+
+# -- admission and eviction: rows over time, from the ids of each training batch ------------
+def batch_occurrences(ids: np.ndarray, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct ``(id, batch)`` pairs, sorted by id then batch: an id counts once per
+    training batch, as the client de-duplicates a batch before it looks ids up."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    batch = np.asarray(batch, dtype=np.int64).reshape(-1)
+    order = np.lexsort((batch, ids))
+    ids, batch = ids[order], batch[order]
+    keep = np.ones(ids.size, dtype=bool)
+    keep[1:] = (ids[1:] != ids[:-1]) | (batch[1:] != batch[:-1])
+    return ids[keep], batch[keep]
+
+
+def _coverage(start: np.ndarray, end: np.ndarray, n: int) -> np.ndarray:
+    """int64 [n]: how many of the intervals ``[start, end)`` (in batches) cover each batch."""
+    up = np.bincount(start, minlength=n)[:n]
+    end = end[end < n]
+    down = np.bincount(end, minlength=n)[:n] if end.size else 0
+    return np.cumsum(up - down)
+
+
+def policy_timeline(ids: np.ndarray, batch: np.ndarray, n_batches: int, min_count: int = 1,
+                    steps_to_live: int | None = None) -> dict:
+    """Replay a table's admission and steps-to-live eviction over sampled batches.
+
+    ``ids`` / ``batch``: the distinct (id, batch) pairs (``batch_occurrences``). A step is a
+    training batch (one push to each PS the batch touches). Returns int64 arrays over the
+    batches: ``rows`` (live rows after each batch), ``admitted`` (ids admitted so far,
+    never evicted), ``candidates`` (ids counted, not admitted: exact counters), ``distinct``.
+
+    Modelled as the store does it: an id gets its row at its ``min_count``-th batch; a row
+    not updated for ``steps_to_live`` batches is gone. One simplification, on the safe side:
+    an id that comes back after an eviction gets its row back at once (true of a bloom
+    filter, whose cells are never reset; an exact counter would count to min_count again).
+    """
+    n = int(n_batches)
+    if ids.size == 0 or n <= 0:
+        z = np.zeros(max(n, 0), dtype=np.int64)
+        return {"rows": z, "admitted": z, "candidates": z, "distinct": z}
+    first = np.ones(ids.size, dtype=bool)
+    first[1:] = ids[1:] != ids[:-1]
+    idx = np.arange(ids.size)
+    rank = idx - np.maximum.accumulate(np.where(first, idx, 0))
+    last = np.ones(ids.size, dtype=bool)
+    last[:-1] = first[1:]
+    never = np.int64(n + (steps_to_live or 0) + 2)
+    nxt = np.where(last, never, np.roll(batch, -1))
+    need = max(int(min_count), 1)
+    adm = rank >= need - 1
+    # the store evicts a row once more than S steps passed since its last update: a row
+    # updated at batch b is alive through batch b + S
+    end = nxt[adm] if steps_to_live is None else np.minimum(nxt[adm], batch[adm] + steps_to_live + 1)
+    rows = _coverage(batch[adm], end, n)
+    at = rank == need - 1  # the batch where an id is admitted
+    admitted = np.cumsum(np.bincount(batch[at], minlength=n)[:n])
+    distinct = np.cumsum(np.bincount(batch[first], minlength=n)[:n])
+    if need <= 1:
+        cand = np.zeros(n, dtype=np.int64)
+    else:
+        # an id is a candidate from its first batch until its admission (or for ever)
+        # carry each id's admission batch back to its first occurrence
+        grp = np.cumsum(first) - 1
+        per_id = np.full(int(grp[-1]) + 1, never, dtype=np.int64)
+        np.minimum.at(per_id, grp[at], batch[at])
+        cand = _coverage(batch[first], per_id, n)
+    return {"rows": rows, "admitted": admitted, "candidates": cand, "distinct": distinct}
