@@ -194,6 +194,7 @@ class TableGrowth:
     unbounded: float = 0.0        # bytes/s: tables without (active) eviction, candidates
     bounded: float = 0.0          # bytes/s: tables whose eviction has begun
     cap: float = math.inf         # bytes the bounded tables may still add (their plateau)
+    evicting: bool = False        # some table's eviction has begun
 
 
 # -- small pure helpers ----------------------------------------------------------------------
@@ -232,6 +233,7 @@ def table_growth(first: PSSample, last: PSSample, seconds: float) -> TableGrowth
     before = {t.name: t for t in first.tables}
     unbounded = bounded = 0.0
     cap = 0.0
+    evicting = False
     for t in last.tables:
         b = before.get(t.name)
         if b is None:
@@ -242,13 +244,14 @@ def table_growth(first: PSSample, last: PSSample, seconds: float) -> TableGrowth
         if t.evicted <= 0:
             unbounded += rows_rate
             continue
+        evicting = True
         bounded += max(rows_rate, 0.0)
         inflow, outflow = t.rows - b.rows + t.evicted - b.evicted, t.evicted - b.evicted
         if inflow <= outflow:
             continue  # at the plateau: eviction keeps pace
         more = 1.0 if outflow <= 0 else min(inflow / outflow - 1.0, 1.0)
         cap += more * t.rows * per_row
-    return TableGrowth(max(unbounded, 0.0), bounded, cap)
+    return TableGrowth(max(unbounded, 0.0), bounded, cap, evicting)
 
 
 def _seconds_left(room: float, rate: float, bounded: float, cap: float) -> float:
@@ -290,13 +293,24 @@ def memory_forecasts(history: list[Observation], since: float, cfg: PolicyConfig
         if rate is not None and pts[-1][0] - pts[0][0] < 2 * cfg.interval_seconds:
             rate = None
         bounded, cap = 0.0, math.inf
-        g = (table_growth(samples[0][1], samples[-1][1], samples[-1][0] - samples[0][0])
-             if rate is not None and rate > 0 else None)
+        g = None
+        if rate is not None and rate > 0:
+            # the tables' regime now: the newest third of the span (>= 2 intervals), so a
+            # window filled earlier in the span does not read as growth still going on
+            recent = samples[-1][0] - max(2 * cfg.interval_seconds,
+                                          (samples[-1][0] - samples[0][0]) / 3)
+            first = next(s for t, s in samples if t >= recent)
+            g = table_growth(first, samples[-1][1],
+                             samples[-1][0] - next(t for t, _ in samples if t >= recent))
         if g is not None and g.bounded > 0:
             # RSS grows with the table bytes (plus allocator, replica): split it pro rata
             per_table_byte = rate / (g.bounded + g.unbounded)
             bounded = g.bounded * per_table_byte
             cap = g.cap * min(max(per_table_byte, 1.0), 4.0)
+        elif g is not None and g.evicting and g.unbounded <= 0:
+            # no table grows any more: an RSS slope left over from filling the eviction
+            # window (the fit still spans it) is not growth to extrapolate
+            bounded, cap = rate, g.cap
         budget = limit * (1 - cfg.memory_headroom) if limit else math.inf
         reserve = factor * max(0, p.rss_bytes - base_rss)
         f = MemoryForecast(p.id, p.rss_bytes, limit, budget, rate, math.inf, reserve,

@@ -112,3 +112,36 @@ def test_admission_candidates_count_as_growth():
     # the RSS rise is theirs and it does not stop
     p, d = run(stream(rows_in=500_000, evicted_out=500_000, candidates_in=150_000))
     assert d is not None and d.rule == "resource-fit" and d.ps >= 2, d
+
+
+def test_rss_slope_left_from_filling_the_window_is_not_extrapolated():
+    # the window filled from 600 to 750 MiB in 3 s, then eviction keeps pace: the RSS fit
+    # still spans the fill, but the tables' counters show no growth any more
+    def make(t, counters=True):
+        dt = t - 1000
+        rows = 2_000_000 + 300_000 * min(dt, 3)
+        evicted = 0 if dt <= 3 else 300_000 * (dt - 3)
+        table = TableSample("emb", rows, 100 * rows, evicted, 0)
+        rss = int((600 + 50 * min(dt, 3)) * MiB)
+        ps = (PSSample("ps-0", rss, 0.0, LIMIT, rows, table.bytes, (table,)) if counters
+              else PSSample("ps-0", rss, 0.0, LIMIT))
+        return Observation(t, (ps,), ())
+
+    def decisions(counters):
+        clock = FakeClock(1000.0)
+        p = policy(clock)
+        out = []
+        for dt in range(0, 12):
+            clock.t = 1000.0 + dt
+            p.observe(make(clock.t, counters))
+            if dt >= 6:  # the fill is over (decisions during it are another matter)
+                out.append(p.decide())
+        return p, [d for d in out if d is not None]
+
+    p, ds = decisions(True)
+    assert ds == []
+    fc = memory_forecasts(p.history, 0, p.cfg, 0.0, p.lead_time())[0]
+    assert fc.rate_bytes_per_s > 5 * MiB and fc.bounded_cap_bytes == 0
+    # without table counters the same RSS curve reads as growth and scales out
+    _, ds = decisions(False)
+    assert ds and ds[0].rule == "resource-fit" and ds[0].ps >= 2
