@@ -50,6 +50,7 @@ class AutoscalePlugin(MasterPlugin):
         self._actor: threading.Thread | None = None
         self._followups: list[Decision] = []
         self._last_ps: dict[str, PSSample] = {}
+        self._evictions: dict[str, tuple[int, float]] = {}  # table -> steps_to_live, interval
         self._procs: dict[int, psutil.Process] = {}
         self.decisions: list[dict] = []
 
@@ -107,9 +108,25 @@ class AutoscalePlugin(MasterPlugin):
                           rows=sum(t.rows for t in s.tables),
                           table_bytes=sum(t.bytes for t in s.tables),
                           tables=tuple(TableSample(t.name, t.rows, t.bytes, t.evicted,
-                                                   t.candidates) for t in s.tables))
+                                                   t.candidates,
+                                                   *self._eviction(master, member, t.name))
+                                       for t in s.tables),
+                          pushes=s.pushes)
         self._last_ps[member.id] = sample
         return sample
+
+    def _eviction(self, master, member, table: str) -> tuple[int, float]:
+        """(steps_to_live, interval seconds) of a table (0: none), asked once per table
+        (ListTables; a table's policies are fixed when it is created)."""
+        if table not in self._evictions:
+            try:
+                for cfg in master.ps_tables(member.address, timeout=2.0):
+                    spec = json.loads(cfg.eviction_json) if cfg.eviction_json else {}
+                    self._evictions[cfg.name] = (int(spec.get("steps_to_live", 0)),
+                                                 float(spec.get("interval_seconds", 60.0)))
+            except (grpc.RpcError, ValueError) as exc:
+                log.debug("ListTables of %s failed: %s", member.id, exc)
+        return self._evictions.get(table, (0, 0.0))
 
     def _cpu_and_rss(self, pid: int) -> tuple[float | None, int]:
         """CPU seconds and RSS of a local worker process (None: not ours to measure)."""

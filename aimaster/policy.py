@@ -113,6 +113,8 @@ class TableSample:
     bytes: int                    # rows + the admission candidates' companion table
     evicted: int = 0
     candidates: int = 0           # exact counters (bloom: filter cells allocated)
+    steps_to_live: int = 0        # its eviction spec (0: none), from the PS's ListTables
+    evict_interval_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ class PSSample:
     rows: int = 0
     table_bytes: int = 0
     tables: tuple[TableSample, ...] = ()
+    pushes: int = 0               # push requests applied so far: a table's steps
 
 
 @dataclass(frozen=True)
@@ -221,16 +224,18 @@ def cores(cfg: PolicyConfig, ps: int, workers: int) -> float:
 def table_growth(first: PSSample, last: PSSample, seconds: float) -> TableGrowth | None:
     """How the tables of one PS grew from ``first`` to ``last`` (None: no table counters).
 
-    A table whose eviction has begun (``evicted > 0``) is bounded: rows enter at
-    ``(d rows + d evicted) / dt`` and leave at ``d evicted / dt``; once they leave as fast
-    as they enter the live set has reached its plateau. Until then it may still grow by
-    ``rows x (in / out - 1)`` (the live window at the current entry rate, by Little's law,
-    no more than doubling): that is its cap. Rows of tables without eviction (or before
-    their first eviction) and admission candidates (exact counters are never evicted)
-    grow without a bound in sight."""
+    Rows enter a table at ``(d rows + d evicted) / dt``. Under ``steps_to_live`` S a row
+    lives S steps (pushes to the table: the PS's push rate) plus up to one eviction
+    interval, so the live rows are bounded by ``entry rate x (S / push rate + interval)``
+    whether or not an eviction ran yet: what is left up to that bound is the table's cap.
+    A table that evicts without a known window (``l2_below``) is bounded once eviction
+    began: it may grow by ``rows x (in / out - 1)`` (the live set at the current entry
+    rate, by Little's law, no more than doubling). Rows of other tables and admission
+    candidates (exact counters are never evicted) grow without a bound in sight."""
     if not last.tables or seconds <= 0:
         return None
     before = {t.name: t for t in first.tables}
+    step_rate = (last.pushes - first.pushes) / seconds
     unbounded = bounded = 0.0
     cap = 0.0
     evicting = False
@@ -241,16 +246,20 @@ def table_growth(first: PSSample, last: PSSample, seconds: float) -> TableGrowth
         per_row = max(t.bytes - CANDIDATE_BYTES * t.candidates, 0) / max(t.rows, 1)
         unbounded += CANDIDATE_BYTES * (t.candidates - b.candidates) / seconds
         rows_rate = (t.rows - b.rows) * per_row / seconds
-        if t.evicted <= 0:
-            unbounded += rows_rate
-            continue
-        evicting = True
-        bounded += max(rows_rate, 0.0)
         inflow, outflow = t.rows - b.rows + t.evicted - b.evicted, t.evicted - b.evicted
-        if inflow <= outflow:
-            continue  # at the plateau: eviction keeps pace
-        more = 1.0 if outflow <= 0 else min(inflow / outflow - 1.0, 1.0)
-        cap += more * t.rows * per_row
+        if t.steps_to_live > 0 and step_rate > 0:
+            evicting = True
+            bounded += max(rows_rate, 0.0)
+            live = inflow / seconds * (t.steps_to_live / step_rate + t.evict_interval_s)
+            cap += max(live - t.rows, 0.0) * per_row
+        elif t.evicted > 0:
+            evicting = True
+            bounded += max(rows_rate, 0.0)
+            if inflow > outflow:  # else at the plateau: eviction keeps pace
+                more = 1.0 if outflow <= 0 else min(inflow / outflow - 1.0, 1.0)
+                cap += more * t.rows * per_row
+        else:
+            unbounded += rows_rate
     return TableGrowth(max(unbounded, 0.0), bounded, cap, evicting)
 
 

@@ -145,3 +145,19 @@ def test_rss_slope_left_from_filling_the_window_is_not_extrapolated():
     # without table counters the same RSS curve reads as growth and scales out
     _, ds = decisions(False)
     assert ds and ds[0].rule == "resource-fit" and ds[0].ps >= 2
+
+
+def test_steps_to_live_bounds_growth_before_the_first_eviction():
+    # 100,000 rows/s enter, none evicted yet; 20 pushes/s and steps_to_live 100: a row
+    # lives 5 s + the 1 s eviction interval, so at most 600,000 rows are ever live
+    def sample(t, rows, pushes, stl):
+        table = TableSample("emb", rows, 100 * rows, 0, 0, stl, 1.0 if stl else 0.0)
+        return PSSample("ps-0", 0, 0.0, LIMIT, rows, table.bytes, (table,), pushes)
+    g = table_growth(sample(0, 200_000, 0, 100), sample(2, 400_000, 40, 100), 2.0)
+    assert g.evicting and g.unbounded == 0 and g.bounded == pytest.approx(10_000_000)
+    assert g.cap == pytest.approx((600_000 - 400_000) * 100)
+    # without the spec (or without pushes to count steps) the same rows grow without end
+    g = table_growth(sample(0, 200_000, 0, 0), sample(2, 400_000, 40, 0), 2.0)
+    assert not g.evicting and g.unbounded == pytest.approx(10_000_000)
+    g = table_growth(sample(0, 200_000, 0, 100), sample(2, 400_000, 0, 100), 2.0)
+    assert not g.evicting
