@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from graph_opt.api import Estimate, EstimateError
 from graph_opt.memory import slots_per_row
 from graph_opt.plan import PlanInputs, make_plan
@@ -166,14 +168,17 @@ def plan_policy_rows(t, occurrences, sampled: int, total: int, batch_records: in
     ``batch_records`` records, so rows live within a window of S x batch_records records;
     when the sample holds two windows the replay's peak of live rows is planned (the live
     set of a stationary stream does not grow past it), else the admitted ids of one window
-    (Heaps, up to the data). l2_below cannot be foreseen from data: not counted.
+    (Heaps, up to the data). An exact counter counts again from zero after an eviction
+    (those ids are candidates again); a bloom filter admits them at once. l2_below cannot
+    be foreseen from data: not counted.
     """
     from graph_opt.sketch import heaps_extrapolate, policy_timeline
     ids, batch = occurrences
     n_b = -(-sampled // batch_records)
     need = t.admission["min_count"] if t.admission else 1
     stl = (t.eviction or {}).get("steps_to_live")
-    tl = policy_timeline(ids, batch, n_b, need, stl)
+    bloom = bool(t.admission and "bloom" in t.admission)
+    tl = policy_timeline(ids, batch, n_b, need, stl, bloom)
     at = [(m, max(0, min(-(-m // batch_records), n_b) - 1)) for m in marks]
 
     def curve(key):
@@ -191,8 +196,8 @@ def plan_policy_rows(t, occurrences, sampled: int, total: int, batch_records: in
         if 2 * stl <= n_b:
             rows = float(tl["rows"].max())
             why.append(f"steps_to_live {stl}: live window {window:,} records; peak live rows "
-                       f"{int(rows):,} replayed over {n_b} sampled batches (evicted "
-                       f"{int(tl['admitted'][-1] - tl['rows'][-1]):,} by the end)")
+                       f"{int(rows):,} replayed over {n_b} sampled batches ("
+                       f"{int(tl['evicted'][-1]):,} evictions)")
         else:
             rows = min(admitted_all, heaps_extrapolate(curve("admitted"), min(window, total))[0])
             why.append(f"steps_to_live {stl}: live window {window:,} records (longer than "
@@ -201,11 +206,13 @@ def plan_policy_rows(t, occurrences, sampled: int, total: int, batch_records: in
                    f"({t.eviction['interval_seconds']:g} s)")
     if t.eviction and "l2_below" in t.eviction:
         why.append("l2_below: not foreseeable from data, not counted")
-    if need > 1 and "bloom" not in t.admission:
-        cand, _ = heaps_extrapolate(curve("candidates"), total)
+    if need > 1 and not bloom:
+        # candidates are never evicted: the most held during the sample, extrapolated
+        peak = np.maximum.accumulate(tl["candidates"])
+        cand, _ = heaps_extrapolate([(m, float(peak[b])) for m, b in at], total)
         t.candidate_rows, t.candidate_dim = int(round(cand)), 1
-        why.append(f"exact counters: {t.candidate_rows:,} candidates (ids seen fewer "
-                   f"than {need} times) x 1 float")
+        why.append(f"exact counters: {t.candidate_rows:,} candidates (ids counted fewer "
+                   f"than {need} times since their last eviction) x 1 float")
     t.rows = int(round(rows))
     t.rows_reason = "; ".join(why)
 

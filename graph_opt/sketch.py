@@ -196,47 +196,95 @@ def _coverage(start: np.ndarray, end: np.ndarray, n: int) -> np.ndarray:
 
 
 def policy_timeline(ids: np.ndarray, batch: np.ndarray, n_batches: int, min_count: int = 1,
-                    steps_to_live: int | None = None) -> dict:
+                    steps_to_live: int | None = None, bloom: bool = False) -> dict:
     """Replay a table's admission and steps-to-live eviction over sampled batches.
 
     ``ids`` / ``batch``: the distinct (id, batch) pairs (``batch_occurrences``). A step is a
-    training batch (one push to each PS the batch touches). Returns int64 arrays over the
-    batches: ``rows`` (live rows after each batch), ``admitted`` (ids admitted so far,
-    never evicted), ``candidates`` (ids counted, not admitted: exact counters), ``distinct``.
+    training batch (one push to each PS the batch touches). As the store does it: an id
+    is counted once per batch and gets its row at its ``min_count``-th count; a row not
+    updated for more than ``steps_to_live`` batches is evicted; an exact counter starts
+    again from zero after an eviction (a bloom filter's cells are never reset: the id is
+    admitted again at once). Returns int64 arrays over the batches: ``rows`` (live rows
+    after each batch), ``candidates`` (ids counting towards admission: exact counters),
+    ``admitted`` (ids admitted at least once so far), ``evicted`` (evictions so far),
+    ``distinct``.
 
-    Modelled as the store does it: an id gets its row at its ``min_count``-th batch; a row
-    not updated for ``steps_to_live`` batches is gone. One simplification, on the safe side:
-    an id that comes back after an eviction gets its row back at once (true of a bloom
-    filter, whose cells are never reset; an exact counter would count to min_count again).
+    Vectorized across ids: one pass per occurrence rank (at most one per batch), each
+    over the ids seen that many times.
     """
     n = int(n_batches)
+    z = np.zeros(max(n, 0), dtype=np.int64)
     if ids.size == 0 or n <= 0:
-        z = np.zeros(max(n, 0), dtype=np.int64)
-        return {"rows": z, "admitted": z, "candidates": z, "distinct": z}
+        return {"rows": z, "admitted": z, "candidates": z, "evicted": z, "distinct": z}
     first = np.ones(ids.size, dtype=bool)
     first[1:] = ids[1:] != ids[:-1]
-    idx = np.arange(ids.size)
-    rank = idx - np.maximum.accumulate(np.where(first, idx, 0))
-    last = np.ones(ids.size, dtype=bool)
-    last[:-1] = first[1:]
-    never = np.int64(n + (steps_to_live or 0) + 2)
-    nxt = np.where(last, never, np.roll(batch, -1))
+    starts = np.flatnonzero(first)
+    counts = np.diff(np.append(starts, ids.size))
+    order = np.argsort(-counts, kind="stable")
+    desc = counts[order]
     need = max(int(min_count), 1)
-    adm = rank >= need - 1
-    # the store evicts a row once more than S steps passed since its last update: a row
-    # updated at batch b is alive through batch b + S
-    end = nxt[adm] if steps_to_live is None else np.minimum(nxt[adm], batch[adm] + steps_to_live + 1)
-    rows = _coverage(batch[adm], end, n)
-    at = rank == need - 1  # the batch where an id is admitted
-    admitted = np.cumsum(np.bincount(batch[at], minlength=n)[:n])
-    distinct = np.cumsum(np.bincount(batch[first], minlength=n)[:n])
-    if need <= 1:
-        cand = np.zeros(n, dtype=np.int64)
+    stl = steps_to_live
+    n_ids = starts.size
+    alive = np.zeros(n_ids, dtype=bool)
+    count = np.zeros(n_ids, dtype=np.int64)
+    last = np.zeros(n_ids, dtype=np.int64)
+    cand_from = np.full(n_ids, -1, dtype=np.int64)
+    first_adm = np.full(n_ids, -1, dtype=np.int64)
+    row_start, row_end, cand_start, cand_end, evict_at = [], [], [], [], []
+    for k in range(int(desc[0])):
+        m = int(np.count_nonzero(desc > k)) if desc[-1] <= k else n_ids
+        sel = order[:m]
+        b = batch[starts[sel] + k]
+        if stl is not None:  # rows not updated for more than S batches are gone
+            gone = alive[sel] & (b - last[sel] > stl)
+            g = sel[gone]
+            end = last[g] + stl + 1
+            row_end.append(end)
+            evict_at.append(end)
+            alive[g] = False
+            if not bloom:
+                count[g] = 0
+        waiting = sel[~alive[sel]]
+        wb = b[~alive[sel]]
+        fresh = count[waiting] == 0
+        cand_from[waiting[fresh]] = wb[fresh]
+        count[waiting] += 1
+        ok = count[waiting] >= need
+        adm, ab = waiting[ok], wb[ok]
+        alive[adm] = True
+        row_start.append(ab)
+        if need > 1:
+            cand_start.append(cand_from[adm])
+            cand_end.append(ab)
+        if not bloom:
+            count[adm] = 0
+        cand_from[adm] = -1
+        newly = first_adm[adm] < 0
+        first_adm[adm[newly]] = ab[newly]
+        last[sel[alive[sel]]] = b[alive[sel]]
+    if stl is not None:  # rows still live at the end, due within the sample
+        live = np.flatnonzero(alive)
+        end = last[live] + stl + 1
+        evict_at.append(end)
+        row_end.append(end)
+    waiting = cand_from >= 0
+    if need > 1 and waiting.any():  # counting still at the end
+        cand_start.append(cand_from[waiting])
+        cand_end.append(np.full(int(waiting.sum()), n, dtype=np.int64))
+
+    def cat(parts):
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def cumulative(at):
+        at = at[(at >= 0) & (at < n)]
+        return np.cumsum(np.bincount(at, minlength=n)[:n])
+
+    rs, re_ = cat(row_start), cat(row_end)
+    rows = np.cumsum(np.bincount(rs, minlength=n)[:n]) - cumulative(re_)
+    if need > 1:
+        cand = cumulative(cat(cand_start)) - cumulative(cat(cand_end))
     else:
-        # an id is a candidate from its first batch until its admission (or for ever)
-        # carry each id's admission batch back to its first occurrence
-        grp = np.cumsum(first) - 1
-        per_id = np.full(int(grp[-1]) + 1, never, dtype=np.int64)
-        np.minimum.at(per_id, grp[at], batch[at])
-        cand = _coverage(batch[first], per_id, n)
-    return {"rows": rows, "admitted": admitted, "candidates": cand, "distinct": distinct}
+        cand = z
+    return {"rows": rows, "candidates": cand, "admitted": cumulative(first_adm),
+            "evicted": cumulative(cat(evict_at)),
+            "distinct": np.cumsum(np.bincount(batch[first], minlength=n)[:n])}

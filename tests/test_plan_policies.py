@@ -66,7 +66,8 @@ def replay_store(ids: np.ndarray, admission, eviction) -> dict:
         t.evict()
         peak = max(peak, t.size)
     s = store.stats()["emb"]
-    return {"peak": peak, "rows": s["rows"], "candidates": s.get("candidates", 0)}
+    return {"peak": peak, "rows": s["rows"], "candidates": s.get("candidates", 0),
+            "evicted": s.get("evicted", 0)}
 
 
 def test_policy_timeline_by_hand():
@@ -83,9 +84,15 @@ def test_policy_timeline_by_hand():
     assert adm["candidates"].tolist() == [4, 2, 2, 2, 2, 1, 1, 1, 1, 1]  # id 3 waits for ever
     # + steps_to_live 2: a row updated at batch b lives through b + 2 (the store's rule)
     ev = policy_timeline(ids, batch, 10, min_count=2, steps_to_live=2)
-    # id 2: admitted at 1, alive 1..3, back at 8; id 4: admitted at 5, alive 5..7
-    assert ev["rows"].tolist() == [0, 2, 2, 2, 1, 2, 2, 2, 2, 2]
+    # id 2: admitted at 1, evicted at 4, back at 8 counting from zero; id 4: admitted at 5,
+    # evicted at 8
+    assert ev["rows"].tolist() == [0, 2, 2, 2, 1, 2, 2, 2, 1, 1]
+    assert ev["candidates"].tolist() == [4, 2, 2, 2, 2, 1, 1, 1, 2, 2]
+    assert ev["evicted"].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
     assert ev["admitted"][-1] == 3
+    # a bloom filter's counts are never reset: id 2 is admitted again at once at 8
+    bl = policy_timeline(ids, batch, 10, min_count=2, steps_to_live=2, bloom=True)
+    assert bl["rows"].tolist() == [0, 2, 2, 2, 1, 2, 2, 2, 2, 2]
 
 
 def test_memory_model_under_churn():
@@ -113,11 +120,12 @@ def test_estimate_plans_live_window_and_candidates(tmp_path):
     assert abs(p.rows / distinct - 1) < 0.03 and t.rows_all_ids == p.rows
     # the live window, not the stream: a small fraction of the distinct ids
     assert t.rows < 0.25 * distinct
-    # ids that return after an eviction get their row back at once in the plan (an exact
-    # counter would count again): an upper bound, close to the store's peak
-    assert truth["peak"] <= t.rows <= 1.15 * truth["peak"], (t.rows, truth)
-    # exact counters of the ids seen once: never evicted, they grow with the stream
-    assert abs(t.candidate_rows / truth["candidates"] - 1) < 0.15, (t.candidate_rows, truth)
+    # the replay follows the store: its peak of live rows, its candidates (exact counters,
+    # never evicted, counting again after an eviction) and its evictions
+    assert abs(t.rows / truth["peak"] - 1) < 0.03, (t.rows, truth)
+    assert abs(t.candidate_rows / truth["candidates"] - 1) < 0.03, (t.candidate_rows, truth)
+    evictions = int(t.rows_reason.split(" evictions")[0].rsplit("(", 1)[1].replace(",", ""))
+    assert abs(evictions / truth["evicted"] - 1) < 0.03, (t.rows_reason, truth)
     assert "steps_to_live 20" in t.rows_reason and "min_count 2" in t.rows_reason
     # both in the memory plan: a companion table of candidates, churn-sized tables
     names = [x["name"] for x in est.ps_memory["per_table"]]
