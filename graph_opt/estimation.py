@@ -110,7 +110,9 @@ def estimate(target: str, fn_kwargs: dict | None = None, rows: dict | None = Non
         if not parse:
             raise EstimateError("reading the training data needs --parse module:function "
                                 "(lines -> features)")
-        sampling = _sample(need, data, load_callable(parse), sample_records, inputs)
+        from graph_opt.plan import steps_per_second
+        sampling = _sample(need, data, load_callable(parse), sample_records, inputs,
+                           steps_per_second(inv.tables, inv.flops_per_sample, inputs))
     for t in inv.tables:
         _bloom_rows(t)
         if t.admission and "bloom" not in t.admission and t.admission["min_count"] > 1 \
@@ -159,7 +161,7 @@ def _bloom_rows(t) -> None:
 
 
 def plan_policy_rows(t, occurrences, sampled: int, total: int, batch_records: int,
-                     marks: list[int]) -> None:
+                     marks: list[int], steps_per_s: float = 0.0) -> None:
     """Rows planned for table ``t`` under its admission / eviction policies, from the
     sampled (id, batch) pairs; sets ``t.rows``, ``t.candidate_rows``, ``t.rows_reason``.
 
@@ -168,7 +170,8 @@ def plan_policy_rows(t, occurrences, sampled: int, total: int, batch_records: in
     ``batch_records`` records, so rows live within a window of S x batch_records records;
     when the sample holds two windows the replay's peak of live rows is planned (the live
     set of a stationary stream does not grow past it), else the admitted ids of one window
-    (Heaps, up to the data). An exact counter counts again from zero after an eviction
+    (Heaps, up to the data). Eviction runs every ``interval_seconds``: a row may live that
+    many more seconds, ``steps_per_s`` x interval more steps, which the window includes. An exact counter counts again from zero after an eviction
     (those ids are candidates again); a bloom filter admits them at once. l2_below cannot
     be foreseen from data: not counted.
     """
@@ -177,6 +180,10 @@ def plan_policy_rows(t, occurrences, sampled: int, total: int, batch_records: in
     n_b = -(-sampled // batch_records)
     need = t.admission["min_count"] if t.admission else 1
     stl = (t.eviction or {}).get("steps_to_live")
+    lag = 0
+    if stl is not None:
+        lag = int(math.ceil(steps_per_s * t.eviction["interval_seconds"]))
+        stl += lag
     bloom = bool(t.admission and "bloom" in t.admission)
     tl = policy_timeline(ids, batch, n_b, need, stl, bloom)
     at = [(m, max(0, min(-(-m // batch_records), n_b) - 1)) for m in marks]
@@ -193,17 +200,17 @@ def plan_policy_rows(t, occurrences, sampled: int, total: int, batch_records: in
     rows = admitted_all
     if stl is not None:
         window = stl * batch_records
+        life = (f"steps_to_live {stl - lag} + {lag} steps of the {t.eviction['interval_seconds']:g}"
+                f" s eviction interval at {steps_per_s:,.1f} steps/s")
         if 2 * stl <= n_b:
             rows = float(tl["rows"].max())
-            why.append(f"steps_to_live {stl}: live window {window:,} records; peak live rows "
+            why.append(f"{life}: live window {window:,} records; peak live rows "
                        f"{int(rows):,} replayed over {n_b} sampled batches ("
                        f"{int(tl['evicted'][-1]):,} evictions)")
         else:
             rows = min(admitted_all, heaps_extrapolate(curve("admitted"), min(window, total))[0])
-            why.append(f"steps_to_live {stl}: live window {window:,} records (longer than "
-                       f"half the sample): admitted ids of one window -> {int(rows):,}")
-        why.append(f"rows may outlive the window by one eviction interval "
-                   f"({t.eviction['interval_seconds']:g} s)")
+            why.append(f"{life}: live window {window:,} records (longer than half the "
+                       f"sample): admitted ids of one window -> {int(rows):,}")
     if t.eviction and "l2_below" in t.eviction:
         why.append("l2_below: not foreseeable from data, not counted")
     if need > 1 and not bloom:
@@ -217,7 +224,7 @@ def plan_policy_rows(t, occurrences, sampled: int, total: int, batch_records: in
     t.rows_reason = "; ".join(why)
 
 
-def _sample(tables, patterns, parse_fn, sample_records, inputs) -> dict:
+def _sample(tables, patterns, parse_fn, sample_records, inputs, steps_per_s: float) -> dict:
     from graph_opt.sketch import expand_files, file_records, heaps_extrapolate, sample_distinct
     try:
         files = expand_files(patterns)
@@ -248,7 +255,7 @@ def _sample(tables, patterns, parse_fn, sample_records, inputs) -> dict:
         if t.feature in res.get("occurrences", {}):
             t.rows_all_ids = t.rows
             plan_policy_rows(t, res["occurrences"][t.feature], res["records"], total,
-                             inputs.batch_size, [n for n, _ in curve])
+                             inputs.batch_size, [n for n, _ in curve], steps_per_s)
             t.rows_source += "+policies"
     return out
 

@@ -40,6 +40,9 @@ class PlanInputs:
     epochs: int = 1
     ps_base_bytes: int = BASE_RSS_BYTES
     cost: CostModel = field(default_factory=CostModel)
+    # training steps (pushed batches) a second, for the eviction lag; None: from the cost
+    # model's throughput
+    steps_per_second: float | None = None
 
 
 def dense_tables(dense) -> list[dict]:
@@ -51,6 +54,22 @@ def dense_tables(dense) -> list[dict]:
         dim = math.prod(v.shape[1:]) if len(v.shape) > 1 else 1
         out.append({"name": f"dense/{v.name}", "rows": rows, "dim": dim, "num_slots": 0})
     return out
+
+
+def worker_seconds_per_sample(tables, flops_per_sample: int | None, c: CostModel) -> float:
+    """CPU seconds a worker core spends on one training sample (the cost model)."""
+    ids = sum(t.ids_per_sample or 0 for t in tables)
+    return (3 * (flops_per_sample or 0) / c.worker_flops_per_second
+            + ids * c.worker_seconds_per_id + c.worker_seconds_per_sample)
+
+
+def steps_per_second(tables, flops_per_sample: int | None, inputs: "PlanInputs") -> float:
+    """Pushed batches a second over the job: given, else the cost model's throughput."""
+    if inputs.steps_per_second:
+        return float(inputs.steps_per_second)
+    rate = (inputs.workers or 1) * inputs.worker_cpu / worker_seconds_per_sample(
+        tables, flops_per_sample, inputs.cost)
+    return rate / max(inputs.batch_size, 1)
 
 
 def _mib(n: float) -> str:
@@ -97,8 +116,7 @@ def make_plan(tables: list[TableEstimate], dense, flops_per_sample: int | None,
     workers = inputs.workers or 1
     ids = sum(t.ids_per_sample or 0 for t in tables)
     flops = 3 * (flops_per_sample or 0)  # forward + backward ~ 3x forward
-    w_sec = flops / c.worker_flops_per_second + ids * c.worker_seconds_per_id \
-        + c.worker_seconds_per_sample
+    w_sec = worker_seconds_per_sample(tables, flops_per_sample, c)
     per_worker = inputs.worker_cpu / w_sec
     total_rate = workers * per_worker
     lines.append(f"worker CPU/sample = {flops:,} train FLOPs / {c.worker_flops_per_second:.2g} "

@@ -51,19 +51,21 @@ def write_stream(path, ids: np.ndarray) -> str:
     return str(path)
 
 
-def replay_store(ids: np.ndarray, admission, eviction) -> dict:
+def replay_store(ids: np.ndarray, admission, eviction, evict_every: int = 1) -> dict:
     """The same batches through a real store table: lookup (counts admission, creates
-    rows), push (one step), evict -- as a PS does when eviction runs after every step."""
+    rows), push (one step), and every ``evict_every`` steps an eviction run (a PS runs it
+    every ``interval_seconds``)."""
     from deeprec_ext.store import EmbeddingStore
     store = EmbeddingStore()
     t = store.create_table("emb", 4, "zeros", {"name": "sgd", "learning_rate": 0.1},
                            admission=admission, eviction=eviction)
     peak = 0
-    for b in range(0, ids.shape[0], BATCH):
+    for i, b in enumerate(range(0, ids.shape[0], BATCH)):
         uk = np.unique(ids[b:b + BATCH])  # the client de-duplicates a batch
         t.lookup(uk)
         t.apply_gradients(uk, np.zeros((uk.size, 4), np.float32))
-        t.evict()
+        if i % evict_every == evict_every - 1:
+            t.evict()
         peak = max(peak, t.size)
     s = store.stats()["emb"]
     return {"peak": peak, "rows": s["rows"], "candidates": s.get("candidates", 0),
@@ -109,23 +111,27 @@ def test_estimate_plans_live_window_and_candidates(tmp_path):
     data = write_stream(tmp_path / "stream.txt", ids)
     adm, ev = {"min_count": 2}, {"steps_to_live": 20, "interval_seconds": 1}
     common = dict(data=[data], parse="tests.test_plan_policies:parse_ids",
-                  sample_records=records, plan_inputs=PlanInputs(batch_size=BATCH))
+                  sample_records=records,
+                  # 4 steps a second: the 1 s eviction interval keeps rows up to 4 steps longer
+                  plan_inputs=PlanInputs(batch_size=BATCH, steps_per_second=4.0))
     plain = graph_opt.estimate("tests.test_plan_policies:sliding_model", **common)
     est = graph_opt.estimate("tests.test_plan_policies:sliding_model",
                              fn_kwargs={"admission": adm, "eviction": ev}, **common)
     t, p = est.tables[0], plain.tables[0]
     assert (t.admission, t.eviction) == (adm, {**ev, "interval_seconds": 1.0})  # the layer's
-    truth = replay_store(ids, adm, ev)
+    truth = replay_store(ids, adm, ev, evict_every=5)
+    exact = replay_store(ids, adm, ev)  # eviction after every step: the window alone
     distinct = np.unique(ids).size
     assert abs(p.rows / distinct - 1) < 0.03 and t.rows_all_ids == p.rows
     # the live window, not the stream: a small fraction of the distinct ids
     assert t.rows < 0.25 * distinct
-    # the replay follows the store: its peak of live rows, its candidates (exact counters,
-    # never evicted, counting again after an eviction) and its evictions
-    assert abs(t.rows / truth["peak"] - 1) < 0.03, (t.rows, truth)
-    assert abs(t.candidate_rows / truth["candidates"] - 1) < 0.03, (t.candidate_rows, truth)
-    evictions = int(t.rows_reason.split(" evictions")[0].rsplit("(", 1)[1].replace(",", ""))
-    assert abs(evictions / truth["evicted"] - 1) < 0.03, (t.rows_reason, truth)
+    # the plan holds rows for the window + one interval: at or above the store's peak when
+    # it evicts every 5 steps, not far above it
+    assert truth["peak"] <= t.rows <= 1.1 * truth["peak"], (t.rows, truth)
+    assert t.rows > 1.1 * exact["peak"]  # the interval does count
+    # candidates: exact counters, never evicted, counting again after an eviction
+    assert abs(t.candidate_rows / truth["candidates"] - 1) < 0.05, (t.candidate_rows, truth)
+    assert "+ 4 steps of the 1 s eviction interval" in t.rows_reason
     assert "steps_to_live 20" in t.rows_reason and "min_count 2" in t.rows_reason
     # both in the memory plan: a companion table of candidates, churn-sized tables
     names = [x["name"] for x in est.ps_memory["per_table"]]
@@ -175,6 +181,7 @@ def test_cli_policies_text_json_and_bad_spec(tmp_path, capsys):
     assert d["tables"][0]["rows"] < d["tables"][0]["rows_all_ids"]
     for flag, spec, msg in (("--admission", "emb={min_count: 0}", "admission.min_count"),
                             ("--eviction", "emb={steps_to_live: -1}", "steps_to_live must be"),
+                            ("--steps-per-second", "0", "--steps-per-second must be > 0"),
                             ("--admission", "nosuch={min_count: 2}", "no elastic table named")):
         assert main(base + [flag, spec]) == 2
         err = capsys.readouterr().err
