@@ -170,13 +170,15 @@ def test_cli_policies_text_json_and_bad_spec(tmp_path, capsys):
     from aimaster.cli import main
     data = write_stream(tmp_path / "stream.txt", sliding_stream(3_000))
     base = ["estimate", "tests.test_plan_policies:sliding_model", "--data", data,
-            "--parse", "tests.test_plan_policies:parse_ids", "--batch-size", str(BATCH)]
+            "--parse", "tests.test_plan_policies:parse_ids", "--batch-size", str(BATCH),
+            "--steps-per-second", "2"]
     assert main(base + ["--admission", "emb={min_count: 2}",
                         "--eviction", "emb={steps_to_live: 10}"]) == 0
     out = capsys.readouterr().out
     assert "policies: admission {'min_count': 2}" in out and "rows planned" in out
     assert "rows planned under its policies: admission min_count 2" in out
-    assert main(base + ["--eviction", "emb={steps_to_live: 10}", "--json"]) == 0
+    assert main(base + ["--eviction", "emb={steps_to_live: 10, interval_seconds: 1}",
+                        "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["tables"][0]["rows"] < d["tables"][0]["rows_all_ids"]
     for flag, spec, msg in (("--admission", "emb={min_count: 0}", "admission.min_count"),
