@@ -5,7 +5,7 @@ Enabled by ``autoscale: {enabled: true, ...}`` in the job file. Threads:
 
 - ``on_tick`` (main loop) only starts the observer thread; it never blocks.
 - The observer thread, every ``interval_seconds``: each live PS's ``Stats`` over gRPC
-  (RSS, CPU seconds, memory limit, table rows/bytes), each live worker's samples from the
+  (RSS, CPU seconds, memory limit, per table rows/bytes/evicted/candidates), each live worker's samples from the
   registry and its CPU seconds from ``/proc`` (local processes only), TODO shards; feeds
   the policy and the cost ledger; asks for a decision.
 - An actor thread per decision calls ``master.scale`` (which blocks until the scale is done
@@ -25,7 +25,8 @@ import psutil
 
 from aimaster.errors import Busy, NotRunning, OperationRefused
 from aimaster.plugins import MasterPlugin
-from aimaster.policy import CostLedger, Decision, Observation, Policy, PSSample, WorkerSample
+from aimaster.policy import (CostLedger, Decision, Observation, Policy, PSSample, TableSample,
+                             WorkerSample)
 from aimaster.view import JobPhase
 
 log = logging.getLogger("aimaster.autoscale")
@@ -49,6 +50,7 @@ class AutoscalePlugin(MasterPlugin):
         self._actor: threading.Thread | None = None
         self._followups: list[Decision] = []
         self._last_ps: dict[str, PSSample] = {}
+        self._evictions: dict[str, tuple[int, float]] = {}  # table -> steps_to_live, interval
         self._procs: dict[int, psutil.Process] = {}
         self.decisions: list[dict] = []
 
@@ -101,11 +103,30 @@ class AutoscalePlugin(MasterPlugin):
             # busy (a migration) or gone: reuse its last sample so counts stay right
             log.debug("Stats of %s failed: %s", member.id, exc)
             return self._last_ps.get(member.id)
+        # per table: eviction and admission counters bound (or not) the memory growth
         sample = PSSample(member.id, s.rss_bytes, s.cpu_seconds, s.memory_limit_bytes,
                           rows=sum(t.rows for t in s.tables),
-                          table_bytes=sum(t.bytes for t in s.tables))
+                          table_bytes=sum(t.bytes for t in s.tables),
+                          tables=tuple(TableSample(t.name, t.rows, t.bytes, t.evicted,
+                                                   t.candidates,
+                                                   *self._eviction(master, member, t.name))
+                                       for t in s.tables),
+                          pushes=s.pushes)
         self._last_ps[member.id] = sample
         return sample
+
+    def _eviction(self, master, member, table: str) -> tuple[int, float]:
+        """(steps_to_live, interval seconds) of a table (0: none), asked once per table
+        (ListTables; a table's policies are fixed when it is created)."""
+        if table not in self._evictions:
+            try:
+                for cfg in master.ps_tables(member.address, timeout=2.0):
+                    spec = json.loads(cfg.eviction_json) if cfg.eviction_json else {}
+                    self._evictions[cfg.name] = (int(spec.get("steps_to_live", 0)),
+                                                 float(spec.get("interval_seconds", 60.0)))
+            except (grpc.RpcError, ValueError) as exc:
+                log.debug("ListTables of %s failed: %s", member.id, exc)
+        return self._evictions.get(table, (0, 0.0))
 
     def _cpu_and_rss(self, pid: int) -> tuple[float | None, int]:
         """CPU seconds and RSS of a local worker process (None: not ours to measure)."""

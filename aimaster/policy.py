@@ -16,7 +16,10 @@ Rules, in the order ``Policy.decide`` applies them:
 3. **resource-fit** - a PS whose RSS, growing at its measured rate, would pass
    ``(1 - memory_headroom) x memory_limit`` within the lead time (how long a scale-out
    takes) triggers a PS scale-out sized so every PS stays under budget for a horizon.
-   Not subject to the cool-down: memory does not wait.
+   Not subject to the cool-down: memory does not wait. The growth of a table whose
+   eviction has begun is bounded: it is projected to its plateau, not for ever
+   (``table_growth``); admission candidates (exact counters are never evicted) count as
+   growth that does not stop.
 4. **performance-fit** (after the cool-down, on a steady measurement): judge the last
    trial (an added or removed replica must pay: its marginal throughput per core must be at
    least ``min_gain`` x the average throughput per core, else it is reverted and that size
@@ -103,6 +106,18 @@ class PolicyConfig:
 
 # -- observations --------------------------------------------------------------------------
 @dataclass(frozen=True)
+class TableSample:
+    """One table on one PS (its ``TableStats``): counters since the PS started."""
+    name: str
+    rows: int
+    bytes: int                    # rows + the admission candidates' companion table
+    evicted: int = 0
+    candidates: int = 0           # exact counters (bloom: filter cells allocated)
+    steps_to_live: int = 0        # its eviction spec (0: none), from the PS's ListTables
+    evict_interval_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class PSSample:
     id: str
     rss_bytes: int
@@ -110,6 +125,8 @@ class PSSample:
     memory_limit_bytes: int = 0   # 0: not reported
     rows: int = 0
     table_bytes: int = 0
+    tables: tuple[TableSample, ...] = ()
+    pushes: int = 0               # push requests applied so far: a table's steps
 
 
 @dataclass(frozen=True)
@@ -155,6 +172,32 @@ class MemoryForecast:
     rate_bytes_per_s: float | None     # None: not enough samples since the last change
     seconds_left: float                # until budget - reserve at that rate (inf: not growing)
     reserve_bytes: float = 0.0         # kept free for the next scale-out's transients
+    # the part of the rate from tables under eviction, and how much more they can grow
+    # before their plateau (``table_growth``); the rest of the rate does not stop
+    bounded_rate_bytes_per_s: float = 0.0
+    bounded_cap_bytes: float = math.inf
+
+    def growth(self, seconds: float, spread: float = 1.0) -> float:
+        """RSS growth over ``seconds`` (``spread``: the growth's share per PS after a
+        resize, n / n'); the bounded part stops at its cap."""
+        rate = max(self.rate_bytes_per_s or 0.0, 0.0)
+        bounded = min(max(self.bounded_rate_bytes_per_s, 0.0), rate)
+        return spread * ((rate - bounded) * seconds + min(bounded * seconds,
+                                                            self.bounded_cap_bytes))
+
+
+# bytes of one exact admission counter: a dim-1 row (4 B) + row arrays (28 B) + its share of
+# the hash index (17 B x 2 positions) + allocator (graph_opt/memory.py)
+CANDIDATE_BYTES = 72
+
+
+@dataclass(frozen=True)
+class TableGrowth:
+    """Table-byte growth of one PS over a span, split by whether it can stop."""
+    unbounded: float = 0.0        # bytes/s: tables without (active) eviction, candidates
+    bounded: float = 0.0          # bytes/s: tables whose eviction has begun
+    cap: float = math.inf         # bytes the bounded tables may still add (their plateau)
+    evicting: bool = False        # some table's eviction has begun
 
 
 # -- small pure helpers ----------------------------------------------------------------------
@@ -178,6 +221,62 @@ def cores(cfg: PolicyConfig, ps: int, workers: int) -> float:
     return ps * cfg.ps_cores + workers * cfg.worker_cores
 
 
+def table_growth(first: PSSample, last: PSSample, seconds: float) -> TableGrowth | None:
+    """How the tables of one PS grew from ``first`` to ``last`` (None: no table counters).
+
+    Rows enter a table at ``(d rows + d evicted) / dt``. Under ``steps_to_live`` S a row
+    lives S steps (pushes to the table: the PS's push rate) plus up to one eviction
+    interval, so the live rows are bounded by ``entry rate x (S / push rate + interval)``
+    whether or not an eviction ran yet: what is left up to that bound is the table's cap.
+    A table that evicts without a known window (``l2_below``) is bounded once eviction
+    began: it may grow by ``rows x (in / out - 1)`` (the live set at the current entry
+    rate, by Little's law, no more than doubling). Rows of other tables and admission
+    candidates (exact counters are never evicted) grow without a bound in sight."""
+    if not last.tables or seconds <= 0:
+        return None
+    before = {t.name: t for t in first.tables}
+    step_rate = (last.pushes - first.pushes) / seconds
+    unbounded = bounded = 0.0
+    cap = 0.0
+    evicting = False
+    for t in last.tables:
+        b = before.get(t.name)
+        if b is None:
+            continue
+        per_row = max(t.bytes - CANDIDATE_BYTES * t.candidates, 0) / max(t.rows, 1)
+        unbounded += CANDIDATE_BYTES * (t.candidates - b.candidates) / seconds
+        rows_rate = (t.rows - b.rows) * per_row / seconds
+        inflow, outflow = t.rows - b.rows + t.evicted - b.evicted, t.evicted - b.evicted
+        if t.steps_to_live > 0 and step_rate > 0:
+            evicting = True
+            bounded += max(rows_rate, 0.0)
+            live = inflow / seconds * (t.steps_to_live / step_rate + t.evict_interval_s)
+            cap += max(live - t.rows, 0.0) * per_row
+        elif t.evicted > 0:
+            evicting = True
+            bounded += max(rows_rate, 0.0)
+            if inflow > outflow:  # else at the plateau: eviction keeps pace
+                more = 1.0 if outflow <= 0 else min(inflow / outflow - 1.0, 1.0)
+                cap += more * t.rows * per_row
+        else:
+            unbounded += rows_rate
+    return TableGrowth(max(unbounded, 0.0), bounded, cap, evicting)
+
+
+def _seconds_left(room: float, rate: float, bounded: float, cap: float) -> float:
+    """Seconds until growth fills ``room``: ``rate`` bytes/s, of which ``bounded``
+    stops after adding ``cap`` bytes."""
+    if room <= 0:
+        return 0.0
+    if bounded <= 0 or math.isinf(cap):
+        return room / rate if rate > 0 else math.inf
+    t1 = cap / bounded  # when the bounded part stops
+    if rate * t1 >= room:
+        return room / rate
+    rest = rate - bounded
+    return t1 + (room - rate * t1) / rest if rest > 0 else math.inf
+
+
 def memory_forecasts(history: list[Observation], since: float, cfg: PolicyConfig,
                      reserve_factor: float | None = None, lead: float | None = None,
                      base_rss: float | None = None) -> list[MemoryForecast]:
@@ -197,18 +296,40 @@ def memory_forecasts(history: list[Observation], since: float, cfg: PolicyConfig
     out = []
     for p in last.ps:
         limit = p.memory_limit_bytes or cfg.ps_memory_limit_bytes
-        pts = [(o.time, s.rss_bytes) for o in history if o.time >= since
-               for s in o.ps if s.id == p.id]
+        samples = [(o.time, s) for o in history if o.time >= since for s in o.ps if s.id == p.id]
+        pts = [(t, s.rss_bytes) for t, s in samples]
         rate = slope([t for t, _ in pts], [y for _, y in pts])
         if rate is not None and pts[-1][0] - pts[0][0] < 2 * cfg.interval_seconds:
             rate = None
+        bounded, cap = 0.0, math.inf
+        g = None
+        if rate is not None and rate > 0:
+            # the tables' regime now: the newest third of the span (>= 2 intervals), so a
+            # window filled earlier in the span does not read as growth still going on
+            recent = samples[-1][0] - max(2 * cfg.interval_seconds,
+                                          (samples[-1][0] - samples[0][0]) / 3)
+            first = next(s for t, s in samples if t >= recent)
+            g = table_growth(first, samples[-1][1],
+                             samples[-1][0] - next(t for t, _ in samples if t >= recent))
+        if g is not None and g.bounded > 0:
+            # RSS grows with the table bytes (plus allocator, replica): split it pro rata
+            per_table_byte = rate / (g.bounded + g.unbounded)
+            bounded = g.bounded * per_table_byte
+            cap = g.cap * min(max(per_table_byte, 1.0), 4.0)
+        elif g is not None and g.evicting and g.unbounded <= 0:
+            # no table grows any more: an RSS slope left over from filling the eviction
+            # window (the fit still spans it) is not growth to extrapolate
+            bounded, cap = rate, g.cap
         budget = limit * (1 - cfg.memory_headroom) if limit else math.inf
         reserve = factor * max(0, p.rss_bytes - base_rss)
-        if rate is None or rate * lead < 0.01 * limit:
+        f = MemoryForecast(p.id, p.rss_bytes, limit, budget, rate, math.inf, reserve,
+                           bounded, cap)
+        if rate is None or f.growth(lead) < 0.01 * limit:
             left = 0.0 if p.rss_bytes >= budget else math.inf
         else:
-            left = max(0.0, (budget - reserve - p.rss_bytes) / rate)
-        out.append(MemoryForecast(p.id, p.rss_bytes, limit, budget, rate, left, reserve))
+            left = _seconds_left(budget - reserve - p.rss_bytes, rate, bounded, cap)
+        out.append(MemoryForecast(p.id, p.rss_bytes, limit, budget, rate, left, reserve,
+                                  bounded, cap))
     return out
 
 
@@ -224,11 +345,11 @@ def ps_needed_for_memory(forecasts: list[MemoryForecast], n: int, horizon: float
         # with ring replication each PS also grows with its peer's copy once there are two
         spread = n / k * (2 if cfg.replicated and n == 1 else 1)
         for f in forecasts:
-            rate = max(f.rate_bytes_per_s or 0.0, 0.0) * spread
+            grow = f.growth(horizon, spread)
             # the source pays the whole reserve whatever k is (export, its new replica)
-            if f.rss_bytes + f.reserve_bytes + rate * horizon > f.budget_bytes:
+            if f.rss_bytes + f.reserve_bytes + grow > f.budget_bytes:
                 ok = False
-            if base + rate * horizon > f.budget_bytes:
+            if base + grow > f.budget_bytes:
                 ok = False
         if ok:
             return k
@@ -251,8 +372,7 @@ def fits_after_removal(forecasts: list[MemoryForecast], last: Observation, horiz
             continue
         if f.rate_bytes_per_s is None and f.limit_bytes:
             return False  # growth unknown: do not bet memory on it
-        rate = max(f.rate_bytes_per_s or 0.0, 0.0) * n / (n - 1)
-        if f.rss_bytes + moved + rate * horizon > f.budget_bytes:
+        if f.rss_bytes + moved + f.growth(horizon, n / (n - 1)) > f.budget_bytes:
             return False
     return True
 
@@ -505,7 +625,11 @@ class Policy:
                f"reaches {1 - cfg.memory_headroom:.0%} of its {worst.limit_bytes / MiB:.0f} MiB "
                f"limit in {worst.seconds_left:.1f}s <= lead {lead:.1f}s")
         why += f" (keeping {worst.reserve_bytes / MiB:.0f} MiB for the scale-out)"
+        if worst.bounded_rate_bytes_per_s > 0:
+            why += (f"; {worst.bounded_rate_bytes_per_s / MiB:.2f} MiB/s of it from tables under "
+                    f"eviction, stopping after {worst.bounded_cap_bytes / MiB:.0f} MiB")
         details = {"ps_id": worst.ps_id, "rss_bytes": worst.rss_bytes,
+                   "bounded_rate_bytes_per_s": round(worst.bounded_rate_bytes_per_s, 1),
                    "reserve_bytes": int(worst.reserve_bytes),
                    "limit_bytes": worst.limit_bytes, "rate_bytes_per_s": round(rate, 1),
                    "seconds_left": round(worst.seconds_left, 2), "lead_s": round(lead, 2)}
@@ -647,6 +771,10 @@ class Policy:
                               "reserve_mb": round(f.reserve_bytes / MiB, 1),
                               "rate_mb_s": None if f.rate_bytes_per_s is None
                               else round(f.rate_bytes_per_s / MiB, 3),
+                              # growth of tables under eviction, and where it stops
+                              "bounded_rate_mb_s": round(f.bounded_rate_bytes_per_s / MiB, 3),
+                              "bounded_cap_mb": None if math.isinf(f.bounded_cap_bytes)
+                              else round(f.bounded_cap_bytes / MiB, 1),
                               "seconds_left": None if math.isinf(f.seconds_left)
                               else round(f.seconds_left, 1)} for f in fc]
         return out

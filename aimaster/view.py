@@ -128,6 +128,12 @@ class JobView:
         """A PS's StatsResponse, through the job's PS fleet (its channel and retries)."""
         return self._m.fleet.stats(address, timeout)
 
+    def ps_tables(self, address: str, timeout: float = 2.0):
+        """A PS's table configs (``ListTables``: their admission / eviction specs)."""
+        from deeprec_ext.proto import ps_pb2
+        return list(self._m.fleet.stub(address).ListTables(ps_pb2.ListTablesRequest(),
+                                                           timeout=timeout).tables)
+
     # -- stragglers ---------------------------------------------------------------------
     def straggler_rebalance(self, capacity: dict[str, float], detail: dict,
                             timeout: float = 600.0) -> dict:

@@ -17,6 +17,10 @@ Per configuration:
    (``rss_bytes``, rows, ``cpu_seconds``) before anything stops;
 4. estimate / measured per PS.
 
+Config ``d`` gives the embedding table admission (min_count 2) and eviction
+(steps_to_live 40): its rows are planned for the admitted ids within the window plus the
+candidates' counters (``e`` is its twin without policies).
+
 Target: every estimate within 20 % of the measured RSS.
 """
 from __future__ import annotations
@@ -40,12 +44,20 @@ CONFIGS = {
     "a": (8, "adam", 200_000, 1, 1),
     "b": (16, "adagrad", 400_000, 2, 1),
     "c": (32, "ftrl", 400_000, 1, 1),
+    "d": (16, "adagrad", 400_000, 1, 1),   # with POLICIES["d"]
+    "e": (16, "adagrad", 400_000, 1, 1),   # d's twin without policies
+}
+# admission + eviction of the embedding table, per config (issue 17: rows planned for the
+# admitted ids live within the window, plus the candidates' counters)
+POLICIES = {
+    "d": {"admission": {"min_count": 2}, "eviction": {"steps_to_live": 40, "interval_seconds": 2}},
 }
 
 
-def build_model(dim: int = 8, optimizer: str = "adam", lr: float = 0.001):
+def build_model(dim: int = 8, optimizer: str = "adam", lr: float = 0.001, admission=None,
+                eviction=None):
     """The example DeepFM with both tables on the PS under ``optimizer`` (the estimate
-    target and the worker's model)."""
+    target and the worker's model); ``admission`` / ``eviction`` of the embedding table."""
     import keras
 
     import deeprec_ext.tf as dtf
@@ -54,7 +66,9 @@ def build_model(dim: int = 8, optimizer: str = "adam", lr: float = 0.001):
     init = {"embedding": {"name": "normal", "stddev": 0.01, "seed": 7}, "linear": "zeros"}
 
     def factory(name, d):
-        return dtf.ElasticEmbedding(d, table=name, initializer=init[name], optimizer=opt, name=name)
+        pol = {"admission": admission, "eviction": eviction} if name == "embedding" else {}
+        return dtf.ElasticEmbedding(d, table=name, initializer=init[name], optimizer=opt,
+                                    name=name, **pol)
 
     model = build_deepfm(embedding_factory=factory, dim=dim)
     model.compile(optimizer=keras.optimizers.Adam(lr), loss="binary_crossentropy")
@@ -68,7 +82,7 @@ def worker_main(args) -> int:
     import deeprec_ext.tf as dtf
     from examples.criteo.reader import parse_lines
     ctx = dtf.get_context()
-    model = build_model(args.dim, args.optimizer)
+    model = build_model(args.dim, args.optimizer, **json.loads(args.policies))
     model.fit(dtf.shard_dataset(args.batch_size, parse_fn=parse_lines), epochs=1,
               callbacks=[dtf.ElasticCallback()], verbose=0)
     out = {"worker": ctx.worker_id, "samples": ctx.session.samples,
@@ -77,7 +91,9 @@ def worker_main(args) -> int:
         ctx.wait_all_done()
         time.sleep(2.0)  # async replication ships every 200 ms: let the last delta land
         out["ps"] = [{"ps_id": s.ps_id, "rss_bytes": s.rss_bytes, "cpu_seconds": s.cpu_seconds,
-                      "tables": {t.name: {"rows": t.rows, "bytes": t.bytes} for t in s.tables}}
+                      "tables": {t.name: {"rows": t.rows, "bytes": t.bytes,
+                                          "candidates": t.candidates, "evicted": t.evicted}
+                                 for t in s.tables}}
                      for s in ctx.client.ps_stats()]
     path = os.path.join(os.environ["DEEPREC_STATE_DIR"], f"bench-{ctx.worker_id}.json")
     with open(path, "w") as f:
@@ -116,7 +132,8 @@ def run_config(name: str, timeout: float, sample_records: int) -> dict:
     job = {"name": f"bench-estimate-{name}", "num_slots": 4096,
            "ps": {"replicas": n_ps}, "worker": {"replicas": n_workers, "command": [
                "{python}", os.path.join(REPO, "bench", "bench_estimate.py"), "--_worker",
-               "--dim", str(dim), "--optimizer", opt]},
+               "--dim", str(dim), "--optimizer", opt,
+               "--policies", json.dumps(POLICIES.get(name, {}))]},
            "data": {"files": files, "records_per_shard": 20000, "epochs": 1},
            "master": {"state_dir": state, "progress_seconds": 5}}
     job_file = os.path.join(state, "job.yaml")
@@ -125,7 +142,8 @@ def run_config(name: str, timeout: float, sample_records: int) -> dict:
 
     t0 = time.monotonic()
     est = graph_opt.estimate("bench.bench_estimate:build_model",
-                             fn_kwargs={"dim": dim, "optimizer": opt}, job=load_job(job_file),
+                             fn_kwargs={"dim": dim, "optimizer": opt, **POLICIES.get(name, {})},
+                             job=load_job(job_file),
                              parse="examples.criteo.reader:parse_lines",
                              sample_records=sample_records,
                              plan_inputs=PlanInputs(ps=n_ps, workers=n_workers))
@@ -157,6 +175,14 @@ def run_config(name: str, timeout: float, sample_records: int) -> dict:
             "workers": n_workers, "estimate_bytes": e, "measured_rss_bytes": rss,
             "ratio": [round(e / r, 3) for r in rss],
             "estimated_rows": {t.name: t.rows for t in est.tables}, "measured_rows": rows,
+            "policies": POLICIES.get(name, {}),
+            "estimated_candidates": {t.name: t.candidate_rows for t in est.tables},
+            "measured_candidates": {t: sum(p["tables"].get(t, {}).get("candidates", 0)
+                                           for p in measured["ps"]) for t in ("embedding",)},
+            "evicted": sum(p["tables"].get("embedding", {}).get("evicted", 0)
+                           for p in measured["ps"]),
+            "rows_reason": {t.name: t.rows_reason for t in est.tables if t.rows_reason},
+            "rows_all_ids": {t.name: t.rows_all_ids for t in est.tables if t.rows_all_ids},
             "ps_cpu_seconds": [p["cpu_seconds"] for p in measured["ps"]],
             "samples": measured["samples"], "worker_rss_bytes": measured["worker_rss_bytes"],
             "estimate_seconds": round(est_seconds, 1),
@@ -174,6 +200,7 @@ def main(argv=None) -> int:
     p.add_argument("--dim", type=int, default=8)
     p.add_argument("--optimizer", default="adam")
     p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--policies", default="{}", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._worker:
         return worker_main(args)
@@ -194,6 +221,10 @@ def main(argv=None) -> int:
         ratios = ", ".join(f"{x:.2f}" for x in r["ratio"])
         print(f"{r['config']:4} {r['dim']:>4} {r['optimizer']:8} {r['records']:>8,} {r['ps']:>3} "
               f"{er:>8,}/{mr:<8,} {r['estimate_bytes'] / mib:>13.1f} {meas:>22} {ratios:>9}")
+        if r["policies"]:
+            print(f"     {r['policies']}: embedding of {r['rows_all_ids'].get('embedding', 0):,} "
+                  f"distinct ids; candidates est/meas {r['estimated_candidates']['embedding']:,}/"
+                  f"{r['measured_candidates']['embedding']:,}; evicted {r['evicted']:,}")
         ok &= all(abs(x - 1) <= TARGET for x in r["ratio"])
     print(f"target: every estimate within {TARGET:.0%} of the measured RSS: "
           f"{'PASS' if ok else 'MISS'}  (load average before {load[0]:.2f}, after "

@@ -23,6 +23,12 @@ class TableEstimate:
     rows: int | None = None
     rows_source: str = "unknown"   # hint | sample | sample+heaps | unknown
     optimizer_assumed: bool = False
+    admission: dict | None = None  # the table's policies (deeprec_ext.store.policies)
+    eviction: dict | None = None
+    rows_all_ids: int | None = None  # distinct ids of the stream (rows without the policies)
+    candidate_rows: int = 0        # admission candidates: exact counters, or bloom blocks
+    candidate_dim: int = 1         # floats per candidate row (1; bloom: BLOOM_BLOCK cells)
+    rows_reason: str = ""          # why these rows (admission / eviction arithmetic)
 
     @property
     def row_floats(self) -> int:

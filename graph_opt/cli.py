@@ -19,6 +19,12 @@ def add_parser(sub) -> None:
                    help="expected rows of a table (e.g. embedding=2.5m), repeatable")
     e.add_argument("--optimizer", action="append", default=[], metavar="TABLE=NAME",
                    help="PS optimizer of a table the graph does not record")
+    e.add_argument("--admission", action="append", default=[], metavar="TABLE=SPEC",
+                   help="admission policy of a table the model does not declare (YAML, e.g. "
+                        "'embedding={min_count: 3}'); plans the admitted rows + candidates")
+    e.add_argument("--eviction", action="append", default=[], metavar="TABLE=SPEC",
+                   help="eviction policy (YAML, e.g. 'embedding={steps_to_live: 2000}'); "
+                        "plans the rows live within the window")
     e.add_argument("--feature", action="append", default=[], metavar="TABLE=FEATURE",
                    help="parsed feature that feeds a table (default: traced from the model)")
     e.add_argument("--job", default=os.environ.get("AIMASTER_JOB"),
@@ -40,6 +46,9 @@ def add_parser(sub) -> None:
     e.add_argument("--headroom", type=float, default=0.25,
                    help="requested memory = estimated RSS x (1 + headroom)")
     e.add_argument("--batch-size", type=int, default=1024)
+    e.add_argument("--steps-per-second", type=float, default=None,
+                   help="training steps (batches pushed) a second over the job, for the "
+                        "rows an eviction interval keeps (default: the cost model's)")
     e.add_argument("--records", type=int, default=None,
                    help="training records per epoch (default: counted in the data files)")
     e.add_argument("--ps-base-mb", type=float, default=None,
@@ -67,6 +76,8 @@ def _run(args) -> int:
     for flag, v in (("--workers", args.workers), ("--ps", args.ps)):
         if v is not None and v < 1:
             raise EstimateError(f"{flag} must be >= 1, got {v}")
+    if args.steps_per_second is not None and not args.steps_per_second > 0:
+        raise EstimateError(f"--steps-per-second must be > 0, got {args.steps_per_second}")
     if args.headroom < 0 or args.worker_cpu <= 0 or args.ps_memory_limit_mb <= 0 \
             or args.ps_max_cpu <= 0:
         raise EstimateError("--headroom must be >= 0; --worker-cpu, --ps-memory-limit-mb and "
@@ -75,7 +86,8 @@ def _run(args) -> int:
     inputs = PlanInputs(workers=args.workers, ps=args.ps, worker_cpu=args.worker_cpu,
                         ps_memory_limit_bytes=int(args.ps_memory_limit_mb * 2 ** 20),
                         ps_max_cpu=args.ps_max_cpu, headroom=args.headroom,
-                        batch_size=args.batch_size, records=args.records)
+                        batch_size=args.batch_size, records=args.records,
+                        steps_per_second=args.steps_per_second)
     if args.ps_base_mb is not None:
         inputs.ps_base_bytes = int(args.ps_base_mb * 2 ** 20)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -84,6 +96,8 @@ def _run(args) -> int:
                    features=parse_assignments(args.feature, "--feature"),
                    sample_records=args.sample_records,
                    optimizers=parse_assignments(args.optimizer, "--optimizer"),
-                   job=getattr(args, "job_config", None), plan_inputs=inputs)
+                   job=getattr(args, "job_config", None), plan_inputs=inputs,
+                   admission=parse_assignments(args.admission, "--admission", parse_literal),
+                   eviction=parse_assignments(args.eviction, "--eviction", parse_literal))
     print(json.dumps(est.to_dict(), indent=2, default=str) if args.json else format_text(est))
     return 0

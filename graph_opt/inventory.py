@@ -53,8 +53,10 @@ class RecordingClient:
     def __init__(self):
         self.tables: dict[str, dict] = {}
 
-    def create_table(self, name, dim, initializer="zeros", optimizer="sgd", **_):
-        self.tables[name] = {"dim": int(dim), "initializer": initializer, "optimizer": optimizer}
+    def create_table(self, name, dim, initializer="zeros", optimizer="sgd", admission=None,
+                     eviction=None, **_):
+        self.tables[name] = {"dim": int(dim), "initializer": initializer, "optimizer": optimizer,
+                             "admission": admission, "eviction": eviction}
 
     def __getattr__(self, item):
         raise EstimateError(f"the model called PSClient.{item} while being built for "
@@ -173,9 +175,16 @@ def _table(spec: dict, warnings: list) -> TableEstimate:
         slots = slots_per_row(opt)
     except ValueError as exc:
         raise EstimateError(f"table {spec['table']!r}: {exc}") from exc
+    from deeprec_ext.store.policies import make_admission, make_eviction
+    try:  # the planner sizes rows by the policies (graph_opt.estimation)
+        admission = make_admission(spec.get("admission"), spec["table"], int(spec["dim"]))
+        eviction = make_eviction(spec.get("eviction"), spec["table"])
+    except ValueError as exc:
+        raise EstimateError(str(exc)) from exc
     return TableEstimate(name=spec["table"], dim=int(spec["dim"]), optimizer=str(name),
                          num_slots=slots, initializer=spec.get("initializer"),
-                         key_dtype=spec.get("key_dtype", "int64"), optimizer_assumed=assumed)
+                         key_dtype=spec.get("key_dtype", "int64"), optimizer_assumed=assumed,
+                         admission=admission, eviction=eviction)
 
 
 def _spec_consts(nodes) -> list[dict]:
@@ -212,7 +221,8 @@ def inspect_keras(model, recorded: dict) -> Inventory:
                 continue
             seen.add(layer.table)
             t = _table({"table": layer.table, "dim": layer.dim,
-                        "initializer": layer.initializer, "optimizer": layer.optimizer_spec},
+                        "initializer": layer.initializer, "optimizer": layer.optimizer_spec,
+                        "admission": layer.admission, "eviction": layer.eviction},
                        inv.warnings)
             feature, dtype, per_sample = _keras_feature(layer)
             t.feature, t.input_dtype, t.ids_per_sample = feature, dtype, per_sample

@@ -35,6 +35,7 @@ import math
 SLOTS_PER_ROW = {"sgd": 0, "adagrad": 1, "ftrl": 2, "adam": 3, "assign_add": 0}
 
 ROW_ARRAY_BYTES = 28          # row_seq + row_key + _mark (int64) + row_count (uint32)
+ROW_STEP_BYTES = 8            # _row_step (int64): the step a row was last updated (eviction)
 INDEX_BYTES_PER_POSITION = 17  # _kv int64 [cap, 2] + _state uint8 [cap]
 MIN_INDEX_CAPACITY = 2048      # EmbeddingTable(initial_capacity=1024) -> HashIndex(2048)
 MIN_ARENA_ROWS = 1024
@@ -59,21 +60,25 @@ def slots_per_row(optimizer) -> int:
     return SLOTS_PER_ROW[name.lower()]
 
 
-def index_capacity(rows: int) -> int:
-    """Hash-index positions of a table holding ``rows`` keys (no deletes)."""
+def index_capacity(rows: int, churn: bool = False) -> int:
+    """Hash-index positions of a table holding ``rows`` keys. Without deletes it doubles
+    once ``2 x rows`` would pass it; under delete churn (eviction) tombstones fill it too
+    and a rehash keeps the capacity only while ``8 x rows <= 3 x cap`` (hash_index.reserve)."""
     cap = MIN_INDEX_CAPACITY
-    while 2 * rows > cap:
+    while (8 * rows > 3 * cap) if churn else (2 * rows > cap):
         cap *= 2
     return cap
 
 
-def table_bytes(rows: int, dim: int, num_slots: int) -> dict:
-    """Resident bytes of one table with ``rows`` keys, by component."""
+def table_bytes(rows: int, dim: int, num_slots: int, evicting: bool = False) -> dict:
+    """Resident bytes of one table with ``rows`` keys, by component. ``evicting``: rows
+    are deleted and reused (eviction): a ``row_step`` int64 per row, churn-sized index."""
     rows = max(int(rows), 0)
     width = dim * (1 + num_slots)
-    cap = index_capacity(rows)
-    arena, row_arrays, index = 4 * width * rows, ROW_ARRAY_BYTES * rows, INDEX_BYTES_PER_POSITION * cap
-    arrays = [arena, 16 * cap, cap, 4 * rows] + [8 * rows] * 3  # + row_count, row_seq/key/mark
+    cap = index_capacity(rows, evicting)
+    per_row = ROW_ARRAY_BYTES + (ROW_STEP_BYTES if evicting else 0)
+    arena, row_arrays, index = 4 * width * rows, per_row * rows, INDEX_BYTES_PER_POSITION * cap
+    arrays = [arena, 16 * cap, cap, 4 * rows] + [8 * rows] * (4 if evicting else 3)
     return {"arena": arena, "row_arrays": row_arrays, "index": index,
             "allocator": int(RETAINED_FACTOR * (index + row_arrays))
             + HUGE_PAGE_SLACK * sum(a >= _HUGE_PAGE_MIN for a in arrays)}
@@ -83,7 +88,8 @@ def ps_bytes(tables: list[dict], n_ps: int, push_rpcs_per_ps: int = 0,
              base_bytes: int = BASE_RSS_BYTES) -> dict:
     """Estimated RSS of ONE PS of ``n_ps``.
 
-    ``tables``: ``[{"name", "rows", "dim", "num_slots"}]`` with job-wide row counts;
+    ``tables``: ``[{"name", "rows", "dim", "num_slots"[, "evicting"]}]`` with job-wide row
+    counts (admission candidates are tables of their own: dim 1, or bloom blocks);
     rows spread evenly over the PS (routing hashes keys to 4096 slots). Returns the
     components and ``total``.
     """
@@ -93,7 +99,8 @@ def ps_bytes(tables: list[dict], n_ps: int, push_rpcs_per_ps: int = 0,
     own = {"arena": 0, "row_arrays": 0, "index": 0, "allocator": 0}
     per_table = []
     for t in tables:
-        b = table_bytes(math.ceil(t["rows"] / n_ps), t["dim"], t["num_slots"])
+        b = table_bytes(math.ceil(t["rows"] / n_ps), t["dim"], t["num_slots"],
+                        t.get("evicting", False))
         per_table.append({"name": t["name"], **b, "total": sum(b.values())})
         for k, v in b.items():
             own[k] += v

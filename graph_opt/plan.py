@@ -40,6 +40,9 @@ class PlanInputs:
     epochs: int = 1
     ps_base_bytes: int = BASE_RSS_BYTES
     cost: CostModel = field(default_factory=CostModel)
+    # training steps (pushed batches) a second, for the eviction lag; None: from the cost
+    # model's throughput
+    steps_per_second: float | None = None
 
 
 def dense_tables(dense) -> list[dict]:
@@ -51,6 +54,22 @@ def dense_tables(dense) -> list[dict]:
         dim = math.prod(v.shape[1:]) if len(v.shape) > 1 else 1
         out.append({"name": f"dense/{v.name}", "rows": rows, "dim": dim, "num_slots": 0})
     return out
+
+
+def worker_seconds_per_sample(tables, flops_per_sample: int | None, c: CostModel) -> float:
+    """CPU seconds a worker core spends on one training sample (the cost model)."""
+    ids = sum(t.ids_per_sample or 0 for t in tables)
+    return (3 * (flops_per_sample or 0) / c.worker_flops_per_second
+            + ids * c.worker_seconds_per_id + c.worker_seconds_per_sample)
+
+
+def steps_per_second(tables, flops_per_sample: int | None, inputs: "PlanInputs") -> float:
+    """Pushed batches a second over the job: given, else the cost model's throughput."""
+    if inputs.steps_per_second:
+        return float(inputs.steps_per_second)
+    rate = (inputs.workers or 1) * inputs.worker_cpu / worker_seconds_per_sample(
+        tables, flops_per_sample, inputs.cost)
+    return rate / max(inputs.batch_size, 1)
 
 
 def _mib(n: float) -> str:
@@ -66,8 +85,11 @@ def make_plan(tables: list[TableEstimate], dense, flops_per_sample: int | None,
     """``(plan, components of one PS's RSS, arithmetic lines)``."""
     c = inputs.cost
     lines: list[str] = []
-    sparse = [{"name": t.name, "rows": t.rows or 0, "dim": t.dim, "num_slots": t.num_slots}
-              for t in tables]
+    sparse = [{"name": t.name, "rows": t.rows or 0, "dim": t.dim, "num_slots": t.num_slots,
+               "evicting": bool(t.eviction)} for t in tables]
+    # admission candidates live in a companion table (deeprec_ext.store.policies)
+    sparse += [{"name": f"{t.name}::admission", "rows": t.candidate_rows,
+                "dim": t.candidate_dim, "num_slots": 0} for t in tables if t.candidate_rows]
     all_tables = sparse + dense_tables(dense)
     steps = math.ceil((inputs.records or 0) * inputs.epochs / max(inputs.batch_size, 1))
     pushes_per_ps = steps * (len(tables) + 1)  # one push per table + one dense sync per step
@@ -80,6 +102,12 @@ def make_plan(tables: list[TableEstimate], dense, flops_per_sample: int | None,
         lines.append(f"  table {t.name}: {t.rows or 0:,} rows ({t.rows_source}) x (4 x {t.dim} x "
                      f"(1 + {t.num_slots} {t.optimizer} slots) + 28) B = "
                      f"{_mib((t.rows or 0) * per_row)} + index")
+        if t.rows_reason:
+            lines.append(f"    rows planned under its policies: {t.rows_reason}")
+        if t.candidate_rows:
+            lines.append(f"    + admission candidates: {t.candidate_rows:,} rows x (4 x "
+                         f"{t.candidate_dim} + 28) B = "
+                         f"{_mib(t.candidate_rows * (4 * t.candidate_dim + 28))} + index")
     dparams = sum(v.params for v in dense)
     lines.append(f"  dense: {len(dense)} variables, {dparams:,} params -> {len(dense)} "
                  f"assign_add tables")
@@ -88,8 +116,7 @@ def make_plan(tables: list[TableEstimate], dense, flops_per_sample: int | None,
     workers = inputs.workers or 1
     ids = sum(t.ids_per_sample or 0 for t in tables)
     flops = 3 * (flops_per_sample or 0)  # forward + backward ~ 3x forward
-    w_sec = flops / c.worker_flops_per_second + ids * c.worker_seconds_per_id \
-        + c.worker_seconds_per_sample
+    w_sec = worker_seconds_per_sample(tables, flops_per_sample, c)
     per_worker = inputs.worker_cpu / w_sec
     total_rate = workers * per_worker
     lines.append(f"worker CPU/sample = {flops:,} train FLOPs / {c.worker_flops_per_second:.2g} "

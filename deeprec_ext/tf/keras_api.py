@@ -25,14 +25,20 @@ DEFAULT_OPTIMIZER = {"name": "adagrad", "learning_rate": 0.05}
 TABLE_SPEC_OP = "deeprec_table_spec"
 
 
-def record_table_spec(table: str, dim: int, initializer, optimizer) -> None:
+def record_table_spec(table: str, dim: int, initializer, optimizer, admission=None,
+                      eviction=None) -> None:
     """Leave the table's spec in the graph being traced as an unused string constant, so
     ``graph_opt`` finds it in a GraphDef, MetaGraph or SavedModel (where layer attributes
-    are not saved). Nothing in eager mode; Grappler prunes it at run time."""
+    are not saved); its admission / eviction policies size the planned rows. Nothing in
+    eager mode; Grappler prunes it at run time."""
     if not tf.executing_eagerly():
-        tf.constant(json.dumps({"table": table, "dim": int(dim), "key_dtype": "int64",
-                                "initializer": initializer, "optimizer": optimizer}),
-                    name=TABLE_SPEC_OP)
+        spec = {"table": table, "dim": int(dim), "key_dtype": "int64",
+                "initializer": initializer, "optimizer": optimizer}
+        if admission:
+            spec["admission"] = admission
+        if eviction:
+            spec["eviction"] = eviction
+        tf.constant(json.dumps(spec), name=TABLE_SPEC_OP)
 
 
 class ElasticEmbedding(keras.layers.Layer):
@@ -77,7 +83,8 @@ class ElasticEmbedding(keras.layers.Layer):
 
     def call(self, ids, training=None):
         self._ensure_table()
-        record_table_spec(self.table, self.dim, self.initializer, self.optimizer_spec)
+        record_table_spec(self.table, self.dim, self.initializer, self.optimizer_spec,
+                          self.admission, self.eviction)
         return elastic_lookup(self.table, self.dim, ids, tf.convert_to_tensor(self.anchor),
                               training=bool(training))
 

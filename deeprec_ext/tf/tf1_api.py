@@ -33,7 +33,7 @@ def embedding_lookup(name: str, ids, dim: int, initializer=None, optimizer=None,
     optimizer = optimizer if optimizer is not None else DEFAULT_OPTIMIZER
     get_context().client.create_table(name, dim, initializer=initializer, optimizer=optimizer,
                                       admission=admission, eviction=eviction)
-    record_table_spec(name, dim, initializer, optimizer)
+    record_table_spec(name, dim, initializer, optimizer, admission, eviction)
     with v1.variable_scope(None, default_name=f"{name}_ps"):
         anchor = v1.get_variable(ANCHOR_SUFFIX, shape=[], dtype=tf.float32,
                                  initializer=v1.zeros_initializer(), trainable=True,
