@@ -27,6 +27,19 @@ def _job(**eval_section):
     ({"files": ["a"], "every_seconds": -1}, "eval.every_seconds"),
     ({"files": ["a"], "every_steps": 5, "batch": 3}, "eval: unknown key"),
 ])
+
+def _eval_rounds(state_dir):
+    """eval.jsonl's points and its rounds during training; one final round at the last step."""
+    points = [json.loads(line) for line in (state_dir / "eval.jsonl").read_text().splitlines()]
+    final = [p for p in points if p["final"]]
+    assert len(final) == 1 and points[-1]["final"], points
+    total_steps = json.loads((state_dir / "metrics-worker-0.json").read_text())["steps"]
+    assert final[0]["step"] == total_steps
+    during = [p for p in points if not p["final"]]
+    # a round may land after the last step but before the worker has left
+    assert all(0 < p["step"] <= total_steps for p in during), points
+    return points, during, total_steps
+
 def test_bad_eval_section_is_refused_naming_the_key(section, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         parse_job(_job(**section))
@@ -117,13 +130,8 @@ def test_keras_job_evaluates_while_training_read_only(start_job, eval_data):
     })
     assert job.wait(300) == 0, job.output()[-3000:]
     state_dir = job.state_dir
-    points = [json.loads(line) for line in (state_dir / "eval.jsonl").read_text().splitlines()]
-    final = [p for p in points if p["final"]]
-    assert len(final) == 1 and points[-1]["final"], points
-    total_steps = json.loads((state_dir / "metrics-worker-0.json").read_text())["steps"]
-    assert final[0]["step"] == total_steps
-    during = [p for p in points if not p["final"]]
-    assert during and all(0 < p["step"] < total_steps for p in during), points
+    points, during, total_steps = _eval_rounds(state_dir)
+    assert during, points
     assert all(p["examples"] == 3000 and 0.0 <= p["auc"] <= 1.0 and p["logloss"] > 0
                for p in points)
     # TensorBoard: eval curves at the steps scored, training curves beside them
@@ -250,14 +258,7 @@ def test_tf1_job_evaluates_while_training_read_only(start_job, eval_data):
     state_dir = job.state_dir
     log = (state_dir / "logs" / "evaluator-0.log").read_text()
     assert "sigmoid cross-entropy" in log, log[-3000:]  # how it found what to score
-    points = [json.loads(line) for line in (state_dir / "eval.jsonl").read_text().splitlines()]
-    final = [p for p in points if p["final"]]
-    assert len(final) == 1 and points[-1]["final"], points
-    total_steps = json.loads((state_dir / "metrics-worker-0.json").read_text())["steps"]
-    assert final[0]["step"] == total_steps
-    during = [p for p in points if not p["final"]]
-    # a round may land after the last step but before the worker has left
-    assert all(0 < p["step"] <= total_steps for p in during), points
+    points, during, total_steps = _eval_rounds(state_dir)
     assert any(p["step"] < total_steps for p in during), points
     assert all(p["examples"] == 3000 and 0.0 <= p["auc"] <= 1.0 and 0 < p["logloss"] < 5
                for p in points), points
