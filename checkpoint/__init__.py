@@ -168,7 +168,11 @@ def next_id(root) -> int:
     """1 + the largest checkpoint id under ``root`` (any state), 1 for an empty root."""
     from pathlib import Path
 
+    from checkpoint import remote
     from checkpoint.format import DIR_RE
+    if remote.is_remote(str(root)):  # incomplete ones too: an id is never reused
+        return max((int(DIR_RE.match(n).group(1)) for n in remote.listing(str(root))),
+                   default=0) + 1
     root = Path(root)
     if not root.is_dir():
         return 1

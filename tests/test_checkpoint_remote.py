@@ -1,0 +1,194 @@
+"""Checkpoints and exports on S3 (issue 18, item 3): the real local S3 server of
+test_data_remote (moto's server mode), the real checkpoint writer, reader and CLI.
+
+A checkpoint on an object store is visible only once its manifest object is; a writer
+killed -9 half-way leaves data objects that no restore, warm start or ``next_id`` mistakes
+for a checkpoint; a bad URL, a missing bucket or refused credentials are errors naming the
+location."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("s3fs")
+
+import checkpoint  # noqa: E402
+from checkpoint import (CheckpointError, NoValidCheckpoint, apply_retention,  # noqa: E402
+                        list_chains, next_id, restore)
+from checkpoint.format import MANIFEST_NAME  # noqa: E402
+from deeprec_ext.store import EmbeddingStore  # noqa: E402
+from tests.test_checkpoint import (ROOT, assert_same, make_store, mutate, snap,  # noqa: E402
+                                   write)
+from tests.test_data_remote import BUCKET, s3  # noqa: E402,F401 - the server fixture
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    """Each test mirrors into its own cache: nothing is served from another test's copy."""
+    monkeypatch.setenv("DEEPREC_CHECKPOINT_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _store(rng, n=6000):
+    """Two embedding tables (adagrad, adam) of the checkpoint tests, no dense table:
+    ``mutate`` gives it random keys, which ``load`` rightly refuses for a dense variable."""
+    s = make_store(rng, n)
+    s.drop_table("dense/w")
+    return s
+
+
+def _objects(s3, prefix):
+    s3.invalidate_cache()
+    return sorted(p.split(f"{prefix}/", 1)[1] for p in s3.find(f"{BUCKET}/{prefix}"))
+
+
+def test_full_and_incrementals_on_s3_restore_exactly(s3, tmp_path, cache):
+    url = f"s3://{BUCKET}/ckpt-exact"
+    rng = np.random.default_rng(5)
+    store = _store(rng)
+    assert next_id(url) == 1
+    cuts = write(url, 1, store)
+    first = snap(store)
+    rows1 = {n: len(t) for n, t in store.tables().items()}
+    for ckpt in (2, 3):
+        mutate(store, rng)
+        cuts = write(url, ckpt, store, "incr", parent=ckpt - 1, cuts=cuts)
+    objs = _objects(s3, "ckpt-exact")
+    assert {o.split("/")[0] for o in objs} == {"ckpt-00000001-full", "ckpt-00000002-incr",
+                                               "ckpt-00000003-incr"}
+    assert next_id(url) == 4
+    # the writer staged locally and left nothing behind; the files are objects
+    assert all(o.endswith((".rows", ".dense", MANIFEST_NAME)) for o in objs)
+
+    s2 = EmbeddingStore()
+    info = restore(url, s2)
+    assert info.chain == [1, 2, 3] and info.dir == f"{url}/ckpt-00000003-incr"
+    assert_same(snap(store), snap(s2))
+    assert {n: st["live_rows"] for n, st in info.tables.items()} == \
+        {n: len(t) for n, t in store.tables().items()}
+
+    loaded = checkpoint.load(url)
+    assert sorted(loaded.tables) == sorted(store.tables())
+    for name, t in store.tables().items():
+        keys, rows, _ = t.export_rows()
+        o = np.argsort(keys)
+        np.testing.assert_array_equal(loaded.tables[name].ids, keys[o])
+        np.testing.assert_array_equal(loaded.tables[name].values.view(np.uint32),
+                                      rows[o, :t.dim].view(np.uint32))
+    one = checkpoint.load(f"{url}/ckpt-00000001-full")   # one checkpoint of the root, by URL
+    assert one.chain == [1] and {n: len(t) for n, t in one.tables.items()} == \
+        {n: rows1[n] for n in one.tables}
+    for name, t in one.tables.items():
+        np.testing.assert_array_equal(t.ids, first[name][0])
+
+    # the CLI verifies every byte of the remote checkpoints
+    out = subprocess.run([sys.executable, "-m", "checkpoint", "inspect", url, "--json"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    assert rep["root"] == url and rep["chains"] == [[1, 2, 3]] and rep["ok"]
+
+    # retention: a second chain, then the first one's objects go (manifest first)
+    write(url, 4, store)
+    assert apply_retention(url, keep_chains=1) == ["ckpt-00000001-full", "ckpt-00000002-incr",
+                                                   "ckpt-00000003-incr"]
+    assert {o.split("/")[0] for o in _objects(s3, "ckpt-exact")} == {"ckpt-00000004-full"}
+    s3b = EmbeddingStore()
+    assert restore(url, s3b).chain == [4]
+    assert_same(snap(store), snap(s3b))
+    # the local mirror follows: the deleted checkpoints are gone from the cache too
+    list_chains(url, verify="manifest")
+    assert sorted(p.name for p in next(cache.iterdir()).iterdir()
+                  if p.name.startswith("ckpt-")) == ["ckpt-00000004-full"]
+
+
+_CRASH_WRITER = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from checkpoint import CheckpointWriter
+    from deeprec_ext.store import EmbeddingStore
+    s = EmbeddingStore()
+    t = s.create_table("extra", 8)
+    t.insert(np.arange(50_000), np.ones((50_000, 8), np.float32))
+    w = CheckpointWriter(sys.argv[1], int(sys.argv[2]), "incr", parent=int(sys.argv[3]),
+                         num_slots=4096)
+    w.write_table("ps-0", t, since_seq=0)   # uploaded: a data object, no manifest
+    print("written", flush=True)
+    time.sleep(600)                          # killed -9 here, before commit
+""")
+
+
+def test_writer_killed_before_its_manifest_is_never_picked(s3, tmp_path):
+    url = f"s3://{BUCKET}/ckpt-crash"
+    rng = np.random.default_rng(6)
+    store = make_store(rng, n=3000)
+    cuts = write(url, 1, store)
+    mutate(store, rng)
+    write(url, 2, store, "incr", parent=1, cuts=cuts)
+    proc = subprocess.Popen([sys.executable, "-c", _CRASH_WRITER, url, "3", "2"],
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert proc.stdout.readline().strip() == "written"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    objs = _objects(s3, "ckpt-crash")
+    assert "ckpt-00000003-incr/ps-0.extra.rows" in objs
+    assert "ckpt-00000003-incr/manifest.json" not in objs
+    # recovery and warm start take checkpoint 2; the half-written 3 is not restorable,
+    # and its id is never reused
+    assert [c.ids for c in list_chains(url)] == [[1, 2]]
+    s2 = EmbeddingStore()
+    info = restore(url, s2)
+    assert info.chain == [1, 2]
+    assert_same(snap(store), snap(s2))
+    assert "extra" not in s2.tables()  # nothing of the dead writer
+    assert next_id(url) == 4
+    with pytest.raises(CheckpointError, match="ckpt-00000003-incr/manifest.json: missing"):
+        checkpoint.load(f"{url}/ckpt-00000003-incr")
+    # a new full chain: retention removes the abandoned objects with the old chain
+    write(url, 4, store)
+    assert "ckpt-00000003-incr" in apply_retention(url, keep_chains=1)
+    assert {o.split("/")[0] for o in _objects(s3, "ckpt-crash")} == {"ckpt-00000004-full"}
+
+
+def test_bad_locations_are_named(s3, tmp_path):
+    store = make_store(np.random.default_rng(7), n=100)
+    for url, why in ((f"nosuch://{BUCKET}/x", "nosuch"),
+                     ("s3://no-such-bucket-here/ckpt", "bucket 'no-such-bucket-here' does not "
+                                                       "exist")):
+        with pytest.raises(CheckpointError, match=f"checkpoint location .*{why}"):
+            write(url, 1, store)
+        with pytest.raises(CheckpointError, match=why):
+            restore(url, EmbeddingStore())
+        with pytest.raises(CheckpointError, match=why):
+            checkpoint.load(url)
+        out = subprocess.run([sys.executable, "-m", "checkpoint", "inspect", url],
+                             capture_output=True, text=True, timeout=120, cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert out.returncode == 2 and why in out.stderr, out.stderr
+    with pytest.raises(CheckpointError, match="holds no checkpoint"):
+        checkpoint.load(f"s3://{BUCKET}/empty-prefix")
+    with pytest.raises(NoValidCheckpoint):
+        restore(f"s3://{BUCKET}/empty-prefix", EmbeddingStore())
+
+
+def test_refused_credentials_are_named(s3, monkeypatch):
+    """The server checks signatures (moto's IAM auth on): the key of this process is not
+    one it knows, so every request is refused."""
+    from moto import settings
+    write(f"s3://{BUCKET}/ckpt-auth", 1, make_store(np.random.default_rng(8), n=100))
+    monkeypatch.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+    with pytest.raises(CheckpointError, match=r"checkpoint location s3://.*ckpt-auth: "
+                                              r"(access denied|bucket .* not visible)"):
+        restore(f"s3://{BUCKET}/ckpt-auth", EmbeddingStore())
