@@ -192,3 +192,95 @@ def test_refused_credentials_are_named(s3, monkeypatch):
     with pytest.raises(CheckpointError, match=r"checkpoint location s3://.*ckpt-auth: "
                                               r"(access denied|bucket .* not visible)"):
         restore(f"s3://{BUCKET}/ckpt-auth", EmbeddingStore())
+
+
+def _cli(*args, timeout=180):
+    return subprocess.run([sys.executable, "-m", "aimaster.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+_LOAD_EXPORT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import tensorflow as tf
+    m = tf.saved_model.load(sys.argv[1])
+    ids = np.arange(int(sys.argv[2]), dtype=np.int64)
+    out = m.signatures["lookup_records"](ids=tf.constant(ids))["values"].numpy()
+    print(json.dumps(np.round(out[:, 0]).astype(int).tolist()))
+""")
+
+
+def test_job_checkpoints_exports_and_warm_starts_on_s3(s3, start_job, tmp_path):
+    """A job whose checkpoint.dir and export.dir are s3:// URLs: a full and an incremental
+    checkpoint while it runs, the final checkpoint and the SavedModel when it ends; a
+    second job warm-starts from the incremental (init_from: its URL). Every id's counter
+    is exact in both, and in the export loaded by stock TensorFlow from a download."""
+    from deeprec_ext.client import PSClient
+    from tests.conftest import wait_for
+    from tests.test_data_remote import _upload
+    expected = _upload(s3, "ckjob", per=400)
+    n = sum(len(v) for v in expected.values())
+    ck = f"s3://{BUCKET}/ckjob-ckpt"
+    ex = f"s3://{BUCKET}/ckjob-export"
+    job = start_job({
+        "name": "s3ckpt", "ps": {"replicas": 2},
+        "worker": {"replicas": 1, "command": ["{python}", str(ROOT / "tests" / "counting_worker.py")],
+                   "env": {"COUNTING_DELAY": "0", "COUNTING_BATCH": "500", "PYTHONPATH": str(ROOT),
+                           "COUNTING_HOLD_FILE": str(tmp_path / "release")}},
+        "data": {"files": [f"s3://{BUCKET}/ckjob/*"], "bytes_per_shard": 4000},
+        "checkpoint": {"dir": ck, "keep_chains": 2}, "export": {"dir": ex},
+        "master": {"heartbeat_seconds": 0.5},
+    }, subdir="day1")
+    wait_for(lambda: job.status()["shards"]["todo"] == 0 and job.status()["shards"]["doing"] == 0,
+             120, "every shard DONE")
+    out = _cli("checkpoint", "--master", job.address, "--full")
+    assert out.returncode == 0, out.stderr
+    full = json.loads(out.stdout)
+    assert full["type"] == "full" and full["path"] == f"{ck}/ckpt-00000001-full"
+    client = PSClient.connect(job.address, timeout=30)
+    client.push("records", np.arange(100, dtype=np.int64), -np.ones((100, 1), np.float32))
+    client.close()
+    out = _cli("checkpoint", "--master", job.address)
+    assert out.returncode == 0, out.stderr
+    incr = json.loads(out.stdout)
+    assert incr["type"] == "incr" and incr["path"] == f"{ck}/ckpt-00000002-incr"
+    assert incr["rows"] == 100  # the incremental holds the rows changed, no more
+    (tmp_path / "release").write_text("")
+    assert job.wait(180) == 0, job.output()[-3000:]
+    st = job.state()
+    assert st["final_checkpoint"] == f"{ck}/ckpt-00000003-full", st
+    assert st["export_dir"].startswith(f"{ex}/"), st
+    want = np.ones(n, np.int64)
+    want[:100] = 2
+
+    # the final checkpoint, read back from S3
+    got = checkpoint.load(st["final_checkpoint"]).tables["records"]
+    np.testing.assert_array_equal(got.ids, np.arange(n))
+    np.testing.assert_array_equal(got.values[:, 0].astype(np.int64), want)
+
+    # the export: downloaded, loaded by TensorFlow in a process without the project
+    local = tmp_path / "export"
+    s3.invalidate_cache()
+    s3.get(st["export_dir"].split("://", 1)[1] + "/", str(local), recursive=True)
+    assert (local / "saved_model.pb").exists()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([sys.executable, "-I", "-c", _LOAD_EXPORT, str(local), str(n)],
+                         capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+                         env={**env, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == want.tolist()
+
+    # warm start from the incremental, by URL, onto 3 PS
+    job2 = start_job({"name": "s3warm", "ps": {"replicas": 3},
+                      "init_from": f"{ck}/ckpt-00000002-incr"}, ["--workers", "0"], subdir="day2")
+    c = PSClient.connect(job2.address, timeout=60)
+    c.create_table("records", dim=1, initializer="zeros",
+                   optimizer={"name": "sgd", "learning_rate": 1.0})
+    got = c.lookup("records", np.arange(n + 50, dtype=np.int64), insert_missing=False)[:, 0]
+    c.close()
+    np.testing.assert_array_equal(got[:n].astype(np.int64), want)
+    assert not got[n:].any()
+    ev = next(e for e in job2.status()["events"] if e["kind"] == "warm_start")
+    # rows applied along the chain: every id from the full, the 100 again from the incr
+    assert ev["checkpoint"] == f"{ck}/ckpt-00000002-incr" and ev["rows"] == n + 100
