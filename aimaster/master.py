@@ -111,11 +111,12 @@ class JobMaster:
         self._barrier_members: set[str] = set()
         self.checkpoint_dir = config.checkpoint_dir or os.path.join(config.state_dir, "checkpoints")
         if data_fs.is_remote(self.checkpoint_dir):  # fail at start, not at the first checkpoint
+            from aimaster.config import ConfigError
             from checkpoint import CheckpointError, remote
             try:
                 remote.check_root(self.checkpoint_dir)
             except CheckpointError as exc:
-                raise RuntimeError(f"checkpoint.dir: {exc}") from None
+                raise ConfigError(f"checkpoint.dir: {exc}") from None
         # {"id", "n", "since": {"<ps id>#<incarnation>": {table: seq}}}: the cut of each PS
         # *process*; a new process under the same id (and pid) starts with no cut
         self._ckpt_chain: dict | None = None

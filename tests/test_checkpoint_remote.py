@@ -278,9 +278,42 @@ def test_job_checkpoints_exports_and_warm_starts_on_s3(s3, start_job, tmp_path):
     c.create_table("records", dim=1, initializer="zeros",
                    optimizer={"name": "sgd", "learning_rate": 1.0})
     got = c.lookup("records", np.arange(n + 50, dtype=np.int64), insert_missing=False)[:, 0]
+    # a PS asked to write to or restore from a bad location answers with a status naming
+    # it, and keeps serving
+    import grpc
+
+    from deeprec_ext.grpc_util import insecure_channel
+    from deeprec_ext.proto import ps_pb2, ps_pb2_grpc
+    stub = ps_pb2_grpc.ParameterServerStub(insecure_channel(c.routing.ps_addresses[0]))
+    for root, why in (("s3://no-such-bucket-here/ck", "bucket 'no-such-bucket-here' does not"),
+                      ("nosuch://b/ck", "nosuch")):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.WriteCheckpoint(ps_pb2.WriteCheckpointRequest(root=root, ckpt_id=1, kind="full"),
+                                 timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.RestoreCheckpoint(ps_pb2.RestoreCheckpointRequest(
+                root=root, ckpt_id=1, slots=b"\1" * c.routing.num_slots,
+                num_slots=c.routing.num_slots), timeout=60)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert why in err.value.details()
+    assert (c.lookup("records", np.arange(n, dtype=np.int64), insert_missing=False)[:, 0]
+            == got[:n]).all()
     c.close()
     np.testing.assert_array_equal(got[:n].astype(np.int64), want)
     assert not got[n:].any()
     ev = next(e for e in job2.status()["events"] if e["kind"] == "warm_start")
     # rows applied along the chain: every id from the full, the 100 again from the incr
     assert ev["checkpoint"] == f"{ck}/ckpt-00000002-incr" and ev["rows"] == n + 100
+
+
+def test_job_with_a_missing_checkpoint_bucket_fails_at_start(s3, tmp_path):
+    """Refused before anything starts: no PS, no worker, exit 2, the bucket named."""
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps({"name": "nobucket", "ps": {"replicas": 1},
+                               "checkpoint": {"dir": "s3://no-such-bucket-here/ck"},
+                               "master": {"state_dir": str(tmp_path / "state")}}))
+    out = _cli("run", str(job), "--workers", "0", timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "aimaster: error: checkpoint.dir: checkpoint location s3://no-such-bucket-here/ck: " \
+           "bucket 'no-such-bucket-here' does not exist" in out.stderr
