@@ -158,9 +158,7 @@ def _export_remote(checkpoint_dir, url: str, tables, dtype: str, min_count: int)
     from checkpoint import CheckpointError, remote
     url = url.rstrip("/")
     try:
-        fs = remote._fs(url)
-        remote.check_root(url)
-        if remote._call(url, fs.exists, remote._strip(fs, url)):
+        if remote.exists(url):
             raise ExportError(f"{url} exists: export into a new directory (for TF Serving, "
                               "a new version number under the model's base path)")
     except CheckpointError as exc:

@@ -40,7 +40,7 @@ from checkpoint.format import DIR_RE, MANIFEST_NAME, CheckpointError
 from deeprec_ext.data.fs import filesystem, is_remote
 
 __all__ = ["is_remote", "join", "listing", "mirror", "upload", "put_bytes", "delete",
-           "check_root", "cache_dir", "to_url"]
+           "check_root", "exists", "cache_dir", "to_url", "get_manifest"]
 
 _ETAG = ".etag"
 
@@ -102,6 +102,13 @@ def check_root(url: str) -> None:
     if not _call(url, fs.exists, bucket):
         raise CheckpointError(f"checkpoint location {url}: bucket '{bucket}' does not exist "
                               "(or is not visible with these credentials)")
+
+
+def exists(url: str) -> bool:
+    """Whether any object is at or under ``url`` (its bucket checked first)."""
+    check_root(url)
+    fs = _fs(url)
+    return bool(_call(url, fs.exists, _strip(fs, url)))
 
 
 def listing(url: str) -> dict[str, dict[str, dict]]:

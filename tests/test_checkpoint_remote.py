@@ -271,6 +271,12 @@ def test_job_checkpoints_exports_and_warm_starts_on_s3(s3, start_job, tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads(res.stdout.strip().splitlines()[-1]) == want.tolist()
 
+    # `aimaster export` to a URL that exists, or into a missing bucket: refused, named
+    out = _cli("export", ck, "--out", st["export_dir"])
+    assert out.returncode == 1 and f"{st['export_dir']} exists" in out.stderr, out.stderr
+    out = _cli("export", ck, "--out", "s3://no-such-bucket-here/m/1")
+    assert out.returncode == 1 and "bucket 'no-such-bucket-here' does not exist" in out.stderr
+
     # warm start from the incremental, by URL, onto 3 PS
     job2 = start_job({"name": "s3warm", "ps": {"replicas": 3},
                       "init_from": f"{ck}/ckpt-00000002-incr"}, ["--workers", "0"], subdir="day2")
