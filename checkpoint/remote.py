@@ -100,6 +100,9 @@ def check_root(url: str) -> None:
         raise CheckpointError(f"checkpoint location {url}: no bucket in the URL")
     fs.invalidate_cache()
     if not _call(url, fs.exists, bucket):
+        # exists() says False for a refused key too: a listing tells which it is
+        # (NoSuchBucket, or AccessDenied / InvalidAccessKeyId), named by _explain
+        _call(url, fs.ls, bucket, detail=False, refresh=True)
         raise CheckpointError(f"checkpoint location {url}: bucket '{bucket}' does not exist "
                               "(or is not visible with these credentials)")
 

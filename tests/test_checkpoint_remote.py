@@ -154,6 +154,8 @@ def test_writer_killed_before_its_manifest_is_never_picked(s3, tmp_path):
     assert_same(snap(store), snap(s2))
     assert "extra" not in s2.tables()  # nothing of the dead writer
     assert next_id(url) == 4
+    from aimaster.master import JobMaster  # what a restarted AIMaster resumes from
+    assert JobMaster._newest_checkpoint_in(url).id == 2
     with pytest.raises(CheckpointError, match="ckpt-00000003-incr/manifest.json: missing"):
         checkpoint.load(f"{url}/ckpt-00000003-incr")
     # a new full chain: retention removes the abandoned objects with the old chain
@@ -190,8 +192,10 @@ def test_refused_credentials_are_named(s3, monkeypatch):
     write(f"s3://{BUCKET}/ckpt-auth", 1, make_store(np.random.default_rng(8), n=100))
     monkeypatch.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
     with pytest.raises(CheckpointError, match=r"checkpoint location s3://.*ckpt-auth: "
-                                              r"(access denied|bucket .* not visible)"):
+                                              r"access denied: the credentials were rejected"):
         restore(f"s3://{BUCKET}/ckpt-auth", EmbeddingStore())
+    with pytest.raises(CheckpointError, match="ckpt-auth: access denied"):
+        write(f"s3://{BUCKET}/ckpt-auth", 2, make_store(np.random.default_rng(8), n=100))
 
 
 def _cli(*args, timeout=180):
