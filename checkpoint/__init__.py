@@ -118,6 +118,13 @@ its commit never costs the chain that would replace it. Incomplete or corrupt ch
 in that range are left alone: one may still be in the middle of being written. A
 directory is renamed away before ``rmtree``, so a reader never sees half of one.
 
+Object stores
+-------------
+``root`` may be a URL (``s3://bucket/prefix``, ``gs://...``) everywhere a root is taken:
+files are staged locally and uploaded, the manifest object is PUT last (a checkpoint
+exists exactly when it does), and readers mirror the committed checkpoints into a local
+cache and read them as above. See :mod:`checkpoint.remote`.
+
 Choices that differ from the issue's sketch
 -------------------------------------------
 * Checksum: crc32 (``zlib``, ~3 GB/s, stdlib) per chunk and header, plus zstd's
