@@ -134,9 +134,10 @@ def test_writer_killed_before_its_manifest_is_never_picked(s3, tmp_path):
     cuts = write(url, 1, store)
     mutate(store, rng)
     write(url, 2, store, "incr", parent=1, cuts=cuts)
+    # TMPDIR: the dead writer's staging directory stays in this test's directory
     proc = subprocess.Popen([sys.executable, "-c", _CRASH_WRITER, url, "3", "2"],
                             stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)})
     try:
         assert proc.stdout.readline().strip() == "written"
     finally:
