@@ -254,47 +254,52 @@ class CheckpointWriter:
         self.parent = None
         self._parent_checksum = None
 
-        self.root.mkdir(parents=True, exist_ok=True)
-        other = self._find(self.id)
-        self.dir = self.root / dir_name(self.id, kind)
-        if other is not None and other != self.dir:
-            raise FileExistsError(f"checkpoint id {self.id} already exists as "
-                                  f"{self._where(other)}")
-        if (self.dir / MANIFEST_NAME).exists() if self.url is None else \
-                MANIFEST_NAME in self._listing.get(self.dir.name, {}):
-            raise FileExistsError(f"checkpoint {self._where(self.dir)} is already committed")
-        if kind == "incr":
-            if parent is None:
-                raise ValueError("an incremental checkpoint needs parent=<id of the previous "
-                                 "checkpoint>")
-            parent = int(parent)
-            if parent >= self.id:
-                raise ValueError(f"parent id {parent} must be smaller than the checkpoint id "
-                                 f"{self.id}")
-            from checkpoint.reader import load_manifest  # late: reader imports this module
-            pdir = self._find(parent)
-            if pdir is None:
-                raise CheckpointError(f"parent checkpoint {parent} not found under "
-                                      f"{self.url or self.root}")
-            if self.url is not None:  # its manifest only, into the staging directory
-                pdir.mkdir()
-                remote.get_manifest(self.url, pdir.name, pdir)
-            pm = load_manifest(pdir)
-            if pm["num_slots"] != self.num_slots:
-                raise ValueError(f"num_slots={self.num_slots} differs from the parent's "
-                                 f"num_slots={pm['num_slots']}")
-            self.parent = parent
-            self._parent_checksum = pm["checksum"]
-            for name, info in pm["tables"].items():
-                self._tables[name] = {k: copy.deepcopy(v) for k, v in info.items()
-                                      if k in ("dim", "initializer", "optimizer", "row_width",
-                                               "counts", "admission", "eviction")}
-        elif parent is not None:
-            raise ValueError("a full checkpoint has no parent")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            other = self._find(self.id)
+            self.dir = self.root / dir_name(self.id, kind)
+            if other is not None and other != self.dir:
+                raise FileExistsError(f"checkpoint id {self.id} already exists as "
+                                      f"{self._where(other)}")
+            if (self.dir / MANIFEST_NAME).exists() if self.url is None else \
+                    MANIFEST_NAME in self._listing.get(self.dir.name, {}):
+                raise FileExistsError(f"checkpoint {self._where(self.dir)} is already committed")
+            if kind == "incr":
+                if parent is None:
+                    raise ValueError("an incremental checkpoint needs parent=<id of the previous "
+                                     "checkpoint>")
+                parent = int(parent)
+                if parent >= self.id:
+                    raise ValueError(f"parent id {parent} must be smaller than the checkpoint id "
+                                     f"{self.id}")
+                from checkpoint.reader import load_manifest  # late: reader imports this module
+                pdir = self._find(parent)
+                if pdir is None:
+                    raise CheckpointError(f"parent checkpoint {parent} not found under "
+                                          f"{self.url or self.root}")
+                if self.url is not None:  # its manifest only, into the staging directory
+                    pdir.mkdir()
+                    remote.get_manifest(self.url, pdir.name, pdir)
+                pm = load_manifest(pdir)
+                if pm["num_slots"] != self.num_slots:
+                    raise ValueError(f"num_slots={self.num_slots} differs from the parent's "
+                                     f"num_slots={pm['num_slots']}")
+                self.parent = parent
+                self._parent_checksum = pm["checksum"]
+                for name, info in pm["tables"].items():
+                    self._tables[name] = {k: copy.deepcopy(v) for k, v in info.items()
+                                          if k in ("dim", "initializer", "optimizer", "row_width",
+                                                   "counts", "admission", "eviction")}
+            elif parent is not None:
+                raise ValueError("a full checkpoint has no parent")
 
-        self.dir.mkdir(exist_ok=True)
-        if self.sync:
-            _fsync_dir(self.root)
+            self.dir.mkdir(exist_ok=True)
+            if self.sync:
+                _fsync_dir(self.root)
+        except BaseException:
+            if self.url is not None:  # no staging directory left behind by a refusal
+                shutil.rmtree(self.root, ignore_errors=True)
+            raise
 
     def _find(self, ckpt_id: int) -> Path | None:
         if self.url is None:
