@@ -151,7 +151,8 @@ class ReplicationSection(_Section):
 
 
 class CheckpointSection(_Section):
-    dir: StrictStr = Field("", description="Checkpoint root (default `<state_dir>/checkpoints`).")
+    dir: StrictStr = Field("", description="Checkpoint root (default `<state_dir>/checkpoints`); "
+                           "a path or an object-store URL such as `s3://bucket/prefix`.")
     interval_seconds: Number = _num(0.0, "Seconds between periodic checkpoints; 0: only on "
                                          "`aimaster checkpoint`.", ge=0)
     keep_chains: StrictInt = Field(2, ge=1, description="Restorable chains kept by retention.")
@@ -368,8 +369,8 @@ class SecurityConfig(_Section):
 class ExportConfig(_Section):
     """The SavedModel written after the final checkpoint; see docs/guide-serving.md."""
     dir: StrictStr = Field("", description=(
-        "Export base directory: the SavedModel goes to `dir/<unix seconds>` (TF Serving's "
-        "layout); empty: no export."))
+        "Export base directory (a path or a URL such as `s3://bucket/models`): the "
+        "SavedModel goes to `dir/<unix seconds>` (TF Serving's layout); empty: no export."))
     tables: Union[list[StrictStr], StrictStr] = Field(default_factory=tuple, description=(
         "Export only these tables (then: lookup signatures only); default all."))
     dtype: Literal["float32", "float16"] = Field("float32", description=(
@@ -441,7 +442,8 @@ class JobFile(_Section):
         "Export for serving after the final checkpoint (docs/guide-serving.md)."))
     init_from: StrictStr = Field("", description=(
         "Warm start: tables, optimizer slots and dense variables from this checkpoint (a "
-        "root or one `ckpt-*` directory), on any PS count and `num_slots`."))
+        "root or one `ckpt-*` directory; a path or an `s3://...` URL), on any PS count and "
+        "`num_slots`."))
     reset_optimizer: StrictBool = Field(False, description=(
         "With `init_from`: load the values only; optimizer slots start fresh."))
     autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig, description=(

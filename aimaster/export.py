@@ -148,12 +148,44 @@ def _keep_frequent(table, min_count: int, where: str):
                  table.config, table.counts[keep])
 
 
+def _export_remote(checkpoint_dir, url: str, tables, dtype: str, min_count: int) -> dict:
+    """Export to an object store (s3://...): TensorFlow needs tensorflow-io to write
+    there, so the SavedModel is written into a local temporary directory, then uploaded
+    file by file with ``saved_model.pb`` last -- TF Serving takes a version directory
+    once that file exists, so it never loads a half-uploaded model."""
+    import tempfile
+
+    from checkpoint import CheckpointError, remote
+    url = url.rstrip("/")
+    try:
+        if remote.exists(url):
+            raise ExportError(f"{url} exists: export into a new directory (for TF Serving, "
+                              "a new version number under the model's base path)")
+    except CheckpointError as exc:
+        raise ExportError(str(exc)) from None
+    with tempfile.TemporaryDirectory(prefix="deeprec-export-") as tmp:
+        local = Path(tmp) / "model"
+        summary = export(checkpoint_dir, local, tables=tables, dtype=dtype, min_count=min_count)
+        files = sorted((p for p in local.rglob("*") if p.is_file()),
+                       key=lambda p: (p.name == "saved_model.pb", str(p)))
+        try:
+            for p in files:
+                remote.upload(p, remote.join(url, *p.relative_to(local).parts))
+        except CheckpointError as exc:
+            raise ExportError(f"upload of the SavedModel failed: {exc}") from None
+    summary["dir"] = url
+    return summary
+
+
 def export(checkpoint_dir, out, tables=None, dtype: str = "float32", min_count: int = 0) -> dict:
     """Write the SavedModel of a checkpoint (a root: its newest chain; or one
     ``ckpt-*`` directory) into ``out``, which must not exist. Written into a temporary
     directory beside ``out`` and renamed, so ``out`` is complete or absent. ``min_count``:
     keep only rows updated by at least that many pushes. Returns a summary (dir, tables
     and their rows, signatures, bytes, seconds, warnings)."""
+    from deeprec_ext.data import fs
+    if fs.is_remote(str(out)):
+        return _export_remote(checkpoint_dir, str(out), tables, dtype, min_count)
     from checkpoint import CheckpointError, load
 
     start = time.perf_counter()

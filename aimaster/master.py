@@ -50,6 +50,12 @@ from deeprec_ext.data import fs as data_fs
 from deeprec_ext.grpc_util import create_server
 from deeprec_ext.proto import master_pb2, master_pb2_grpc, ps_pb2
 
+def _join(base: str, name: str) -> str:
+    """``base/name`` for a local path or a URL (os.path.join would do for both today,
+    but a URL must keep '/' whatever the host's separator)."""
+    return f"{base.rstrip('/')}/{name}" if data_fs.is_remote(base) else os.path.join(base, name)
+
+
 log = logging.getLogger("aimaster")
 
 
@@ -104,6 +110,13 @@ class JobMaster:
         self._barrier_arrived: set[str] = set()
         self._barrier_members: set[str] = set()
         self.checkpoint_dir = config.checkpoint_dir or os.path.join(config.state_dir, "checkpoints")
+        if data_fs.is_remote(self.checkpoint_dir):  # fail at start, not at the first checkpoint
+            from aimaster.config import ConfigError
+            from checkpoint import CheckpointError, remote
+            try:
+                remote.check_root(self.checkpoint_dir)
+            except CheckpointError as exc:
+                raise ConfigError(f"checkpoint.dir: {exc}") from None
         # {"id", "n", "since": {"<ps id>#<incarnation>": {table: seq}}}: the cut of each PS
         # *process*; a new process under the same id (and pid) starts with no cut
         self._ckpt_chain: dict | None = None
@@ -608,7 +621,7 @@ class JobMaster:
         import subprocess
         import sys
         ex = self.config.export
-        out = os.path.join(os.path.abspath(ex.dir), str(int(time.time())))
+        out = _join(data_fs.absolute(ex.dir), str(int(time.time())))
         cmd = [sys.executable, "-m", "aimaster.cli", "export", ckpt_path, "--out", out,
                "--dtype", ex.dtype, "--json"]
         if ex.tables:
@@ -659,7 +672,7 @@ class JobMaster:
                                     self.config.num_slots, self.fleet.next_epoch())
         self._push_routing(routing)
         if self._resume_from is not None:
-            restored = self.fleet.restore(routing, os.path.abspath(self.checkpoint_dir),
+            restored = self.fleet.restore(routing, data_fs.absolute(self.checkpoint_dir),
                                           self._resume_from)
             self.record_event("resumed", checkpoint=self._resume_from, rows=restored,
                               shards=self.shards.counts() if self.shards else None)
@@ -685,7 +698,7 @@ class JobMaster:
                 raise CheckpointError(f"{self.config.init_from}: no restorable checkpoint")
             head = chains[0].head if ckpt_id is None else \
                 next(c for c in chains[0].checkpoints if c.id == ckpt_id)
-            rows = self.fleet.restore(routing, str(root.resolve()), head.id, warm=True,
+            rows = self.fleet.restore(routing, data_fs.absolute(str(root)), head.id, warm=True,
                                       reset_optimizer=self.config.reset_optimizer)
         except (CheckpointError, OSError) as exc:
             self._set_phase(JobPhase.FAILED, f"init_from: {exc}")
@@ -698,7 +711,9 @@ class JobMaster:
         self._step_base = int(extra.get("global_step", 0))
         tables = sorted(t for t in head.manifest["tables"] if not t.startswith("dense/"))
         self._warm_tables = set(head.manifest["tables"])
-        self.record_event("warm_start", checkpoint=str(head.path), rows=rows, tables=tables,
+        where = str(head.path) if not data_fs.is_remote(str(root)) else \
+            f"{str(root).rstrip('/')}/{head.name}"
+        self.record_event("warm_start", checkpoint=where, rows=rows, tables=tables,
                     global_step=self._step_base, reset_optimizer=self.config.reset_optimizer,
                     from_num_slots=head.manifest["num_slots"], num_slots=routing.num_slots,
                     duration_ms=round((self.clock() - start) * 1000, 1))
@@ -1084,7 +1099,7 @@ class JobMaster:
     @staticmethod
     def _newest_checkpoint_in(root: str):
         from checkpoint import list_chains
-        if not os.path.isdir(root):
+        if not data_fs.is_remote(root) and not os.path.isdir(root):
             return None
         try:
             chains = list_chains(root)
@@ -1105,7 +1120,7 @@ class JobMaster:
         target = min(candidates, key=lambda p: counts[p])
         try:
             rows = self.fleet.restore_slots(old.ps_addresses[old.ps_ids.index(target)], mask,
-                                            old.num_slots, os.path.abspath(self.checkpoint_dir),
+                                            old.num_slots, data_fs.absolute(self.checkpoint_dir),
                                             head.id)
         except grpc.RpcError as exc:
             self._set_phase(JobPhase.FAILED, f"{dead} died, no live replica, and restoring its "
@@ -1333,7 +1348,7 @@ class JobMaster:
             key = self._cut_key(members[ps_id])
             since = (chain["since"].get(key, {}) if incr else {})
             futures[key] = self.fleet.write_checkpoint(address, ps_pb2.WriteCheckpointRequest(
-                root=os.path.abspath(self.checkpoint_dir), ckpt_id=ckpt_id, kind=kind,
+                root=data_fs.absolute(self.checkpoint_dir), ckpt_id=ckpt_id, kind=kind,
                 parent=chain["id"] if incr else 0, writer_id=ps_id, since_json=json.dumps(since)))
         while not all(f.done() for f in futures.values()):
             if cancel.wait(0.05):
@@ -1367,9 +1382,8 @@ class JobMaster:
                  "rows": sum(r.rows for r in results.values()),
                  "bytes": sum(r.bytes for r in results.values()),
                  "duration_ms": round((self.clock() - start) * 1000, 1),
-                 "dir": os.path.abspath(self.checkpoint_dir), "retention_deleted": deleted,
-                 "path": os.path.join(os.path.abspath(self.checkpoint_dir),
-                                      dir_name(ckpt_id, kind)),
+                 "dir": data_fs.absolute(self.checkpoint_dir), "retention_deleted": deleted,
+                 "path": _join(data_fs.absolute(self.checkpoint_dir), dir_name(ckpt_id, kind)),
                  "global_step": self.global_step(), "final": final,
                  "time": time.time()}
         with self._lock:

@@ -118,6 +118,13 @@ its commit never costs the chain that would replace it. Incomplete or corrupt ch
 in that range are left alone: one may still be in the middle of being written. A
 directory is renamed away before ``rmtree``, so a reader never sees half of one.
 
+Object stores
+-------------
+``root`` may be a URL (``s3://bucket/prefix``, ``gs://...``) everywhere a root is taken:
+files are staged locally and uploaded, the manifest object is PUT last (a checkpoint
+exists exactly when it does), and readers mirror the committed checkpoints into a local
+cache and read them as above. See :mod:`checkpoint.remote`.
+
 Choices that differ from the issue's sketch
 -------------------------------------------
 * Checksum: crc32 (``zlib``, ~3 GB/s, stdlib) per chunk and header, plus zstd's
@@ -168,7 +175,11 @@ def next_id(root) -> int:
     """1 + the largest checkpoint id under ``root`` (any state), 1 for an empty root."""
     from pathlib import Path
 
+    from checkpoint import remote
     from checkpoint.format import DIR_RE
+    if remote.is_remote(str(root)):  # incomplete ones too: an id is never reused
+        return max((int(DIR_RE.match(n).group(1)) for n in remote.listing(str(root))),
+                   default=0) + 1
     root = Path(root)
     if not root.is_dir():
         return 1

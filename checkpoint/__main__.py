@@ -66,17 +66,22 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     ins = sub.add_parser("inspect", help="list chains and verify every checksum "
                          "(exit 0 all valid, 1 some invalid, 2 usage error)")
-    ins.add_argument("dir", help="checkpoint root directory (holds ckpt-*/ directories)")
+    ins.add_argument("dir", help="checkpoint root directory (holds ckpt-*/ directories), or its URL (s3://...)")
     ins.add_argument("--json", action="store_true", help="print a JSON report")
     args = ap.parse_args(argv)
-    root = Path(args.dir)
-    if not root.is_dir():
-        what = "is not a directory" if root.exists() else "does not exist"
-        print(f"python -m checkpoint inspect: error: {root} {what}", file=sys.stderr)
-        return 2
+    from checkpoint import remote
+    from checkpoint.format import CheckpointError
+    if remote.is_remote(args.dir):  # s3://bucket/prefix: mirrored, then checked locally
+        root = args.dir
+    else:
+        root = Path(args.dir)
+        if not root.is_dir():
+            what = "is not a directory" if root.exists() else "does not exist"
+            print(f"python -m checkpoint inspect: error: {root} {what}", file=sys.stderr)
+            return 2
     try:
         rep = verify(root)
-    except OSError as e:
+    except (OSError, CheckpointError) as e:
         print(f"python -m checkpoint inspect: error: {e}", file=sys.stderr)
         return 2
     if args.json:

@@ -64,8 +64,26 @@ class Loaded:
         return self.extra.get("model")
 
 
-def resolve(path) -> tuple[Path, int | None]:
-    """``(root, checkpoint id or None)`` for a checkpoint root or one checkpoint directory."""
+def resolve(path) -> tuple[Path | str, int | None]:
+    """``(root, checkpoint id or None)`` for a checkpoint root or one checkpoint directory
+    (a local path, or a URL such as ``s3://bucket/ckpt``: then the root is a URL too)."""
+    from checkpoint import remote
+    if remote.is_remote(str(path)):
+        url = str(path).rstrip("/")
+        parent, _, last = url.rpartition("/")
+        m = DIR_RE.match(last)
+        if m and "/" in parent.split("://", 1)[1]:
+            files = remote.listing(parent).get(last)
+            if files is None:
+                raise CheckpointError(f"{url}: no such checkpoint directory")
+            if MANIFEST_NAME not in files:
+                raise CheckpointError(f"{url}/{MANIFEST_NAME}: missing (checkpoint never "
+                                      "committed, or deleted)")
+            return parent, int(m.group(1))
+        if not remote.listing(url):
+            raise CheckpointError(f"{url}: holds no checkpoint (expected ckpt-<id>-full|incr "
+                                  "directories, or one of them)")
+        return url, None
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint directory")

@@ -17,6 +17,8 @@ import zstandard
 
 from deeprec_ext.hashing import slot_of
 
+from checkpoint import remote
+
 from checkpoint.format import (CHUNK_FIELDS, DIR_RE, FLAG_RAW, READABLE_VERSIONS, KIND_ARRAY,
                                KIND_END,
                                KIND_ROWS, KIND_TOMBSTONES, MANIFEST_FORMAT,
@@ -349,7 +351,8 @@ def scan(root, verify: str = "full") -> list[Checkpoint]:
     level ("manifest" or "full"); invalid ones have ``problems``. Does not log."""
     if verify not in ("manifest", "full"):
         raise ValueError(f"verify must be 'manifest' or 'full', got {verify!r}")
-    root = Path(root)
+    # a URL root: its committed checkpoints, mirrored into the local cache (remote.py)
+    root = remote.mirror(str(root)) if remote.is_remote(str(root)) else Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"checkpoint directory {root} does not exist")
     out = []
@@ -454,7 +457,7 @@ def verify(root) -> dict:
             s["problems"].append(broken[c.id])
         items.append(s)
     chains = _chains(cks)
-    return {"root": str(Path(root)), "ok": all(s["valid"] for s in items),
+    return {"root": str(root) if remote.is_remote(str(root)) else str(Path(root)), "ok": all(s["valid"] for s in items),
             "checkpoints": items, "chains": [ch.ids for ch in chains],
             "newest": max((ch.head.id for ch in chains), default=None)}
 
@@ -735,7 +738,8 @@ def restore(root, store_or_callback, slot_mask: np.ndarray | None = None,
     skipped = [p for c in cks for p in c.problems]
     _, broken = _restorable(cks)
     skipped += [broken[i] for i in sorted(broken)]
-    return RestoreInfo(checkpoint_id=head.id, chain=[c.id for c in chain], dir=str(head.path),
+    where = remote.to_url(str(root), head.path) if remote.is_remote(str(root)) else str(head.path)
+    return RestoreInfo(checkpoint_id=head.id, chain=[c.id for c in chain], dir=where,
                        num_slots=head.manifest["num_slots"], tables=tables,
                        extra=head.manifest.get("extra", {}), dense=dense,
                        watermarks=head.manifest.get("watermarks", {}), skipped=skipped,
@@ -929,7 +933,8 @@ def apply_retention(root, keep_chains: int = 2, verify: str = "new") -> list[str
         raise ValueError(f"keep_chains must be an integer >= 1, got {keep_chains!r}")
     if verify not in ("new", "manifest", "full"):
         raise ValueError(f"verify must be 'new', 'manifest' or 'full', got {verify!r}")
-    root = Path(root)
+    url = str(root) if remote.is_remote(str(root)) else None
+    root = remote.mirror(url) if url else Path(root)
     cks = scan(root, "full" if verify == "full" else "manifest")
     if verify == "new":
         newest = [c for c in cks if c.valid]
@@ -959,6 +964,8 @@ def apply_retention(root, keep_chains: int = 2, verify: str = "new") -> list[str
     _warn_invalid(cks)
     deleted = []
     for p in doomed:
+        if url:  # manifest object first: it stops being a checkpoint before it goes
+            remote.delete(url, p.name)
         trash = root / f".deleting-{p.name}-{os.getpid()}"
         os.replace(p, trash)  # atomic: readers never see a half-deleted checkpoint
         shutil.rmtree(trash, ignore_errors=True)

@@ -8,7 +8,9 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import zlib
 import time
@@ -24,6 +26,7 @@ from deeprec_ext.hashing import DEFAULT_NUM_SLOTS, slot_of
 from deeprec_ext.store import EmbeddingTable
 
 import checkpoint.format as _fmt
+from checkpoint import remote
 from checkpoint.format import (CHUNK_FIELDS, FLAG_RAW, KIND_ARRAY, KIND_END, KIND_ROWS,
                                KIND_TOMBSTONES, MANIFEST_FORMAT, MANIFEST_NAME, CheckpointError,
                                crc32, dir_name, encode_header, manifest_checksum, quote_name)
@@ -216,14 +219,20 @@ class CheckpointWriter:
         if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) \
                 or not 1 <= num_slots < 1 << 32:
             raise ValueError(f"num_slots must be a positive integer, got {num_slots!r}")
-        self.root = Path(root)
+        # a URL root (s3://...): files are written into a private local staging directory
+        # and uploaded as each is closed; the manifest object is PUT last (see
+        # checkpoint.remote). A local root is written in place, as always.
+        self.url = str(root).rstrip("/") if remote.is_remote(str(root)) else None
+        self._listing = remote.listing(self.url) if self.url else None
+        self.root = Path(tempfile.mkdtemp(prefix="deeprec-ckpt-stage-")) if self.url \
+            else Path(root)
         self.id = int(ckpt_id)
         self.kind = kind
         self.num_slots = int(num_slots)
         self.level = int(level)
         # sync=False: no fsync/write-back (benchmarks against writers that do not sync,
         # scratch copies); a crash may then leave a committed checkpoint incomplete
-        self.sync = bool(sync)
+        self.sync = bool(sync) and self.url is None  # remote: the upload is what lasts
         # the layout written: format 3, or (tests, tools) an older one exactly as it was
         self.version = int(_fmt.FORMAT_VERSION)
         compress = COMPRESS if compress is None else compress
@@ -234,6 +243,7 @@ class CheckpointWriter:
         self._lock = threading.Lock()
         self._files: dict[str, dict] = {}
         self._created_files: list[Path] = []
+        self._uploaded: set[str] = set()
         self._extra: dict = {}
         self._dropped: set[str] = set()
         self._tables: dict[str, dict] = {}
@@ -244,41 +254,73 @@ class CheckpointWriter:
         self.parent = None
         self._parent_checksum = None
 
-        self.root.mkdir(parents=True, exist_ok=True)
-        other = find_checkpoint_dir(self.root, self.id)
-        self.dir = self.root / dir_name(self.id, kind)
-        if other is not None and other != self.dir:
-            raise FileExistsError(f"checkpoint id {self.id} already exists as {other}")
-        if (self.dir / MANIFEST_NAME).exists():
-            raise FileExistsError(f"checkpoint {self.dir} is already committed")
-        if kind == "incr":
-            if parent is None:
-                raise ValueError("an incremental checkpoint needs parent=<id of the previous "
-                                 "checkpoint>")
-            parent = int(parent)
-            if parent >= self.id:
-                raise ValueError(f"parent id {parent} must be smaller than the checkpoint id "
-                                 f"{self.id}")
-            from checkpoint.reader import load_manifest  # late: reader imports this module
-            pdir = find_checkpoint_dir(self.root, parent)
-            if pdir is None:
-                raise CheckpointError(f"parent checkpoint {parent} not found under {self.root}")
-            pm = load_manifest(pdir)
-            if pm["num_slots"] != self.num_slots:
-                raise ValueError(f"num_slots={self.num_slots} differs from the parent's "
-                                 f"num_slots={pm['num_slots']}")
-            self.parent = parent
-            self._parent_checksum = pm["checksum"]
-            for name, info in pm["tables"].items():
-                self._tables[name] = {k: copy.deepcopy(v) for k, v in info.items()
-                                      if k in ("dim", "initializer", "optimizer", "row_width",
-                                               "counts", "admission", "eviction")}
-        elif parent is not None:
-            raise ValueError("a full checkpoint has no parent")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            other = self._find(self.id)
+            self.dir = self.root / dir_name(self.id, kind)
+            if other is not None and other != self.dir:
+                raise FileExistsError(f"checkpoint id {self.id} already exists as "
+                                      f"{self._where(other)}")
+            if (self.dir / MANIFEST_NAME).exists() if self.url is None else \
+                    MANIFEST_NAME in self._listing.get(self.dir.name, {}):
+                raise FileExistsError(f"checkpoint {self._where(self.dir)} is already committed")
+            if kind == "incr":
+                if parent is None:
+                    raise ValueError("an incremental checkpoint needs parent=<id of the previous "
+                                     "checkpoint>")
+                parent = int(parent)
+                if parent >= self.id:
+                    raise ValueError(f"parent id {parent} must be smaller than the checkpoint id "
+                                     f"{self.id}")
+                from checkpoint.reader import load_manifest  # late: reader imports this module
+                pdir = self._find(parent)
+                if pdir is None:
+                    raise CheckpointError(f"parent checkpoint {parent} not found under "
+                                          f"{self.url or self.root}")
+                if self.url is not None:  # its manifest only, into the staging directory
+                    pdir.mkdir()
+                    remote.get_manifest(self.url, pdir.name, pdir)
+                pm = load_manifest(pdir)
+                if pm["num_slots"] != self.num_slots:
+                    raise ValueError(f"num_slots={self.num_slots} differs from the parent's "
+                                     f"num_slots={pm['num_slots']}")
+                self.parent = parent
+                self._parent_checksum = pm["checksum"]
+                for name, info in pm["tables"].items():
+                    self._tables[name] = {k: copy.deepcopy(v) for k, v in info.items()
+                                          if k in ("dim", "initializer", "optimizer", "row_width",
+                                                   "counts", "admission", "eviction")}
+            elif parent is not None:
+                raise ValueError("a full checkpoint has no parent")
 
-        self.dir.mkdir(exist_ok=True)
-        if self.sync:
-            _fsync_dir(self.root)
+            self.dir.mkdir(exist_ok=True)
+            if self.sync:
+                _fsync_dir(self.root)
+        except BaseException:
+            if self.url is not None:  # no staging directory left behind by a refusal
+                shutil.rmtree(self.root, ignore_errors=True)
+            raise
+
+    def _find(self, ckpt_id: int) -> Path | None:
+        if self.url is None:
+            return find_checkpoint_dir(self.root, ckpt_id)
+        for kind in ("full", "incr"):
+            if dir_name(ckpt_id, kind) in self._listing:
+                return self.root / dir_name(ckpt_id, kind)
+        return None
+
+    def _where(self, path: Path) -> str:
+        """A path of this checkpoint as the user knows it (the URL for a remote root)."""
+        return str(path) if self.url is None else remote.join(
+            self.url, *path.relative_to(self.root).parts)
+
+    def _publish(self, path: Path) -> None:
+        """Remote root: upload a closed data file and drop the staged copy."""
+        if self.url is None:
+            return
+        remote.upload(path, remote.join(self.url, self.dir.name, path.name))
+        self._uploaded.add(path.name)
+        path.unlink()
 
     # -- context manager ----------------------------------------------------------------
     def __enter__(self):
@@ -557,6 +599,7 @@ class CheckpointWriter:
             os.close(fd)
             for *_, fut in window:  # an error: do not leave encodings running
                 fut.cancel()
+        self._publish(path)
         return {"size": pos, "sha256": sha.hexdigest() if sha is not None else None,
                 "raw_bytes": raw_total, "chunks": index}
 
@@ -651,6 +694,7 @@ class CheckpointWriter:
                 pos = self._close_file(fd, sha, b"", len(index), pos)
             finally:
                 os.close(fd)
+            self._publish(path)
         except BaseException:
             with self._lock:
                 self._files.pop(fname, None)
@@ -691,6 +735,8 @@ class CheckpointWriter:
     def file_entries(self) -> list[dict]:
         """JSON-serializable records of the files written by this writer, to be committed
         by another writer of the same checkpoint (:meth:`add_file_entries`)."""
+        if self.url is not None:  # every file is uploaded: nothing left to stage
+            shutil.rmtree(self.root, ignore_errors=True)
         with self._lock:
             return [{"entry": copy.deepcopy(e),
                      "table_info": copy.deepcopy(self._tables.get(e.get("table")))}
@@ -725,14 +771,16 @@ class CheckpointWriter:
             files = [e for e in self._files.values() if e]
             if len(files) != len(self._files):
                 raise RuntimeError("commit() while a write is still in progress")
+            have = remote.listing(self.url).get(self.dir.name, {}) if self.url else None
             for e in files:
                 p = self.dir / e["path"]
                 try:
-                    size = p.stat().st_size
-                except FileNotFoundError:
-                    raise CheckpointError(f"{p}: file missing at commit") from None
+                    size = p.stat().st_size if have is None else int(have[e["path"]]["size"])
+                except (FileNotFoundError, KeyError):
+                    raise CheckpointError(f"{self._where(p)}: file missing at commit") from None
                 if size != e["size"]:
-                    raise CheckpointError(f"{p}: size {size} != recorded {e['size']}")
+                    raise CheckpointError(f"{self._where(p)}: size {size} != recorded "
+                                          f"{e['size']}")
             tables = {}
             for name, info in sorted(self._tables.items()):
                 mine = [e for e in files if e.get("table") == name]
@@ -760,17 +808,22 @@ class CheckpointWriter:
             }
             body["checksum"] = manifest_checksum(body)
             blob = json.dumps(body, indent=1, sort_keys=True, allow_nan=False).encode("utf-8")
-            if self.sync:
-                _fsync_dir(self.dir)  # directory entries of the data files
-            tmp = self.dir / f".{MANIFEST_NAME}.tmp-{os.getpid()}-{threading.get_ident()}"
-            with open(tmp, "wb") as f:
-                f.write(blob)
-                f.flush()
+            if self.url is not None:
+                # one PUT, after every data object: the checkpoint appears complete or not
+                remote.put_bytes(remote.join(self.url, self.dir.name, MANIFEST_NAME), blob)
+                shutil.rmtree(self.root, ignore_errors=True)
+            else:
                 if self.sync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, self.dir / MANIFEST_NAME)
-            if self.sync:
-                _fsync_dir(self.dir)
+                    _fsync_dir(self.dir)  # directory entries of the data files
+                tmp = self.dir / f".{MANIFEST_NAME}.tmp-{os.getpid()}-{threading.get_ident()}"
+                with open(tmp, "wb") as f:
+                    f.write(blob)
+                    f.flush()
+                    if self.sync:
+                        os.fsync(f.fileno())
+                os.replace(tmp, self.dir / MANIFEST_NAME)
+                if self.sync:
+                    _fsync_dir(self.dir)
             self._committed = True
         log.info("checkpoint %s committed: %d files, %d rows, %d tombstones, %d bytes",
                  self.dir.name, len(files), body["totals"]["rows"],
@@ -783,6 +836,16 @@ class CheckpointWriter:
             self._pool.shutdown(wait=True)
             self._pool = None
         if self._committed:
+            return
+        if self.url is not None:
+            # the objects uploaded so far (a manifest was never PUT), and the staging copy
+            try:
+                remote.delete(self.url, self.dir.name,
+                              files=[p.name for p in self._created_files
+                                     if p.name in self._uploaded])
+            finally:
+                shutil.rmtree(self.root, ignore_errors=True)
+                self._committed = True
             return
         for p in self._created_files:
             try:

@@ -39,8 +39,12 @@ def s3():
     os.environ.update(ENV, AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
     try:
         s3fs_, _ = fs.filesystem(f"s3://{BUCKET}")
-        s3fs_.mkdir(BUCKET)
+        # moto's store is per process, not per server: another module's server (the
+        # checkpoint tests use this fixture too) may have left the bucket behind
+        if not s3fs_.exists(BUCKET):
+            s3fs_.mkdir(BUCKET)
         yield s3fs_
+        s3fs_.rm(BUCKET, recursive=True)
     finally:
         for k, v in saved.items():
             if v is None:

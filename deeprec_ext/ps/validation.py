@@ -10,6 +10,7 @@ import functools
 import json
 import math
 import os
+import re
 
 import grpc
 import numpy as np
@@ -73,7 +74,11 @@ def slot_mask(raw: bytes, num_slots: int, expected: int | None = None,
 
 def checkpoint_root(root: str) -> str:
     """Checkpoint roots are absolute: a relative one would be resolved against the PS's
-    working directory, which is not the caller's."""
+    working directory, which is not the caller's. A URL (s3://bucket/prefix) is taken
+    as it is: the checkpoint code names a missing bucket or a refused key itself."""
+    if root and "\x00" not in root and re.match(r"^[a-z][a-z0-9+.-]*://[^/]+", root) \
+            and not root.startswith("file://"):
+        return root
     if not root or "\x00" in root or not os.path.isabs(root):
         raise InvalidRequestError(f"checkpoint root must be an absolute path, got {root!r}")
     return root
