@@ -266,3 +266,51 @@ def test_promote_rpc_adopts_without_copying_and_keeps_request_ids():
     assert table.segment_rows == 0 and len(table) == keys.size
     np.testing.assert_array_equal(table.lookup(keys[in_dead], insert_missing=False), expect)
     ps.replicator.close()
+
+
+def test_a_replica_holding_rows_of_slots_its_origin_gave_away_promotes_only_its_slots():
+    """The dead PS moved slots S to this PS (a scale-out whose new PS is also its new ring
+    peer) and died before the "moved" tombstones of the clean-up reached its replica: the
+    replica still holds S's rows as they were before the move. Promoting it (for the dead
+    PS's slots, not S) must neither count those rows nor export them: a replication delta
+    lists this PS's own rows first and the segment's last, so the stale copy of S's rows
+    would overwrite the current ones in this PS's own replica."""
+    rng = np.random.default_rng(7)
+    keys = np.unique(rng.integers(-2**63, 2**63 - 1, 6000, dtype=np.int64))
+    slots = slot_of(keys, NUM_SLOTS)
+    dead, moved = np.zeros(NUM_SLOTS, bool), np.zeros(NUM_SLOTS, bool)
+    dead[:32], moved[32:40] = True, True  # the dead PS kept [0, 32), gave [32, 40) away
+    kd, km, ko = keys[dead[slots]], keys[moved[slots]], keys[~(dead | moved)[slots]]
+    sgd = ("zeros", {"name": "sgd", "learning_rate": 1.0})
+    store = EmbeddingStore()
+    peer = store.create_table("emb", DIM, *sgd)
+    replica = EmbeddingStore(track_changes=False).create_table("emb", DIM, *sgd)
+    one = -np.ones((1, DIM), np.float32)
+    replica.apply_gradients(np.concatenate([kd, km]), np.repeat(one, kd.size + km.size, 0))
+    peer.apply_gradients(np.concatenate([ko, km]), np.repeat(one, ko.size + km.size, 0))
+    peer.apply_gradients(km, np.repeat(one, km.size, 0))  # S's rows moved on: 2 here, 1 there
+    mark = store.sequence.value
+    assert peer.adopt_segment(replica, dead, NUM_SLOTS) == kd.size
+    # counted exactly, at once: no row of S twice, none of them from the segment
+    assert len(peer) == keys.size and peer.segment_rows == kd.size
+    assert peer.size == keys.size and store.stats()["emb"]["rows"] == keys.size
+    assert peer.rows_per_slot(NUM_SLOTS).sum() == keys.size
+    # served values: the dead PS's rows 1, S's rows 2 (this PS's), the rest 1
+    got = peer.lookup(keys, insert_missing=False)[:, 0]
+    np.testing.assert_array_equal(got, np.where(moved[slots], 2.0, 1.0))
+    # the replication delta since the adoption: every promoted row once, no stale row of S
+    k, r, _ = peer.export_rows(mark, with_counts=True)
+    np.testing.assert_array_equal(np.sort(k), np.sort(kd))
+    own_copy = EmbeddingStore(track_changes=False).create_table("emb", DIM, *sgd)
+    k, r, _ = peer.export_rows(None, with_counts=True)  # what this PS's replica gets
+    own_copy.import_rows(k, r)
+    np.testing.assert_array_equal(own_copy.lookup(keys, insert_missing=False)[:, 0], got)
+    row = 0  # the paged full copy to its peer (a one-slot mask: every row)
+    while row is not None:
+        k, r, _, row = peer.export_slots(np.ones(1, bool), None, row, 997, with_counts=True)
+        own_copy.import_rows(k, r)
+    assert len(own_copy) == keys.size
+    np.testing.assert_array_equal(own_copy.lookup(keys, insert_missing=False)[:, 0], got)
+    peer.merge_all(500)
+    assert len(peer) == keys.size and peer.segment_rows == 0
+    np.testing.assert_array_equal(peer.lookup(keys, insert_missing=False)[:, 0], got)

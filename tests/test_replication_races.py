@@ -252,6 +252,60 @@ def test_slots_migrated_away_do_not_come_back_from_the_replica(cluster):
     assert set(np.unique(got[in_s]).tolist()) <= {0.0, 2.0}
 
 
+# ------------------------------- 4. a promoted replica holding rows its origin moved away
+def test_promoted_replica_counts_and_ships_only_the_dead_ps_slots(cluster):
+    """A scale-out moves slots S from A to the new PS N, which is also A's new ring peer:
+    A's full copy to N starts at the hand-over and holds S's rows, A's clean-up (DropSlots)
+    follows, and A is killed before its next shipment carries the "moved" tombstones. N
+    promotes its copy of A for A's slots (not S): right after, N's row count and every
+    value are exact, and N's next shipment to its own peer B does not carry the stale
+    copy of S's rows -- they used to overwrite N's current rows there, so when N died in
+    turn, B served S's keys with the values they had before the move."""
+    a, b, n = cluster("ps-a", "ps-b", "ps-n")
+    slow = 3_600_000.0  # A ships only when its routing changes (each SetRouting wakes it)
+    a.route(ALL, b, interval_ms=slow)
+    b.route(NONE, a)
+    n.route(NONE, None)
+    _create(a, "c", 1, "zeros", {"name": "sgd", "learning_rate": 1.0})
+    keys = np.arange(50_000, dtype=np.int64)
+    _push(a, "c", keys, -1.0)  # every key: 1
+    moving = np.zeros(NUM_SLOTS, dtype=bool)
+    moving[: NUM_SLOTS // 4] = True
+    in_s = moving[slot_of(keys, NUM_SLOTS)]
+
+    # scale-out: S moves A -> N; the ring becomes a -> n -> b -> a
+    req = dict(slots=moving.astype(np.uint8).tobytes(), num_slots=NUM_SLOTS,
+               dst_address=n.address)
+    w = a.stub.MigrateSlots(ps_pb2.MigrateSlotsRequest(since_seq=-1, **req), timeout=120).watermark
+    a.route(~moving, b, interval_ms=slow)  # fence
+    a.stub.MigrateSlots(ps_pb2.MigrateSlotsRequest(since_seq=w, send_request_ids=True, **req),
+                        timeout=120)
+    n.route(moving, b)
+    b.route(NONE, a)
+    a.route(~moving, n, interval_ms=slow)  # hand-over: A's full copy to N, S's rows in it
+    a.wait_shipped()
+    a.stub.DropSlots(ps_pb2.DropSlotsRequest(slots=req["slots"], num_slots=NUM_SLOTS), timeout=60)
+    assert a.rows("c") == int((~in_s).sum())
+    _push(n, "c", keys[in_s], -1.0)  # S's keys: 2, on N
+    n.wait_shipped()
+    a.kill()  # before its next shipment: N's copy still holds S's rows (value 1)
+
+    assert n.promote(a, ~moving).rows == int((~in_s).sum())
+    want = np.where(in_s, 2.0, 1.0).astype(np.float32)
+    assert n.rows("c") == keys.size  # at once: no wait, no row of S counted twice
+    n.route(ALL, b)
+    np.testing.assert_array_equal(n.lookup("c", keys, 1)[:, 0], want)
+    n.wait_shipped()  # the promoted rows reach B (a delta)
+    n.kill()
+    assert b.promote(n, ALL).rows == keys.size
+    b.route(ALL, None)
+    got = b.lookup("c", keys, 1)[:, 0]
+    stale = int((got[in_s] == 1).sum())
+    assert stale == 0, f"{stale} rows of S came back from B's copy of N with their old values"
+    np.testing.assert_array_equal(got, want)
+    assert b.rows("c") == keys.size
+
+
 # ------------------------------------------------------ 5. a full resync in bounded memory
 def test_full_copy_streams_from_the_primary_in_bounded_memory():
     """A full copy (a new peer, or a resync) is read and sent slice by slice: the primary

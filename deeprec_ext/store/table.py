@@ -393,8 +393,11 @@ class EmbeddingTable:
     # -- properties ---------------------------------------------------------------------
     @property
     def size(self) -> int:
-        seg = self._seg
-        return len(self._index) + (len(seg._index) if seg is not None else 0)
+        # under the lock: a merge step or a delete spanning both parts moves rows between
+        # them, and a count read halfway counted some rows twice or not at all
+        with self._lock:
+            seg = self._seg
+            return len(self._index) + (len(seg._index) if seg is not None else 0)
 
     def __len__(self) -> int:
         return self.size
@@ -402,8 +405,9 @@ class EmbeddingTable:
     @property
     def segment_rows(self) -> int:
         """Rows still served by a segment (0: none, or merged)."""
-        seg = self._seg
-        return len(seg._index) if seg is not None else 0
+        with self._lock:
+            seg = self._seg
+            return len(seg._index) if seg is not None else 0
 
     @property
     def capacity(self) -> int:
@@ -1583,24 +1587,32 @@ class EmbeddingTable:
                       num_slots: int) -> int:
         """Serve the rows of ``other`` (a promoted replica's table, same config) for the
         routing slots set in ``slot_mask`` (bool [num_slots]) without copying them: it
-        becomes this table's segment. Its keys must be of those slots, and this table
-        must hold none of them (slot ownership makes both key sets disjoint). Every
-        method of this table sees the segment's rows; new keys still go to this table;
-        :meth:`merge_segment` moves the rows over in bounded steps.
+        becomes this table's segment. This table must hold no key of those slots (slot
+        ownership makes both key sets disjoint). Every method of this table sees the
+        segment's rows; new keys still go to this table; :meth:`merge_segment` moves the
+        rows over in bounded steps.
 
-        Costs one pass over the segment's sequence numbers: its rows are stamped with a
-        new sequence number of this table, so every consumer of this table's changes
+        Rows of ``other`` in other slots are dropped from it first: a replica can still
+        hold rows its origin moved to another PS (the origin died before the "moved"
+        tombstones of the migration's clean-up reached it). Nobody owns them through
+        this segment, and kept they were counted in this table's rows and shipped in
+        its replication deltas after this table's own rows -- an older copy of a row
+        this PS may hold itself, which then overwrote the current one in its replica.
+
+        Costs one pass over the segment's keys (their routing slots, outside this
+        table's lock) and one over its sequence numbers: its rows are stamped with a new
+        sequence number of this table, so every consumer of this table's changes
         (replica, incremental checkpoint, migration) sees them as written now.
         Returns the rows adopted, or -1 when ``other`` cannot be a segment here (another
         config, or a segment is already held): copy its rows instead."""
         slot_mask = np.asarray(slot_mask, dtype=bool)
         if slot_mask.shape != (int(num_slots),):
             raise ValueError(f"slot_mask must be bool [{num_slots}], got {slot_mask.shape}")
+        if not self._can_adopt(other):
+            return -1
+        other._drop_rows_outside(slot_mask, int(num_slots))
         with self._lock:
-            mine = {k: v for k, v in self.config.items() if k != "name"}
-            theirs = {k: v for k, v in other.config.items() if k != "name"}
-            if (self._seg is not None or other is self or mine != theirs
-                    or other._width != self._width):
+            if not self._can_adopt(other):  # another adoption won meanwhile
                 return -1
             with other._lock:  # a delta still applying to it finishes first
                 other._lock = self._lock
@@ -1621,6 +1633,38 @@ class EmbeddingTable:
             self._seg_cursor = 0
             self._seg_keys = other._row_key  # the segment never allocates: stable
             return len(other._index)
+
+    def _can_adopt(self, other: EmbeddingTable) -> bool:
+        with self._lock:
+            mine = {k: v for k, v in self.config.items() if k != "name"}
+            theirs = {k: v for k, v in other.config.items() if k != "name"}
+            return not (self._seg is not None or other is self or mine != theirs
+                        or other._width != self._width)
+
+    _SLOT_PASS_ROWS = 1 << 16  # keys hashed per step: the temporaries stay in cache
+
+    def _drop_rows_outside(self, slot_mask: np.ndarray, num_slots: int) -> int:
+        """Remove the live rows whose key's routing slot is not set in ``slot_mask``
+        (this table is a replica about to become a segment: it never allocates again, so
+        the rows are only unlinked, not put on the free list). Returns the rows removed."""
+        n = 0
+        with self._lock:
+            hwm = self._hwm
+            for start in range(0, hwm, self._SLOT_PASS_ROWS):
+                stop = min(hwm, start + self._SLOT_PASS_ROWS)
+                live = np.flatnonzero(self._row_seq[start:stop] > 0)
+                if not live.size:
+                    continue
+                live += start
+                keys = self._row_key.take(live)
+                out = np.flatnonzero(~slot_mask[slot_of(keys, num_slots)])
+                if out.size:
+                    rows = live.take(out)
+                    self._index.remove(keys.take(out))
+                    self._row_seq[rows] = 0
+                    self._row_count[rows] = 0
+                    n += int(out.size)
+        return n
 
     def merge_segment(self, max_rows: int = 1 << 14) -> int:
         """Move the next ``max_rows`` arena rows of the segment into this table, under one
