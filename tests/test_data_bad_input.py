@@ -240,3 +240,31 @@ def test_only_the_holder_of_a_shard_reports_bad_input(tmp_path):
         assert m.phase == JobPhase.FAILED and f"{path} at position 2: x" in m.message
     finally:
         m.shutdown()
+
+
+def test_tf_reader_tfrecord_problems_match_the_python_reader(tmp_path):
+    """The tf.data reader frames TFRecord in numpy + one CRC call per record: a bad data
+    CRC, then a bad length CRC, then a cut record in one file give, under skip, exactly
+    the records ``read_shard`` gives; under fail, the first problem, named."""
+    import tensorflow as tf
+    from deeprec_ext.data.tf_dataset import record_dataset
+    payloads = [b"rec-%03d" % i for i in range(60)]
+    frames = [tfrecord_frame(p) for p in payloads]
+    offsets = np.cumsum([0] + [len(f) for f in frames])
+    data = bytearray(b"".join(frames))
+    data[offsets[5] + 12 + 1] ^= 0xFF            # data CRC of record 5
+    data[offsets[25] + 2] ^= 0x01                # length CRC of record 25: shard ends there
+    data = bytes(data[:offsets[50] + 7])        # record 50 cut (a later shard)
+    path = tmp_path / "f.tfrecord"
+    path.write_bytes(data)
+    for per_shard in (100, 10**6):
+        ranges = [(s.path, s.start, s.end, s.size) for s in make_shards([str(path)], per_shard)]
+        bad: list = []
+        python = [r for p, s, e, z in ranges for r in read_shard(p, s, e, "tfrecord", z, bad=bad)[0]]
+        assert [b["offset"] for b in bad][:2] == [int(offsets[5]), int(offsets[25])]
+        got = list(record_dataset([r[:3] for r in ranges], "tfrecord",
+                                  on_bad_record="skip").as_numpy_iterator())
+        assert got == python and payloads[4] in got and payloads[5] not in got, per_shard
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=rf"corrupt TFRecord data .* at byte {offsets[5]}"):
+            list(record_dataset([r[:3] for r in ranges], "tfrecord").as_numpy_iterator())

@@ -21,9 +21,14 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from deeprec_ext.data.ranges import read_shard, text_body
+from deeprec_ext.data.ranges import read_buffer, read_shard, text_body
 
 log = logging.getLogger(__name__)
+
+# read as one byte string plus (offset, length) per record, cut in-graph by ``substr``:
+# no Python object per record (a list of bytes and an object array cost more than
+# pyarrow's join, docs/BENCHMARKS.md)
+_BUFFERED = ("parquet", "tfrecord", "tfrecord.gz")
 
 _SIGNATURE = (tf.TensorSpec([], tf.string), tf.TensorSpec([], tf.int64),
               tf.TensorSpec([], tf.int64))
@@ -44,6 +49,16 @@ def _read_text(skip: bool):
                         exc, int(start))
             body, any_record = b"", False
         return np.array(body, dtype=object), np.bool_(any_record)
+    return read
+
+
+def _read_buffer(fmt, skip: bool):
+    def read(path, start, end):
+        bad = [] if skip else None
+        data, offsets, lengths = read_buffer(_as_str(path), int(start), int(end), fmt, bad=bad)
+        for b in bad or ():
+            log.warning("bad input, skipped: %s: %s at %d", b["path"], b["reason"], b["offset"])
+        return np.array(data, dtype=object), offsets, lengths
     return read
 
 
@@ -101,6 +116,14 @@ def shard_records(path, start, end, fmt: str = "text", on_bad_record: str = "fai
         pieces = tf.strings.split(tf.reshape(body, [1]), "\n").flat_values
         pieces = tf.strings.regex_replace(pieces, "\r$", "")
         return tf.cond(any_record, lambda: pieces, lambda: tf.zeros([0], tf.string))
+    if fmt in _BUFFERED:
+        data, offsets, lengths = tf.numpy_function(
+            _read_buffer(fmt, skip), [path, start, end], (tf.string, tf.int64, tf.int64),
+            stateful=False)
+        data.set_shape([])
+        offsets.set_shape([None])
+        lengths.set_shape([None])
+        return tf.strings.substr(data, offsets, lengths)
     records = tf.numpy_function(_read_other(fmt, skip), [path, start, end], tf.string,
                                 stateful=False)
     records.set_shape([None])
