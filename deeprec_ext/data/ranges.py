@@ -256,10 +256,11 @@ def _frame_tfrecords(data: bytes, base: int, start: int, end: int, what: str,
     while i < stop and i + 12 <= n:
         length = unpack(data, i)[0]
         add_head(i)
-        add_size(min(length, n))  # a corrupt length may be anything: bounded
+        add_size(length)
         i += 16 + length
     heads = np.asarray(heads, np.int64)
-    lengths = np.asarray(sizes, np.int64)
+    # a corrupt length may be anything up to 2**64 - 1: bounded by the data's size
+    lengths = np.minimum(np.asarray(sizes, np.uint64), n).astype(np.int64)
     fatal, fatal_at, fatal_why = len(heads), None, ""
     if i < stop:  # the walk stopped on a cut header
         fatal_at, fatal_why = i, truncated or "truncated TFRecord header"

@@ -10,7 +10,10 @@ in docs/BENCHMARKS.md), so each *shard* costs one ``tf.numpy_function`` call doi
 ``pread`` of its byte range (a few MB). Splitting text into records, stripping ``\\r`` and
 everything after (batching, parsing) run in the graph; shards are read in parallel
 (``map(num_parallel_calls=AUTOTUNE)``, order kept). There is no Python call per record
-for text; TFRecord framing is walked in that same per-shard call.
+for text. Parquet and TFRecord shards come out of that call as one byte string plus an
+offset and a length per record (pyarrow's joined rows; the TFRecord payloads in the bytes
+read, framing and CRCs checked there), cut into records in-graph by ``tf.strings.substr``:
+no Python object per record.
 """
 from __future__ import annotations
 
