@@ -268,3 +268,31 @@ def test_tf_reader_tfrecord_problems_match_the_python_reader(tmp_path):
         with pytest.raises(tf.errors.InvalidArgumentError,
                            match=rf"corrupt TFRecord data .* at byte {offsets[5]}"):
             list(record_dataset([r[:3] for r in ranges], "tfrecord").as_numpy_iterator())
+
+
+def test_tf_reader_gzip_text_is_split_in_graph_like_the_python_reader(tmp_path):
+    """gzip text reaches tf.data as the decompressed body, split in-graph as plain text:
+    CRLF, empty lines and a last line without newline as ``read_shard``; a resumed
+    position; a truncated stream: skip keeps what decoded whole, fail names the file."""
+    import tensorflow as tf
+    from deeprec_ext.data.tf_dataset import record_dataset
+    lines = [b"%d\tx" % i for i in range(3000)] + [b"", b"crlf\r", b"last"]
+    path = tmp_path / "f.tsv.gz"
+    path.write_bytes(gzip.compress(b"\n".join(lines)))
+    records, next_pos = read_shard(str(path), 0, STREAM_END, "text.gz")
+    assert records == lines[:-2] + [b"crlf", b"last"]
+    got = list(record_dataset([(str(path), 0, STREAM_END)], "text.gz").as_numpy_iterator())
+    assert got == records
+    resumed = [(str(path), int(next_pos[99]), STREAM_END)]
+    assert list(record_dataset(resumed, "text.gz").as_numpy_iterator()) == records[100:]
+    whole = gzip.compress(b"\n".join(lines[:3000]) + b"\n")
+    cut = tmp_path / "cut.tsv.gz"
+    cut.write_bytes(whole[:len(whole) // 2])
+    bad: list = []
+    python = read_shard(str(cut), 0, STREAM_END, "text.gz", bad=bad)[0]
+    assert 0 < len(python) < 3000 and bad and "truncated gzip" in bad[0]["reason"]
+    ranges = [(str(cut), 0, STREAM_END), (str(tmp_path / "gone.gz"), 0, STREAM_END)]
+    assert list(record_dataset(ranges, "text.gz", on_bad_record="skip")
+                .as_numpy_iterator()) == python
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"cut.tsv.gz: truncated gzip"):
+        list(record_dataset(ranges, "text.gz").as_numpy_iterator())

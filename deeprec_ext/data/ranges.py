@@ -147,6 +147,23 @@ def text_body(path: str, start: int, end: int, size: int | None = None) -> tuple
     data, base, eof = _text_chunk(path, start, end, size)
     if data is None:
         return b"", False
+    return _body(data, base, start, end)
+
+
+def gzip_text_body(path: str, start: int, end: int = STREAM_END,
+                   bad: list | None = None) -> tuple[bytes, bool]:
+    """``text_body`` of a gzip text shard (positions in the decompressed stream); a cut
+    or corrupt stream as ``read_gzip_text``: the records end at the last newline decoded."""
+    data, why = _gunzip(path, bad)
+    if why:
+        data = data[:data.rfind(b"\n") + 1]
+        _report(bad, path, len(data), why)
+    return _body(data, 0, start, min(end, len(data)))
+
+
+def _body(data: bytes, base: int, start: int, end: int) -> tuple[bytes, bool]:
+    """The owned records of ``[start, end)`` in ``data`` (first byte at ``base``; it
+    reaches past the newline ending the last owned record, or to the end of the file)."""
     rel = max(start - 1, 0) - base
     if start > 0:
         nl = data.find(b"\n", rel)
@@ -540,4 +557,5 @@ def _guarded(read, path: str, start: int, bad: list | None):
 
 __all__ = ["read_shard", "BadInput", "masked_crc32c", "tfrecord_frame", "read_text_range", "split_text", "text_body", "read_tfrecord_range",
            "read_gzip_text", "read_gzip_tfrecord", "parquet_rows", "parquet_buffer",
-           "tfrecord_buffer", "read_buffer", "STREAM_END"]
+           "tfrecord_buffer", "read_buffer", "gzip_text_body",
+           "STREAM_END"]
