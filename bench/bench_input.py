@@ -1,6 +1,7 @@
 """Input pipeline alone (read + parse, no training), issue 18 item 7.
 
     python bench/bench_input.py [--quick] [--mb 32] [--big-mb 2048] [--no-s3]
+                                [--rates-only] [--formats tfrecord,parquet]
 
 1. Records/s of ``deeprec_ext.data.tf_dataset.record_dataset`` over byte/row-range shards
    (``aimaster.shards.make_shards``) for text, gzip text, TFRecord and Parquet, from local
@@ -104,21 +105,32 @@ def make_big(root: str, mb: int, seed_file: str) -> str:
 # ---------------------------------------------------------------- S3 server
 
 class S3Server:
-    """moto's server mode on a free 127.0.0.1 port (as tests/test_data_remote.py); the
-    AWS_* variables are set for this process and its children while it runs."""
+    """moto's server mode in a subprocess on a free 127.0.0.1 port (its CPU is not counted
+    in the pipeline's process time); the AWS_* variables are set for this process and its
+    children while it runs."""
 
     def __enter__(self):
-        from moto import server as moto_server
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        import urllib.request
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
         sock.close()
-        self.server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port,
-                                                     verbose=False)
-        self.server.start()
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
+                                      "-p", str(port)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(url + "/moto-api/", timeout=2).close()
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.proc.kill()
+                    raise RuntimeError("moto server did not start") from None
+                time.sleep(0.2)
         self.saved = {k: os.environ.get(k) for k in [*AWS, "AWS_ENDPOINT_URL"]}
-        os.environ.update(AWS, AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
+        os.environ.update(AWS, AWS_ENDPOINT_URL=url)
         return self
 
     def __exit__(self, *exc):
@@ -127,7 +139,12 @@ class S3Server:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        self.server.stop()
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def upload(data: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -155,6 +172,14 @@ def median_time(fn, repeat: int) -> tuple[float, object]:
     return statistics.median(times), result
 
 
+def timed(fn) -> tuple[float, float, object]:
+    """(wall seconds, CPU seconds of this process: every thread, TensorFlow's and
+    pyarrow's included, result) of one call."""
+    c, t = time.process_time(), time.perf_counter()
+    result = fn()
+    return time.perf_counter() - t, time.process_time() - c, result
+
+
 def parse_count(ds):
     """The same parse on every pipeline: batches split into fields, rows counted."""
     import numpy as np
@@ -175,29 +200,40 @@ def native_dataset(fmt: str, paths: list[str]):
     return None  # no Parquet reader in TensorFlow
 
 
-def rates(data, where: str, shard_bytes: int, repeat: int, records: int, ref_paths) -> list[dict]:
+def rates(data, where: str, shard_bytes: int, repeat: int, records: int, ref_paths,
+          formats=FORMATS) -> list[dict]:
     """Per format: ``record_dataset`` runs alternate with the reference (TextLineDataset
-    over the local text files), so both see the same load; medians of ``repeat`` each."""
+    over the local text files), so both see the same load; medians of ``repeat`` each, of
+    the wall time and of this process's CPU time (less sensitive to other jobs on the
+    machine than the wall time)."""
     import tensorflow as tf
 
     from aimaster.shards import make_shards
     from deeprec_ext.data.tf_dataset import record_dataset
     rows = []
-    for fmt in FORMATS:
+    for fmt in formats:
         shards = make_shards(data[fmt], shard_bytes, fmt=fmt)
         ranges = [(s.path, s.start, s.end) for s in shards]
-        ours, ref = [], []
+        ours, ref, ours_cpu, ref_cpu = [], [], [], []
+        parse_count(record_dataset(ranges, fmt))  # warm: graph tracing, imports, page cache
         for _ in range(repeat):
-            t, n = median_time(lambda: parse_count(tf.data.TextLineDataset(ref_paths)), 1)
+            t, c, n = timed(lambda: parse_count(tf.data.TextLineDataset(ref_paths)))
             assert n == records, ("reference", n, records)
             ref.append(t)
-            t, n = median_time(lambda: parse_count(record_dataset(ranges, fmt)), 1)
+            ref_cpu.append(c)
+            t, c, n = timed(lambda: parse_count(record_dataset(ranges, fmt)))
             assert n == records, (fmt, where, n, records)
             ours.append(t)
+            ours_cpu.append(c)
         dt, rdt = statistics.median(ours), statistics.median(ref)
+        ct, rct = statistics.median(ours_cpu), statistics.median(ref_cpu)
         row = {"format": fmt, "where": where, "shards": len(shards), "records": records,
                "seconds": dt, "records_per_s": records / dt, "seconds_all": ours,
                "reference_records_per_s": records / rdt, "reference_seconds_all": ref,
+               "cpu_us_per_record": ct / records * 1e6, "cpu_seconds_all": ours_cpu,
+               "reference_cpu_us_per_record": rct / records * 1e6,
+               "reference_cpu_seconds_all": ref_cpu,
+               "cpu_ratio_pairs": [r / o for r, o in zip(ref_cpu, ours_cpu)],
                "native_records_per_s": None}
         if native_dataset(fmt, data[fmt]) is not None:
             try:
@@ -208,7 +244,9 @@ def rates(data, where: str, shard_bytes: int, repeat: int, records: int, ref_pat
                 row["native_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
         rows.append(row)
         print(f"  {where:5s} {fmt:8s} {records / dt / 1e6:6.3f} M records/s ({dt:.2f} s, "
-              f"{len(shards)} shards); reference {records / rdt / 1e6:6.3f} M records/s", flush=True)
+              f"{len(shards)} shards), {ct / records * 1e6:5.2f} us CPU/record; reference "
+              f"{records / rdt / 1e6:6.3f} M records/s, {rct / records * 1e6:5.2f} us CPU/record",
+              flush=True)
     return rows
 
 
@@ -320,14 +358,20 @@ def loadavg() -> float:
 def table(res: dict) -> str:
     lines = ["x ref: ours / a plain tf.data.TextLineDataset over the local text files (same "
              "records, same parse), run alternately with ours", "",
-             f"{'input rate':28s} {'ours M/s':>9s} {'native M/s':>10s} {'x nat':>6s} {'x ref':>6s}  target >= {RATE_TARGET}"]
+             "x ref CPU: the reference's CPU time per record / ours (this process, all threads)", "",
+             f"{'input rate':28s} {'ours M/s':>9s} {'native M/s':>10s} {'x nat':>6s} {'x ref':>6s} "
+             f"{'us CPU/rec':>10s} {'ref':>5s} {'x ref CPU':>9s}  target >= {RATE_TARGET}"]
     for r in res["rates"]:
         nat = f"{r['native_records_per_s'] / 1e6:10.3f}" if r["native_records_per_s"] else f"{'n/a':>10s}"
         x = r["records_per_s"] / r["reference_records_per_s"]
+        xc = r["reference_cpu_us_per_record"] / r["cpu_us_per_record"]
         xn = (f"{r['records_per_s'] / r['native_records_per_s']:6.2f}"
               if r["native_records_per_s"] else f"{'n/a':>6s}")
         lines.append(f"  {r['where'] + ' ' + r['format']:26s} {r['records_per_s'] / 1e6:9.3f} {nat} "
-                     f"{xn} {x:6.2f}  {'PASS' if x >= RATE_TARGET else 'MISS'}")
+                     f"{xn} {x:6.2f} {r['cpu_us_per_record']:10.2f} "
+                     f"{r['reference_cpu_us_per_record']:5.2f} {xc:9.2f}  "
+                     f"wall {'PASS' if x >= RATE_TARGET else 'MISS'}, "
+                     f"CPU {'PASS' if xc >= RATE_TARGET else 'MISS'}")
     lines += ["", f"{'read amplification':28s} {'W=1':>7s} {'W=2':>7s} {'W=4':>7s}  target <= {AMP_TARGET}"]
     by = {}
     for r in res["amplification"]:
@@ -357,6 +401,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--root", default="/tmp/bench-input")
     ap.add_argument("--no-s3", action="store_true")
+    ap.add_argument("--rates-only", action="store_true",
+                    help="input rates only (no read amplification, no time to first record)")
+    ap.add_argument("--formats", default=",".join(FORMATS), help="formats of the rate rows")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "input.json"))
     ap.add_argument("--_reader", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -369,31 +416,38 @@ def main() -> int:
            "load_start": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     t = time.perf_counter()
     data = make_data(a.root, a.mb, a.files, a.row_group)
-    big = make_big(a.root, a.big_mb, data["text"][0])
-    print(f"data: {a.files} files per format in {os.path.dirname(data['text'][0])}, "
-          f"big file {big} ({os.path.getsize(big) / 1e9:.2f} GB), ready in "
-          f"{time.perf_counter() - t:.1f} s; load {loadavg():.2f}", flush=True)
+    big = None if a.rates_only else make_big(a.root, a.big_mb, data["text"][0])
+    print(f"data: {a.files} files per format in {os.path.dirname(data['text'][0])}"
+          + (f", big file {big} ({os.path.getsize(big) / 1e9:.2f} GB)" if big else "")
+          + f", ready in {time.perf_counter() - t:.1f} s; load {loadavg():.2f}", flush=True)
     import tensorflow as tf
     from deeprec_ext.data import fs
     records = parse_count(tf.data.TextLineDataset(data["text"]))
     res["data"] = {f: {"files": ps, "bytes": sum(fs.size(p) for p in ps)} for f, ps in data.items()}
     res["records"] = records
     print(f"{records} records per format", flush=True)
+    formats = tuple(f for f in a.formats.split(",") if f)
+    assert set(formats) <= set(FORMATS), formats
 
     print("records/s (read + parse), median of %d:" % a.repeat, flush=True)
-    res["rates"] = rates(data, "local", a.shard_bytes, a.repeat, records, data["text"])
-    res["amplification"] = []
-    print("read amplification:", flush=True)
-    res["amplification"] += amplification(data, "local", a.shard_bytes)
+    res["rates"] = rates(data, "local", a.shard_bytes, a.repeat, records, data["text"], formats)
+    res["amplification"], res["first_record"] = [], []
+    if not a.rates_only:
+        print("read amplification:", flush=True)
+        res["amplification"] += amplification(data, "local", a.shard_bytes)
     if not a.no_s3:
         with S3Server():
             t = time.perf_counter()
             remote = upload(data)
             print(f"uploaded to the local S3 server in {time.perf_counter() - t:.1f} s", flush=True)
-            res["rates"] += rates(remote, "s3", a.shard_bytes, a.repeat, records, data["text"])
-            res["amplification"] += amplification(remote, "s3", a.shard_bytes)
-    print("time to first record of a %d B shard, median of %d:" % (a.shard_bytes, a.repeat), flush=True)
-    res["first_record"] = first_record(big, a.shard_bytes, a.repeat)
+            res["rates"] += rates(remote, "s3", a.shard_bytes, a.repeat, records, data["text"],
+                                  formats)
+            if not a.rates_only:
+                res["amplification"] += amplification(remote, "s3", a.shard_bytes)
+    if not a.rates_only:
+        print("time to first record of a %d B shard, median of %d:" % (a.shard_bytes, a.repeat),
+              flush=True)
+        res["first_record"] = first_record(big, a.shard_bytes, a.repeat)
     res["load_end"] = os.getloadavg()
     print()
     print(table(res))

@@ -240,3 +240,59 @@ def test_only_the_holder_of_a_shard_reports_bad_input(tmp_path):
         assert m.phase == JobPhase.FAILED and f"{path} at position 2: x" in m.message
     finally:
         m.shutdown()
+
+
+def test_tf_reader_tfrecord_problems_match_the_python_reader(tmp_path):
+    """The tf.data reader frames TFRecord in numpy + one CRC call per record: a bad data
+    CRC, then a bad length CRC, then a cut record in one file give, under skip, exactly
+    the records ``read_shard`` gives; under fail, the first problem, named."""
+    import tensorflow as tf
+    from deeprec_ext.data.tf_dataset import record_dataset
+    payloads = [b"rec-%03d" % i for i in range(60)]
+    frames = [tfrecord_frame(p) for p in payloads]
+    offsets = np.cumsum([0] + [len(f) for f in frames])
+    data = bytearray(b"".join(frames))
+    data[offsets[5] + 12 + 1] ^= 0xFF            # data CRC of record 5
+    data[offsets[25] + 2] ^= 0x01                # length CRC of record 25: shard ends there
+    data = bytes(data[:offsets[50] + 7])        # record 50 cut (a later shard)
+    path = tmp_path / "f.tfrecord"
+    path.write_bytes(data)
+    for per_shard in (100, 10**6):
+        ranges = [(s.path, s.start, s.end, s.size) for s in make_shards([str(path)], per_shard)]
+        bad: list = []
+        python = [r for p, s, e, z in ranges for r in read_shard(p, s, e, "tfrecord", z, bad=bad)[0]]
+        assert [b["offset"] for b in bad][:2] == [int(offsets[5]), int(offsets[25])]
+        got = list(record_dataset([r[:3] for r in ranges], "tfrecord",
+                                  on_bad_record="skip").as_numpy_iterator())
+        assert got == python and payloads[4] in got and payloads[5] not in got, per_shard
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=rf"corrupt TFRecord data .* at byte {offsets[5]}"):
+            list(record_dataset([r[:3] for r in ranges], "tfrecord").as_numpy_iterator())
+
+
+def test_tf_reader_gzip_text_is_split_in_graph_like_the_python_reader(tmp_path):
+    """gzip text reaches tf.data as the decompressed body, split in-graph as plain text:
+    CRLF, empty lines and a last line without newline as ``read_shard``; a resumed
+    position; a truncated stream: skip keeps what decoded whole, fail names the file."""
+    import tensorflow as tf
+    from deeprec_ext.data.tf_dataset import record_dataset
+    lines = [b"%d\tx" % i for i in range(3000)] + [b"", b"crlf\r", b"last"]
+    path = tmp_path / "f.tsv.gz"
+    path.write_bytes(gzip.compress(b"\n".join(lines)))
+    records, next_pos = read_shard(str(path), 0, STREAM_END, "text.gz")
+    assert records == lines[:-2] + [b"crlf", b"last"]
+    got = list(record_dataset([(str(path), 0, STREAM_END)], "text.gz").as_numpy_iterator())
+    assert got == records
+    resumed = [(str(path), int(next_pos[99]), STREAM_END)]
+    assert list(record_dataset(resumed, "text.gz").as_numpy_iterator()) == records[100:]
+    whole = gzip.compress(b"\n".join(lines[:3000]) + b"\n")
+    cut = tmp_path / "cut.tsv.gz"
+    cut.write_bytes(whole[:len(whole) // 2])
+    bad: list = []
+    python = read_shard(str(cut), 0, STREAM_END, "text.gz", bad=bad)[0]
+    assert 0 < len(python) < 3000 and bad and "truncated gzip" in bad[0]["reason"]
+    ranges = [(str(cut), 0, STREAM_END), (str(tmp_path / "gone.gz"), 0, STREAM_END)]
+    assert list(record_dataset(ranges, "text.gz", on_bad_record="skip")
+                .as_numpy_iterator()) == python
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"cut.tsv.gz: truncated gzip"):
+        list(record_dataset(ranges, "text.gz").as_numpy_iterator())

@@ -322,3 +322,45 @@ def test_job_over_every_format_trains_every_record_once(start_job, tmp_path):
     assert formats == {"a.txt.gz": "text.gz", "b.csv": "text", "c.tfrecord": "tfrecord",
                        "d.parquet": "parquet"}
     assert sum(1 for s in shards if s["path"].endswith("b.csv")) > 3
+
+
+def test_tf_reader_cuts_parquet_and_tfrecord_from_one_buffer(tmp_path):
+    """Parquet and TFRecord shards reach tf.data as one byte string plus an offset and a
+    length per record (``ranges.read_buffer``): a value holding a newline, a tab or a
+    trailing ``\\r`` stays inside its record, a NUL byte and an empty record survive, and
+    every shard size yields the Python reader's records exactly once."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    import tensorflow as tf
+
+    from deeprec_ext.data.ranges import read_buffer
+    from deeprec_ext.data.tf_dataset import record_dataset
+    n = 600
+    odd = ["a\nb", "tab\there", "cr\r", "", "nul\x00", None]
+    table = pa.table({"i": np.arange(n), "s": [odd[i % 6] for i in range(n)]})
+    path = str(tmp_path / "f.parquet")
+    pq.write_table(table, path, row_group_size=64)
+    expected = [b"%d\t%s" % (i, (odd[i % 6] or "").encode()) for i in range(n)]
+    payloads = [b"", b"\n", b"x\r", bytes(range(256))] + [b"p%d\n" % i for i in range(200)]
+    tpath = _write(tmp_path / "f.tfrecord", _tfrecord_bytes(payloads))
+    for p, fmt, want in ((path, "parquet", expected), (tpath, "tfrecord", payloads)):
+        for per_shard in (1, 700, 10**9):
+            shards = make_shards([p], per_shard)
+            ranges = [(s.path, s.start, s.end) for s in shards]
+            assert list(record_dataset(ranges, fmt).as_numpy_iterator()) == want, (fmt, per_shard)
+            python = [r for s in shards for r in read_shard(s.path, s.start, s.end, fmt)[0]]
+            assert python == want
+    # the buffer itself: offsets and lengths cut exactly the records
+    data, offsets, lengths = read_buffer(path, 64, 128, "parquet")
+    assert [data[o:o + k] for o, k in zip(offsets, lengths)] == expected[64:128]
+    assert offsets.dtype == lengths.dtype == np.int64
+    assert read_buffer(path, 10**6, 10**6 + 5, "parquet")[0] == b""
+    # the numpy check of the length CRCs agrees with the C crc32c
+    from deeprec_ext.data import ranges as R
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, 4096, dtype=np.uint8)
+    heads = np.arange(0, 4000, 37)
+    assert R._header_crcs(raw, heads).tolist() == [R._crc32c(raw[h:h + 8].tobytes())
+                                                   for h in heads]
+    assert tf.strings.substr(tf.constant(b""), tf.zeros([0], tf.int64),
+                             tf.zeros([0], tf.int64)).shape == [0]

@@ -147,6 +147,23 @@ def text_body(path: str, start: int, end: int, size: int | None = None) -> tuple
     data, base, eof = _text_chunk(path, start, end, size)
     if data is None:
         return b"", False
+    return _body(data, base, start, end)
+
+
+def gzip_text_body(path: str, start: int, end: int = STREAM_END,
+                   bad: list | None = None) -> tuple[bytes, bool]:
+    """``text_body`` of a gzip text shard (positions in the decompressed stream); a cut
+    or corrupt stream as ``read_gzip_text``: the records end at the last newline decoded."""
+    data, why = _gunzip(path, bad)
+    if why:
+        data = data[:data.rfind(b"\n") + 1]
+        _report(bad, path, len(data), why)
+    return _body(data, 0, start, min(end, len(data)))
+
+
+def _body(data: bytes, base: int, start: int, end: int) -> tuple[bytes, bool]:
+    """The owned records of ``[start, end)`` in ``data`` (first byte at ``base``; it
+    reaches past the newline ending the last owned record, or to the end of the file)."""
     rel = max(start - 1, 0) - base
     if start > 0:
         nl = data.find(b"\n", rel)
@@ -205,41 +222,106 @@ def _text_chunk(path: str, start: int, end: int, size: int | None):
     return data, base, eof or base + len(data) >= size
 
 
+def _crc32c_table() -> np.ndarray:
+    """Table of the reflected CRC-32C polynomial, for ``_header_crcs``."""
+    t = np.arange(256, dtype=np.uint32)
+    for _ in range(8):
+        t = np.where(t & 1, (t >> 1) ^ np.uint32(0x82F63B78), t >> 1).astype(np.uint32)
+    return t
+
+
+_CRC_TABLE = _crc32c_table()
+
+
+def _header_crcs(arr: np.ndarray, heads: np.ndarray) -> np.ndarray:
+    """crc32c of the 8-byte length field at each of ``heads`` in ``arr`` (uint8): one
+    table step per byte over all headers at once, not a call per record."""
+    crc = np.full(len(heads), 0xFFFFFFFF, np.uint32)
+    for k in range(8):
+        crc = _CRC_TABLE[(crc ^ arr[heads + k]) & 0xFF] ^ (crc >> np.uint32(8))
+    return crc ^ np.uint32(0xFFFFFFFF)
+
+
+def _u32_at(arr: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """Little-endian uint32 at each (unaligned) offset ``at`` of ``arr`` (uint8)."""
+    b = arr[at[:, None] + np.arange(4)].astype(np.uint32)
+    return b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
+
+
+def _unmask_np(masked: np.ndarray) -> np.ndarray:
+    rot = (masked.astype(np.uint64) - 0xA282EAD8) & 0xFFFFFFFF
+    return (((rot >> 17) | (rot << 15)) & 0xFFFFFFFF).astype(np.uint32)
+
+
+def _frame_tfrecords(data: bytes, base: int, start: int, end: int, what: str,
+                     bad: list | None = None, truncated: str = ""):
+    """The TFRecord framing in ``data`` (byte ``base`` of the stream) for the records that
+    begin in ``[start, end)``; ``start`` must be a record boundary. Returns the payloads'
+    offsets in ``data``, their lengths and per payload ``next_pos``.
+
+    Both CRCs of every record are checked. A bad data CRC skips that record (its length
+    was good); a bad length CRC or a record running past ``data`` ends the shard there
+    (``truncated``: the reason to give for the latter, for a stream cut short).
+    Only the walk from one length to the next is a Python loop (each header depends on
+    the one before); the length CRCs are checked in numpy over all headers and the data
+    CRCs by one C call per record on the payload."""
+    empty = np.zeros(0, np.int64)
+    i, stop, n = start - base, min(end - base, len(data)), len(data)
+    heads, sizes = [], []
+    add_head, add_size = heads.append, sizes.append
+    unpack = struct.Struct("<Q").unpack_from
+    while i < stop and i + 12 <= n:
+        length = unpack(data, i)[0]
+        add_head(i)
+        add_size(length)
+        i += 16 + length
+    heads = np.asarray(heads, np.int64)
+    # a corrupt length may be anything up to 2**64 - 1: bounded by the data's size
+    lengths = np.minimum(np.asarray(sizes, np.uint64), n).astype(np.int64)
+    fatal, fatal_at, fatal_why = len(heads), None, ""
+    if i < stop:  # the walk stopped on a cut header
+        fatal_at, fatal_why = i, truncated or "truncated TFRecord header"
+    if len(heads):
+        arr = np.frombuffer(data, np.uint8)
+        checks = []
+        if _crc32c is not None:
+            bad_len = _header_crcs(arr, heads) != _unmask_np(_u32_at(arr, heads + 8))
+            if bad_len.any():
+                checks.append((int(np.argmax(bad_len)), 0, "corrupt TFRecord length (CRC mismatch)"))
+        over = heads + 16 + lengths > n
+        if over.any():
+            checks.append((int(np.argmax(over)), 1, truncated or "TFRecord runs past the end of "
+                           "the data (truncated file)"))
+        if checks:
+            k, _, why = min(checks)  # the first bad header ends the shard
+            fatal, fatal_at, fatal_why = k, int(heads[k]), why
+        heads, lengths = heads[:fatal], lengths[:fatal]
+    payload = heads + 12
+    rec_end = payload + lengths + 4
+    keep = np.ones(len(heads), bool)
+    if _crc32c is not None and len(heads):
+        crc = _crc32c
+        got = np.fromiter((crc(data[p:q]) for p, q in zip(payload.tolist(),
+                                                          (payload + lengths).tolist())),
+                          np.uint32, len(heads))
+        keep = got == _unmask_np(_u32_at(np.frombuffer(data, np.uint8), payload + lengths))
+        for k in np.flatnonzero(~keep).tolist():
+            _report(bad, what, base + int(heads[k]), "corrupt TFRecord data (CRC mismatch)")
+    if fatal_at is not None:
+        _report(bad, what, base + fatal_at, fatal_why)
+    kept = np.flatnonzero(keep)
+    if not kept.size:
+        return empty, empty, empty
+    # a kept record resumes after the bad ones that follow it
+    last_of_run = np.append(kept[1:] - 1, len(heads) - 1)
+    return payload[kept], lengths[kept], base + rec_end[last_of_run]
+
+
 def _tfrecords(data: bytes, base: int, start: int, end: int, what: str, bad: list | None = None,
                truncated: str = ""):
-    """Records of the TFRecord framing in ``data`` (byte ``base`` of the stream) that
-    begin in ``[start, end)``; ``start`` must be a record boundary. Both CRCs of every
-    record are checked. A bad data CRC skips that record (its length was good); a bad
-    length CRC or a record running past ``data`` ends the shard there (``truncated``: the
-    reason to give for the latter, for a stream cut short)."""
-    out, pos = [], []
-    i, stop, n = start - base, min(end - base, len(data)), len(data)
-    unpack = struct.Struct("<QI").unpack_from
-    unpack_crc = struct.Struct("<I").unpack_from
-    crc = _crc32c
-    while i < stop:
-        if i + 12 > n:
-            _report(bad, what, base + i, truncated or "truncated TFRecord header")
-            break
-        length, length_crc = unpack(data, i)
-        if crc is not None and _unmask(length_crc) != crc(data[i:i + 8]):
-            _report(bad, what, base + i, "corrupt TFRecord length (CRC mismatch)")
-            break
-        j = i + 12 + length
-        if j + 4 > n:
-            _report(bad, what, base + i, truncated or "TFRecord runs past the end of the data "
-                    "(truncated file)")
-            break
-        payload = data[i + 12:j]
-        i = j + 4
-        if crc is not None and _unmask(unpack_crc(data, j)[0]) != crc(payload):
-            _report(bad, what, base + j - length - 12, "corrupt TFRecord data (CRC mismatch)")
-            if pos:
-                pos[-1] = base + i  # resuming after the record before skips this one too
-            continue
-        out.append(payload)
-        pos.append(base + i)
-    return out, np.asarray(pos, np.int64)
+    """Records (payload bytes) and ``next_pos`` of ``_frame_tfrecords``."""
+    offsets, lengths, next_pos = _frame_tfrecords(data, base, start, end, what, bad, truncated)
+    return [data[p:q] for p, q in zip(offsets.tolist(), (offsets + lengths).tolist())], next_pos
 
 
 def read_tfrecord_range(path: str, start: int, end: int, size: int | None = None,
@@ -251,6 +333,25 @@ def read_tfrecord_range(path: str, start: int, end: int, size: int | None = None
             return [], np.zeros(0, np.int64)
         data = f.pread(end - start, start)
     return _tfrecords(data, start, start, end, path, bad)
+
+
+def tfrecord_buffer(path: str, start: int, end: int, fmt: str = "tfrecord",
+                    size: int | None = None, bad: list | None = None):
+    """The records of a TFRecord (or ``tfrecord.gz``) shard without a Python object per
+    record: the bytes read, and per record the offset of its payload in them and its
+    length (what the ``tf.data`` reader cuts in-graph). Framing and CRCs as ``read_shard``."""
+    if fmt == "tfrecord.gz":
+        data, why = _gunzip(path, bad)
+        offsets, lengths, _ = _frame_tfrecords(data, 0, start, min(end, len(data)), path, bad,
+                                               why)
+        return data, offsets, lengths
+    with fs.RangeFile(path, size) as f:
+        end = min(end, f.size)
+        if start >= end:
+            return b"", np.zeros(0, np.int64), np.zeros(0, np.int64)
+        data = f.pread(end - start, start)
+    offsets, lengths, _ = _frame_tfrecords(data, start, start, end, path, bad)
+    return data, offsets, lengths
 
 
 def _gunzip(path: str, bad: list | None = None) -> tuple[bytes, str]:
@@ -303,31 +404,50 @@ def read_gzip_tfrecord(path: str, start: int, end: int = STREAM_END, bad: list |
 def parquet_rows(path: str, start: int, end: int):
     """Rows ``[start, end)`` of a Parquet file as tab-separated records (null -> empty
     field); only the row groups holding them are read."""
+    joined = _parquet_joined(path, start, end)
+    records = [] if joined is None else joined.to_pylist()
+    return records, np.arange(start + 1, start + 1 + len(records), dtype=np.int64)
+
+
+def parquet_buffer(path: str, start: int, end: int) -> tuple[bytes, np.ndarray, np.ndarray]:
+    """The records of ``parquet_rows`` without a Python object per row: one byte string
+    holding them back to back, and per record its offset in it and its length (what the
+    ``tf.data`` reader cuts in-graph)."""
+    joined = _parquet_joined(path, start, end)
+    if joined is None or not len(joined):
+        return b"", np.zeros(0, np.int64), np.zeros(0, np.int64)
+    _, offsets_buf, data_buf = joined.buffers()
+    offsets = np.frombuffer(offsets_buf, np.int64, len(joined) + 1, joined.offset * 8)
+    first = int(offsets[0])
+    data = data_buf.to_pybytes()[first:int(offsets[-1])] if data_buf is not None else b""
+    return data, offsets[:-1] - first, np.diff(offsets)
+
+
+def _parquet_joined(path: str, start: int, end: int):
+    """Rows ``[start, end)`` joined by pyarrow (cast to text, nulls as empty, tab between
+    fields) into one ``large_binary`` array, or None when no row group holds them."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     with fs.open_binary(path, sequential=False) as f:
-        return _parquet_rows(pq.ParquetFile(f), start, end, pa, pc)
-
-
-def _parquet_rows(pf, start, end, pa, pc):
-    md = pf.metadata
-    groups, first_row, row = [], None, 0
-    for g in range(md.num_row_groups):
-        n = md.row_group(g).num_rows
-        if row + n > start and row < end:
-            groups.append(g)
-            first_row = row if first_row is None else first_row
-        row += n
-    if not groups or start >= end:
-        return [], np.zeros(0, np.int64)
-    table = pf.read_row_groups(groups)
+        pf = pq.ParquetFile(f)
+        md = pf.metadata
+        groups, first_row, row = [], None, 0
+        for g in range(md.num_row_groups):
+            n = md.row_group(g).num_rows
+            if row + n > start and row < end:
+                groups.append(g)
+                first_row = row if first_row is None else first_row
+            row += n
+        if not groups or start >= end:
+            return None
+        table = pf.read_row_groups(groups)
     table = table.slice(start - first_row, min(end, row) - start)
     cols = [pc.fill_null(pc.cast(c, pa.string()), "") for c in table.columns]
     joined = cols[0] if len(cols) == 1 else pc.binary_join_element_wise(*cols, "\t")
-    records = pc.cast(joined, pa.binary()).to_pylist()
-    return records, np.arange(start + 1, start + 1 + len(records), dtype=np.int64)
+    # large_binary: 64-bit offsets, so a shard over 2 GiB of text still makes one array
+    return pc.cast(joined, pa.large_binary()).combine_chunks()
 
 
 def _field_separators(records: list[bytes], delimiter: bytes) -> np.ndarray:
@@ -376,34 +496,66 @@ def read_shard(path: str, start: int, end: int, fmt: str = "text", size: int | N
     Bad input raises ``BadInput``; with a ``bad`` list it is skipped and listed there.
     ``fields`` > 0: a text (or Parquet) record must have that many ``delimiter``-separated
     fields."""
-    try:
-        first = start
+    first = [start]
+
+    def read():
         if fmt == "text":
-            records, next_pos, first = _read_text(path, start, end, size or None)
-        elif fmt == "text.gz":
-            records, next_pos, first = _read_gzip_text(path, start, end, bad)
-        elif fmt == "tfrecord":
+            records, next_pos, first[0] = _read_text(path, start, end, size or None)
+            return records, next_pos
+        if fmt == "text.gz":
+            records, next_pos, first[0] = _read_gzip_text(path, start, end, bad)
+            return records, next_pos
+        if fmt == "tfrecord":
             return read_tfrecord_range(path, start, end, size, bad)
-        elif fmt == "tfrecord.gz":
+        if fmt == "tfrecord.gz":
             return read_gzip_tfrecord(path, start, end, bad)
-        elif fmt == "parquet":
-            records, next_pos = parquet_rows(path, start, end)
-        else:
-            raise ValueError(f"unknown data format {fmt!r}")
+        if fmt == "parquet":
+            return parquet_rows(path, start, end)
+        raise ValueError(f"unknown data format {fmt!r}")
+
+    out = _guarded(read, path, start, bad)
+    if out is None:
+        return [], np.zeros(0, np.int64)
+    records, next_pos = out
+    if fields > 0 and fmt in ("text", "text.gz", "parquet"):
+        records, next_pos = _check_fields(records, next_pos, first[0], fields, delimiter, path,
+                                          bad)
+    return records, next_pos
+
+
+def read_buffer(path: str, start: int, end: int, fmt: str, size: int | None = None,
+                *, bad: list | None = None) -> tuple[bytes, np.ndarray, np.ndarray]:
+    """The records of a TFRecord, ``tfrecord.gz`` or Parquet shard as one byte string and
+    per record its offset and length in it (``tfrecord_buffer``, ``parquet_buffer``); bad
+    input as ``read_shard`` (an unreadable shard holds no record under ``bad``)."""
+    if fmt in ("tfrecord", "tfrecord.gz"):
+        read = lambda: tfrecord_buffer(path, start, end, fmt, size, bad)  # noqa: E731
+    elif fmt == "parquet":
+        read = lambda: parquet_buffer(path, start, end)  # noqa: E731
+    else:
+        raise ValueError(f"read_buffer: no buffer reader for format {fmt!r}")
+    out = _guarded(read, path, start, bad)
+    return out if out is not None else (b"", np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+
+def _guarded(read, path: str, start: int, bad: list | None):
+    """``read()``, with an unreadable or corrupt file reported at the shard's start
+    (raised, or listed in ``bad`` and None returned)."""
+    try:
+        return read()
     except BadInput:
         raise
     except (OSError, EOFError, zlib.error) as exc:
         _report(bad, path, start, f"unreadable ({exc})")
-        return [], np.zeros(0, np.int64)
+        return None
     except ValueError as exc:  # pyarrow's ArrowInvalid among them: a corrupt file
         if str(exc).startswith("unknown data format"):
             raise
         _report(bad, path, start, f"unreadable ({exc})")
-        return [], np.zeros(0, np.int64)
-    if fields > 0:
-        records, next_pos = _check_fields(records, next_pos, first, fields, delimiter, path, bad)
-    return records, next_pos
+        return None
 
 
 __all__ = ["read_shard", "BadInput", "masked_crc32c", "tfrecord_frame", "read_text_range", "split_text", "text_body", "read_tfrecord_range",
-           "read_gzip_text", "read_gzip_tfrecord", "parquet_rows", "STREAM_END"]
+           "read_gzip_text", "read_gzip_tfrecord", "parquet_rows", "parquet_buffer",
+           "tfrecord_buffer", "read_buffer", "gzip_text_body",
+           "STREAM_END"]

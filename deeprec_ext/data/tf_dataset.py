@@ -10,7 +10,11 @@ in docs/BENCHMARKS.md), so each *shard* costs one ``tf.numpy_function`` call doi
 ``pread`` of its byte range (a few MB). Splitting text into records, stripping ``\\r`` and
 everything after (batching, parsing) run in the graph; shards are read in parallel
 (``map(num_parallel_calls=AUTOTUNE)``, order kept). There is no Python call per record
-for text; TFRecord framing is walked in that same per-shard call.
+for text (plain or gzip: the decompressed records are split in-graph the same way).
+Parquet and TFRecord shards come out of that call as one byte string plus an offset and a
+length per record (pyarrow's joined rows; the TFRecord payloads in the bytes read,
+framing and CRCs checked there), cut into records in-graph by ``tf.strings.substr``: no
+Python object per record.
 """
 from __future__ import annotations
 
@@ -21,9 +25,15 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from deeprec_ext.data.ranges import read_shard, text_body
+from deeprec_ext.data.ranges import (_guarded, gzip_text_body, read_buffer, read_shard,
+                                     text_body)
 
 log = logging.getLogger(__name__)
+
+# read as one byte string plus (offset, length) per record, cut in-graph by ``substr``:
+# no Python object per record (a list of bytes and an object array cost more than
+# pyarrow's join, docs/BENCHMARKS.md)
+_BUFFERED = ("parquet", "tfrecord", "tfrecord.gz")
 
 _SIGNATURE = (tf.TensorSpec([], tf.string), tf.TensorSpec([], tf.int64),
               tf.TensorSpec([], tf.int64))
@@ -31,6 +41,19 @@ _SIGNATURE = (tf.TensorSpec([], tf.string), tf.TensorSpec([], tf.int64),
 
 def _as_str(x) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def _read_gzip_text(skip: bool):
+    def read(path, start, end):
+        bad = [] if skip else None
+        path = _as_str(path)
+        out = _guarded(lambda: gzip_text_body(path, int(start), int(end), bad), path,
+                       int(start), bad)
+        for b in bad or ():
+            log.warning("bad input, skipped: %s: %s at %d", b["path"], b["reason"], b["offset"])
+        body, any_record = out if out is not None else (b"", False)
+        return np.array(body, dtype=object), np.bool_(any_record)
+    return read
 
 
 def _read_text(skip: bool):
@@ -44,6 +67,16 @@ def _read_text(skip: bool):
                         exc, int(start))
             body, any_record = b"", False
         return np.array(body, dtype=object), np.bool_(any_record)
+    return read
+
+
+def _read_buffer(fmt, skip: bool):
+    def read(path, start, end):
+        bad = [] if skip else None
+        data, offsets, lengths = read_buffer(_as_str(path), int(start), int(end), fmt, bad=bad)
+        for b in bad or ():
+            log.warning("bad input, skipped: %s: %s at %d", b["path"], b["reason"], b["offset"])
+        return np.array(data, dtype=object), offsets, lengths
     return read
 
 
@@ -94,13 +127,22 @@ def shard_records(path, start, end, fmt: str = "text", on_bad_record: str = "fai
     skip = on_bad_record == "skip"
     start = tf.cast(start, tf.int64)
     end = tf.cast(end, tf.int64)
-    if fmt == "text":
-        body, any_record = tf.numpy_function(_read_text(skip), [path, start, end],
-                                             (tf.string, tf.bool), stateful=False)
+    if fmt in ("text", "text.gz"):
+        read = _read_text(skip) if fmt == "text" else _read_gzip_text(skip)
+        body, any_record = tf.numpy_function(read, [path, start, end], (tf.string, tf.bool),
+                                             stateful=False)
         body.set_shape([])
         pieces = tf.strings.split(tf.reshape(body, [1]), "\n").flat_values
         pieces = tf.strings.regex_replace(pieces, "\r$", "")
         return tf.cond(any_record, lambda: pieces, lambda: tf.zeros([0], tf.string))
+    if fmt in _BUFFERED:
+        data, offsets, lengths = tf.numpy_function(
+            _read_buffer(fmt, skip), [path, start, end], (tf.string, tf.int64, tf.int64),
+            stateful=False)
+        data.set_shape([])
+        offsets.set_shape([None])
+        lengths.set_shape([None])
+        return tf.strings.substr(data, offsets, lengths)
     records = tf.numpy_function(_read_other(fmt, skip), [path, start, end], tf.string,
                                 stateful=False)
     records.set_shape([None])
