@@ -125,22 +125,55 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
             result.fence_ms = (time.monotonic() - fence_start) * 1000
         except Exception as exc:
             _progress(active=False, phase="failed")
+            rolled_back = not fenced
             if fenced:
                 # the old layout again, at an epoch newer than anything pushed so far
                 rollback = RoutingTable(fleet.next_epoch(), old.num_slots, old.ps_ids,
                                         old.ps_addresses, old.slot_owner)
                 try:
                     publish(rollback)
+                    rolled_back = True
                 except Exception:  # noqa: BLE001 - reported with the migration's error
                     log.exception("rollback to the old layout failed")
+            if rolled_back:
+                _drop_copied(fleet, masks, address, old.num_slots)
             raise MigrationError(f"slot migration failed: {exc}") from exc
     # 6. free the moved rows on sources that stay (leaving PS exit anyway)
     _progress(phase="cleanup")
     for src in {s for s, _ in pairs if s in new_ids}:
         gone = (old_owner_ids == src) & (new_owner_ids != src)
-        try:
-            result.drops[src] = fleet.drop_slots(address[src], gone, old.num_slots)
-        except Exception:  # noqa: BLE001 - the layout is already correct; memory only
-            log.exception("could not drop moved rows on %s", src)
+        dropped = _drop_with_retries(fleet, address[src], gone, old.num_slots)
+        if dropped is not None:
+            result.drops[src] = dropped
     _progress(active=False, phase="done")
     return result
+
+
+DROP_RETRY_SECONDS = (0.2, 1.0)  # short: a queued recovery waits behind this operation
+
+
+def _drop_with_retries(fleet: "PsFleet", address: str, mask: np.ndarray,
+                       num_slots: int) -> int | None:
+    """Drop the rows of ``mask``'s slots on a PS that does not own them, retried: left
+    there, they are not just memory. A later promotion of those slots onto this PS, or a
+    move of them back to it, would serve its stale copy of a key deleted meanwhile by the
+    owner. Returns the rows dropped, or None when every attempt failed (logged)."""
+    for attempt, pause in enumerate((0.0, *DROP_RETRY_SECONDS)):
+        time.sleep(pause)
+        try:
+            return fleet.drop_slots(address, mask, num_slots)
+        except Exception:  # noqa: BLE001 - retried, then reported
+            log.warning("could not drop rows of slots it does not own on %s (attempt %d)",
+                        address, attempt + 1, exc_info=attempt == len(DROP_RETRY_SECONDS))
+    return None
+
+
+def _drop_copied(fleet: "PsFleet", masks: dict, address: dict, num_slots: int) -> None:
+    """After a failed migration (the old layout in force again): the destinations drop
+    what the snapshot and catch-up rounds copied to them, rows of slots they never
+    owned. A destination that is gone (a new PS the caller retires) is skipped."""
+    by_dst: dict[str, np.ndarray] = {}
+    for (_, dst), mask in masks.items():
+        by_dst[dst] = by_dst[dst] | mask if dst in by_dst else mask.copy()
+    for dst, mask in by_dst.items():
+        _drop_with_retries(fleet, address[dst], mask, num_slots)

@@ -385,3 +385,65 @@ def test_an_incremental_a_ps_cannot_cut_is_taken_as_a_full_one(tmp_path):
         master.shutdown()
         for s in servers:
             s.stop()
+
+
+class _FailingFleet(PsFleet):
+    """A real fleet whose N-th migration round fails (a source or destination lost)."""
+
+    def __init__(self, fail_round: int):
+        super().__init__()
+        self.fail_round, self.rounds = fail_round, 0
+
+    def migrate_slots(self, *args, **kwargs):
+        self.rounds += 1
+        if self.rounds == self.fail_round:
+            raise RuntimeError("injected: the destination went away")
+        return super().migrate_slots(*args, **kwargs)
+
+
+@pytest.mark.parametrize("fail_at", ["catch-up", "publish"])
+def test_a_failed_migration_leaves_no_copied_rows_on_its_destination(two_ps, fail_at):
+    """Rows a failed migration copied to its destination belong to slots it never owned.
+    Left there, a later move of those slots to it, or a promotion of them onto it, would
+    serve them again -- also the copy of a key the owner deleted meanwhile. Before the
+    fence (a round fails) and after it (the publish fails, the old layout is restored),
+    the destination drops them; the source keeps every row."""
+    from aimaster.migration import MigrationError, migrate
+    from deeprec_ext import codec
+    from deeprec_ext.proto import ps_pb2
+    fleet = _FailingFleet(fail_round=2 if fail_at == "catch-up" else 0)
+    (a, b), n = (s.address for s in two_ps), 16
+    owner = np.array([0, 1] * 8, np.int32)
+    old = RoutingTable(fleet.next_epoch(), n, ("ps-0", "ps-1"), (a, b), owner)
+    assert fleet.publish(old, lambda ps_id: True) == []
+    for ps in (a, b):
+        fleet.stub(ps).CreateTable(ps_pb2.CreateTableRequest(config=ps_pb2.TableConfig(
+            name="t", dim=2, initializer_json='{"name": "zeros"}',
+            optimizer_json='{"name": "sgd", "learning_rate": 1.0}')), timeout=10)
+    keys = np.arange(1, 20001, dtype=np.int64)
+    keys = keys[owner[slot_of(keys, n)] == 0]  # ps-0's rows
+    fleet.stub(a).Push(ps_pb2.PushRequest(epoch=old.epoch, tables=[ps_pb2.TableUpdate(
+        table="t", ids=codec.ids_to_bytes(keys),
+        values=codec.floats_to_bytes(-np.ones((keys.size, 2), np.float32)))]), timeout=30)
+    new_owner = owner.copy()
+    new_owner[[0, 2, 4]] = 1  # three of ps-0's slots move to ps-1
+    published = []
+
+    def publish(routing):
+        published.append(routing.epoch)
+        if fail_at == "publish" and len(published) == 1:
+            raise RuntimeError("injected: the hand-over failed")
+        assert fleet.publish(routing, lambda ps_id: True) == []
+
+    with pytest.raises(MigrationError, match="injected"):
+        migrate(fleet, old, new_owner, ["ps-0", "ps-1"], [a, b], publish)
+    src, dst = (s.servicer for s in two_ps)
+    moving = np.isin(slot_of(keys, n), [0, 2, 4])
+    assert moving.sum() > 1000
+    assert dst.store.get("t").size == 0, "rows copied by the failed migration stayed"
+    assert src.store.get("t").size == keys.size
+    np.testing.assert_array_equal(src.store.get("t").lookup(keys, insert_missing=False), 1.0)
+    if fail_at == "publish":  # the old layout again, at a newer epoch, on both PS
+        assert dst.routing.epoch == src.routing.epoch == published[-1] > old.epoch
+        assert dst.routing.owned.sum() == 8 and not dst.routing.owned[[0, 2, 4]].any()
+    fleet.close()
