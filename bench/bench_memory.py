@@ -42,8 +42,10 @@ for sgd, adagrad and adam, a fresh subprocess builds an ``EmbeddingTable`` (dim 
 in-process, fills it with ``--per-row-rows`` (4M) random ids
 (``lookup(insert_missing=True)`` in batches of 64K) and reads its RSS from
 ``/proc/self/statm`` before and after: bytes per row = RSS growth / rows, against the
-floor ``8 + 4 * dim * (1 + slots)`` (key + value + optimizer slots).
-Target: within 1.5x of the floor. The table's own arrays are broken down too.
+floor ``8 + 4 * dim * (1 + slots)`` (key + value + optimizer slots). It then trains the
+table (one ``apply_gradients`` to every row, same batches) and reads RSS again: the
+"trained" figure, what a user's table holds.
+Target: within 1.5x of the floor, filled and trained. The table's own arrays are broken down too.
 
 Results go to ``--out`` (bench/results/memory.json) and the plot to ``--png``
 (docs/memory-bounded.png; needs matplotlib: ``pip install -e '.[bench]'``, or
@@ -359,18 +361,33 @@ def per_row_child(optimizer: str, rows: int) -> dict:
     gc.collect()
     before = rss_bytes()
     t0 = time.monotonic()
+    sizes = []
     while t.size < rows:
         n = min(batch, rows - t.size)
+        sizes.append(n)
         t.lookup(rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64), insert_missing=True)
     seconds = time.monotonic() - t0
     gc.collect()
     after = rss_bytes()
+    # Then train it: one push to every row (the same ids again, same generator), which
+    # is what a user's table sees; scratch state written by pushes shows up here.
+    rng = np.random.default_rng(5)
+    rng.integers(-2**63, 2**63 - 1, 16, dtype=np.int64)
+    grads = np.full((batch, PER_ROW_DIM), 0.01, dtype=np.float32)
+    t0 = time.monotonic()
+    for n in sizes:
+        t.apply_gradients(rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64), grads[:n])
+    push_seconds = time.monotonic() - t0
+    del grads
+    gc.collect()
+    trained = rss_bytes()
     idx = t._index
     arrays = {"arena": t._arena.nbytes, "row_seq": t._row_seq.nbytes,
               "row_key": t._row_key.nbytes, "row_count": t._row_count.nbytes,
-              "mark": t._mark.nbytes, "free": t._free.nbytes, "index": idx.nbytes}
+              "free": t._free.nbytes, "index": idx.nbytes}
     return {"optimizer": optimizer, "rows": int(t.size), "rss_before": before,
-            "rss_after": after, "fill_seconds": round(seconds, 1),
+            "rss_after": after, "rss_trained": trained, "fill_seconds": round(seconds, 1),
+            "push_seconds": round(push_seconds, 1),
             "arena_capacity": int(t._arena.shape[0]), "index_capacity": int(idx.capacity)
             if hasattr(idx, "capacity") else None, "table_nbytes": int(t.nbytes),
             "arrays_bytes": {k: int(v) for k, v in arrays.items()}}
@@ -380,8 +397,8 @@ def per_row_bench(args) -> dict:
     out = {}
     log(f"bytes per row: {args.per_row_rows:,} rows, dim {PER_ROW_DIM}, one subprocess "
         f"per optimizer")
-    log(f"{'optimizer':10}{'floor B':>9}{'RSS B/row':>11}{'x floor':>9}{'arrays B/row':>14}"
-        f"{'fill s':>8}")
+    log(f"{'optimizer':10}{'floor B':>9}{'RSS B/row':>11}{'x floor':>9}{'trained':>11}"
+        f"{'x floor':>9}{'arrays B/row':>14}{'fill s':>8}")
     for opt in PER_ROW_OPTIMIZERS:
         r = subprocess.run([sys.executable, os.path.abspath(__file__), "--per-row-child", opt,
                             "--per-row-rows", str(args.per_row_rows)], cwd=REPO,
@@ -392,11 +409,14 @@ def per_row_bench(args) -> dict:
         res = json.loads(r.stdout.strip().splitlines()[-1])
         floor = 8 + 4 * PER_ROW_DIM * (1 + SLOTS[opt])
         per_row = (res["rss_after"] - res["rss_before"]) / res["rows"]
+        trained = (res["rss_trained"] - res["rss_before"]) / res["rows"]
         res.update(floor_bytes=floor, bytes_per_row=per_row, ratio=per_row / floor,
+                   bytes_per_row_trained=trained, ratio_trained=trained / floor,
                    arrays_per_row={k: v / res["rows"] for k, v in res["arrays_bytes"].items()},
-                   passed=per_row / floor <= PER_ROW_LIMIT)
+                   passed=max(per_row, trained) / floor <= PER_ROW_LIMIT)
         out[opt] = res
         log(f"{opt:10}{floor:>9}{per_row:>11.1f}{per_row / floor:>9.2f}"
+            f"{trained:>11.1f}{trained / floor:>9.2f}"
             f"{res['table_nbytes'] / res['rows']:>14.1f}{res['fill_seconds']:>8.1f}")
     for opt, res in out.items():
         parts = ", ".join(f"{k} {v:.1f}" for k, v in res["arrays_per_row"].items())
@@ -404,7 +424,9 @@ def per_row_bench(args) -> dict:
             f"{res['arena_capacity']:,}, index capacity {res['index_capacity']:,})")
     for opt, res in out.items():
         log(f"{'PASS' if res['passed'] else 'MISS'}: {opt} {res['bytes_per_row']:.1f} B/row = "
-            f"{res['ratio']:.2f}x the floor {res['floor_bytes']} B (target <= {PER_ROW_LIMIT}x)")
+            f"{res['ratio']:.2f}x the floor {res['floor_bytes']} B, trained "
+            f"{res['bytes_per_row_trained']:.1f} B/row = {res['ratio_trained']:.2f}x "
+            f"(target <= {PER_ROW_LIMIT}x)")
     return out
 
 

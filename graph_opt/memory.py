@@ -5,11 +5,10 @@ It mirrors ``deeprec_ext/store/table.py`` and ``hash_index.py`` (keep them in st
 * **arena** ``float32 [capacity, dim * (1 + num_slots)]``: value then optimizer slots. It
   grows x2 with ``np.zeros``, whose untouched pages the OS maps lazily, and growth copies
   only the used rows, so what is resident is the used rows: ``4 * row_width`` per row.
-* **per-row arrays** ``row_seq``, ``row_key`` (int64, copied on growth), ``row_count``
-  (uint32 update counts) and the scratch ``_mark`` (int64, written at random used rows):
-  28 bytes per used row.
-* **hash index** ``int64 [cap, 2]`` + ``uint8 [cap]`` = 17 bytes per position, all
-  resident (keys hash uniformly over the positions). ``cap`` is a power of two,
+* **per-row arrays** ``row_seq``, ``row_key`` (int64, copied on growth) and ``row_count``
+  (uint32 update counts): 20 bytes per used row.
+* **hash index** ``int32 [cap]`` (row ids; the keys are read from ``row_key``) = 4 bytes
+  per position, all resident (keys hash uniformly over the positions). ``cap`` is a power of two,
   at least 2048 (a new table's index), doubled whenever full + deleted positions would
   pass 1/2: the smallest power of two ``>= 2 * rows``.
 * **ring replica**: with 2 or more PS, each PS also keeps a copy of its ring
@@ -34,9 +33,9 @@ import math
 # tests check it against the real optimizer classes.
 SLOTS_PER_ROW = {"sgd": 0, "adagrad": 1, "ftrl": 2, "adam": 3, "assign_add": 0}
 
-ROW_ARRAY_BYTES = 28          # row_seq + row_key + _mark (int64) + row_count (uint32)
+ROW_ARRAY_BYTES = 20          # row_seq + row_key (int64) + row_count (uint32)
 ROW_STEP_BYTES = 8            # _row_step (int64): the step a row was last updated (eviction)
-INDEX_BYTES_PER_POSITION = 17  # _kv int64 [cap, 2] + _state uint8 [cap]
+INDEX_BYTES_PER_POSITION = 4   # _tab int32 [cap]
 MIN_INDEX_CAPACITY = 2048      # EmbeddingTable(initial_capacity=1024) -> HashIndex(2048)
 MIN_ARENA_ROWS = 1024
 REQUEST_ID_WINDOW = 200_000    # AppliedRequests capacity / replica log length
@@ -78,7 +77,8 @@ def table_bytes(rows: int, dim: int, num_slots: int, evicting: bool = False) -> 
     cap = index_capacity(rows, evicting)
     per_row = ROW_ARRAY_BYTES + (ROW_STEP_BYTES if evicting else 0)
     arena, row_arrays, index = 4 * width * rows, per_row * rows, INDEX_BYTES_PER_POSITION * cap
-    arrays = [arena, 16 * cap, cap, 4 * rows] + [8 * rows] * (4 if evicting else 3)
+    # index, row_count, row_seq/key (+ row_step)
+    arrays = [arena, 4 * cap, 4 * rows] + [8 * rows] * (3 if evicting else 2)
     return {"arena": arena, "row_arrays": row_arrays, "index": index,
             "allocator": int(RETAINED_FACTOR * (index + row_arrays))
             + HUGE_PAGE_SLACK * sum(a >= _HUGE_PAGE_MIN for a in arrays)}

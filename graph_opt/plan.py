@@ -11,7 +11,8 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from graph_opt.api import Plan, RolePlan, TableEstimate
-from graph_opt.memory import BASE_RSS_BYTES, ps_bytes
+from graph_opt.memory import (BASE_RSS_BYTES, INDEX_BYTES_PER_POSITION, ROW_ARRAY_BYTES,
+                              ps_bytes)
 
 MiB = 2 ** 20
 GiB = 2 ** 30
@@ -94,13 +95,14 @@ def make_plan(tables: list[TableEstimate], dense, flops_per_sample: int | None,
     steps = math.ceil((inputs.records or 0) * inputs.epochs / max(inputs.batch_size, 1))
     pushes_per_ps = steps * (len(tables) + 1)  # one push per table + one dense sync per step
 
-    lines.append("PS memory per row = 4 B x dim x (1 + optimizer slots) arena + 28 B row "
-                 "arrays + 17 B x index positions (power of two >= 2 x rows, >= 2048); "
+    lines.append(f"PS memory per row = 4 B x dim x (1 + optimizer slots) arena + "
+                 f"{ROW_ARRAY_BYTES} B row arrays + {INDEX_BYTES_PER_POSITION} B x index "
+                 "positions (power of two >= 2 x rows, >= 2048); "
                  "allocator = 1.15 x (index + row arrays) + 1 MiB per array >= 4 MiB")
     for t in tables:
-        per_row = 4 * t.row_floats + 28
+        per_row = 4 * t.row_floats + ROW_ARRAY_BYTES
         lines.append(f"  table {t.name}: {t.rows or 0:,} rows ({t.rows_source}) x (4 x {t.dim} x "
-                     f"(1 + {t.num_slots} {t.optimizer} slots) + 28) B = "
+                     f"(1 + {t.num_slots} {t.optimizer} slots) + {ROW_ARRAY_BYTES}) B = "
                      f"{_mib((t.rows or 0) * per_row)} + index")
         if t.rows_reason:
             lines.append(f"    rows planned under its policies: {t.rows_reason}")

@@ -735,7 +735,7 @@ print(json.dumps({"table": t.nbytes, "extra": peak[0] - base, "write_s": write_s
 
 def test_full_checkpoint_streams_in_bounded_memory_while_lookups_go_on(tmp_path):
     """A full checkpoint of a 2M-row Adagrad table (dim 16) holds no copy of the table: RSS
-    grows by less than 10% of the table while it writes, lookups go on all along (none
+    grows by less than 15% of the table while it writes, lookups go on all along (none
     waits anywhere near the time the write takes), and it restores bit-exactly."""
     out = subprocess.run([sys.executable, "-c", _MEASURE, str(ROOT), "2000000"],
                          capture_output=True, text=True, timeout=600)
@@ -746,7 +746,10 @@ def test_full_checkpoint_streams_in_bounded_memory_while_lookups_go_on(tmp_path)
           f"({100 * r['extra'] / r['table']:.1f}%), write {r['write_s']:.2f} s, "
           f"{lat.size} lookups: p50 {np.median(lat):.2f} ms, max {lat.max():.1f} ms")
     assert r["rows"] == 2_000_000 and r["same"]
-    assert r["extra"] < 0.10 * r["table"], r["extra"] / r["table"]
+    # The writer's own peak is ~20 B per row (plan codes, keys, one chunk: 39 MB here by
+    # tracemalloc); it was under 10% of the table until the hash index shrank from 17 to
+    # 4 bytes per position (table 380 -> 312 MB). A copy of the table would be > 100%.
+    assert r["extra"] < 0.15 * r["table"], r["extra"] / r["table"]
     assert lat.size >= 20  # lookups were served while it wrote
     assert lat.max() < max(0.25 * r["write_s"] * 1000, 50), (lat.max(), r["write_s"])
 

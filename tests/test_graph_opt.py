@@ -176,8 +176,8 @@ def test_memory_model_and_plan_arithmetic():
     assert index_capacity(0) == 2048 and index_capacity(1024) == 2048
     assert index_capacity(1025) == 4096 and index_capacity(300_000) == 1 << 20
     b = table_bytes(100_000, 8, 3)
-    assert b["arena"] == 100_000 * 32 * 4 and b["row_arrays"] == 2_800_000  # 28 B a row
-    assert b["index"] == 17 * 262_144
+    assert b["arena"] == 100_000 * 32 * 4 and b["row_arrays"] == 2_000_000  # 20 B a row
+    assert b["index"] == 4 * 262_144
     one = ps_bytes([{"name": "t", "rows": 1_000_000, "dim": 8, "num_slots": 3}], 1, base_bytes=0)
     two = ps_bytes([{"name": "t", "rows": 1_000_000, "dim": 8, "num_slots": 3}], 2, base_bytes=0)
     assert one["copies"] == 1 and two["copies"] == 2  # ring replica with 2+ PS

@@ -100,7 +100,7 @@ class TestHashIndex:
         np.testing.assert_array_equal(idx.find(keys[perm]), perm)
         assert idx.find(np.empty(0, np.int64)).shape == (0,)
         assert (idx.find(rand_keys(rng, 1000)) == -1).all()
-        assert idx.nbytes >= idx.capacity * 17
+        assert idx.nbytes == idx.capacity * 4  # int32 codes; the keys are the owner's
 
     def test_probe_hash_is_not_the_routing_hash(self):
         # All keys routed to one slot (same hash64(key, 0) % 4096) must still spread out.
@@ -827,3 +827,32 @@ def test_load_rows_is_import_rows_without_the_checks():
     oa, ob = np.argsort(ka), np.argsort(kb)
     np.testing.assert_array_equal(ka[oa], kb[ob])
     np.testing.assert_array_equal(ra[oa].view(np.uint32), rb[ob].view(np.uint32))
+
+
+def test_push_duplicates_use_row_seq_as_scratch_and_restamp_it():
+    """Duplicate detection borrows row_seq (no per-row scratch array): after pushes and
+    imports with duplicates every row carries the batch's sequence number again, and an
+    incremental export since the previous number holds exactly those rows."""
+    t = EmbeddingTable("t", 4, optimizer="adagrad")
+    keys = np.arange(1000, dtype=np.int64)
+    t.lookup(keys)
+    before = t.sequence.value
+    dup = np.concatenate([keys[:300], keys[100:200], keys[:50]])
+    seq = t.apply_gradients(dup, np.ones((dup.size, 4), np.float32))
+    k, _, seqs = t.export_rows(since_seq=before)
+    assert sorted(k.tolist()) == list(range(300)) and (seqs == seq).all()
+    assert (t._row_seq[:t._hwm] > 0).all()  # no row looks free
+    assert t.counts(keys[:300]).tolist() == [1] * 300  # one update per push, not per copy
+    seq2 = t.insert(np.array([5, 5, 7], np.int64), np.arange(12, dtype=np.float32).reshape(3, 4))
+    np.testing.assert_array_equal(t.lookup(np.array([5, 7], np.int64), False)[:, 0], [4, 8])
+    assert t.export_rows(since_seq=seq)[2].tolist() == [seq2, seq2]
+    assert not hasattr(t, "_mark")
+    # the index costs 4 bytes per position: no copy of the keys
+    assert t._index.nbytes == 4 * t._index.capacity
+
+
+def test_hash_index_refuses_row_ids_past_int32():
+    idx = HashIndex(16)
+    with pytest.raises(OverflowError, match="row ids"):
+        idx.insert(np.array([1], np.int64), np.array([2**31], np.int64))
+    assert len(idx) == 0 and idx.find(np.array([1], np.int64)).tolist() == [-1]

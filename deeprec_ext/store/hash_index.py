@@ -1,26 +1,33 @@
-"""Vectorized open-addressing hash index: int64 key -> int64 row id.
+"""Vectorized open-addressing hash index: int64 key -> row id.
 
-Layout (``capacity`` entries, capacity a power of two):
+Layout (``capacity`` entries, capacity a power of two): ONE int32 array ``_tab`` of codes,
+4 bytes per position:
 
-* ``_kv``    int64 [capacity, 2] - key and ``row id + 1`` of a position, interleaved so
-  one probe touches one cache line (``_keys``/``_vals`` are strided column views). The key
-  is stale after a delete; the ``row + 1`` entry is **always 0 at a position that is not
-  full** (0-based encoding: a fresh table is ``np.zeros``, whose pages the OS maps lazily
-  instead of being written up front).
-* ``_state`` uint8 [capacity]    - 0 empty, 1 full, 2 deleted (tombstone).
+* ``0``  empty (a fresh table is ``np.zeros``, whose pages the OS maps lazily);
+* ``-1`` deleted (tombstone);
+* ``row + 1`` (>= 1) full: the key is **not** stored in the index. It is the owner's
+  ``row -> key`` array (``EmbeddingTable._row_key``, which exports need anyway), read
+  through ``row_keys()``. Storing the key here too (16-byte key + row entries and a
+  1-byte state, the earlier layout) cost 34 bytes per row at load 1/2, half an sgd
+  row's floor; now the index costs ~8 bytes per row.
+* ``<= -2`` only inside one :meth:`_claim` / :meth:`find_or_insert` call: a position just
+  claimed by batch element ``-code - 2``, before its row is written.
 
-Every int64 is a valid key (0, negatives, INT64_MIN/MAX included): emptiness lives in
-``_state``, never in a sentinel key.
+Every int64 is a valid key (0, negatives, INT64_MIN/MAX included): emptiness lives in the
+code, never in a sentinel key. Row ids are < 2**31 - 1 (int32 codes).
 
 Probing is linear from ``hash64(key, PROBE_SEED) & mask``. The probe hash deliberately
 uses a non-zero seed: routing uses ``hash64(key, 0) % num_slots``, so all keys owned by
 one PS agree on the low bits of the seed-0 hash and would pile up in a few clusters.
 
-All operations probe every key of a batch at once; each round only the unresolved keys
-continue (compacted index arrays, not boolean masks over the whole batch), so the work is
-``O(n * mean probe length)`` numpy element operations and a handful of numpy calls per
-round. The load factor (full + deleted positions) never exceeds 1/2, which keeps mean
-probe lengths around 1.5 (hit) / 2.5 (miss).
+A key is in at most one full position; a lookup walks its chain past tombstones and
+other keys' positions until it meets its row (``row_keys()[row] == key``) or an empty
+position. All operations probe every key of a batch at once; each round only the
+unresolved keys continue (compacted index arrays, not boolean masks over the whole
+batch), so the work is ``O(n * mean probe length)`` numpy element operations and a
+handful of numpy calls per round. The load factor (full + deleted positions) never
+exceeds 1/2, which keeps mean probe lengths around 1.5 (hit) / 2.5 (miss). Inserting an
+absent key reads only the 4-byte codes (no key comparison).
 
 Growth is incremental above ``INCREMENTAL_MIN_KEYS`` keys: a rehash of millions of keys
 in one call held the table's lock for seconds (1.2 s at 2M keys), a stall of every
@@ -28,25 +35,21 @@ training step on that PS. Instead the full index is kept aside as ``_prev`` (fro
 for removals) and the new, larger one starts empty; every reserve moves the next
 ``MIGRATE_STEP`` positions of ``_prev`` (and at least 4 per key being inserted, so it is
 done long before the new index fills), and lookups that miss in the new index look in
-``_prev``. A key lives in exactly one of the two.
+``_prev``. A key lives in exactly one of the two. Both read the same ``row_keys()``.
 
-Two invariants make ``find`` cheap:
-
-1. ``_vals`` (row + 1) is 0 at every position that is not full, so a position whose
-   stored key equals the query answers the query directly (row id, or -1 for a
-   tombstone) without reading ``_state``.
-2. A key is always placed at the *first* non-full position of its probe chain. Hence a
-   live copy of a key precedes every stale (deleted) copy of the same key in that chain,
-   and meeting a stale copy first proves the key is absent.
+Without an owner (``HashIndex()`` alone) the index keeps its own row -> key array.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 
 from deeprec_ext.hashing import hash64
 
 PROBE_SEED = 0x5EED
-EMPTY, FULL, DELETED = 0, 1, 2
+EMPTY, DELETED = 0, -1
+MAX_ROWS = 2**31 - 2  # row + 1 must fit an int32 code
 _MIN_CAPACITY = 16
 INCREMENTAL_MIN_KEYS = 1 << 17  # smaller indexes rehash at once (a few ms)
 MIGRATE_STEP = 1 << 15  # positions of the previous index moved per reserve
@@ -71,29 +74,60 @@ def _as_keys(keys) -> np.ndarray:
     return np.ascontiguousarray(k)
 
 
-class HashIndex:
-    """Open-addressing (linear probing) map from int64 keys to int64 row ids.
+def _check_rows(rows: np.ndarray) -> None:
+    if rows.size and (int(rows.max()) > MAX_ROWS or int(rows.min()) < 0):
+        raise OverflowError(f"row ids must be in [0, {MAX_ROWS}], got "
+                            f"[{int(rows.min())}, {int(rows.max())}]")
 
-    Not thread-safe by itself; the owning :class:`EmbeddingTable` serializes access.
+
+class _OwnKeys:
+    """The row -> key array of an index without an owner (grown on demand)."""
+
+    __slots__ = ("arr",)
+
+    def __init__(self):
+        self.arr = np.zeros(0, dtype=np.int64)
+
+    def __call__(self) -> np.ndarray:
+        return self.arr
+
+    def ensure(self, rows: np.ndarray) -> None:
+        need = int(rows.max()) + 1 if rows.size else 0
+        if need > self.arr.size:
+            arr = np.zeros(max(need, 2 * self.arr.size, 64), dtype=np.int64)
+            arr[:self.arr.size] = self.arr
+            self.arr = arr
+
+
+class HashIndex:
+    """Open-addressing (linear probing) map from int64 keys to row ids.
+
+    ``row_keys``: a callable returning the owner's current int64 ``row -> key`` array; the
+    index writes the keys of the rows it inserts into it (the owner grows it). Not
+    thread-safe by itself; the owning :class:`EmbeddingTable` serializes access.
     """
 
-    __slots__ = ("_kv", "_kvv", "_keys", "_vals", "_state", "_mask", "_size", "_deleted",
-                 "_prev", "_cursor")
+    __slots__ = ("_tab", "_mask", "_size", "_deleted", "_prev", "_cursor", "_row_keys",
+                 "_own")
 
-    def __init__(self, capacity: int = 1024):
+    def __init__(self, capacity: int = 1024,
+                 row_keys: Callable[[], np.ndarray] | None = None):
         self._alloc(max(_next_pow2(capacity), _MIN_CAPACITY))
         self._size = 0
         self._prev: HashIndex | None = None  # the index being moved into this one
         self._cursor = 0  # next position of _prev to move
+        self._own = _OwnKeys() if row_keys is None else None
+        self._row_keys = self._own if row_keys is None else row_keys
 
     def _alloc(self, cap: int) -> None:
-        self._kv = np.zeros((cap, 2), dtype=np.int64)
-        self._kvv = self._kv.view(np.dtype((np.void, 16))).reshape(-1)  # one item per entry
-        self._keys = self._kv[:, 0]  # strided views: read with [] (take would copy)
-        self._vals = self._kv[:, 1]
-        self._state = np.zeros(cap, dtype=np.uint8)
+        self._tab = np.zeros(cap, dtype=np.int32)
         self._mask = cap - 1
         self._deleted = 0
+
+    def _set_keys(self, rows: np.ndarray, keys: np.ndarray) -> None:
+        if self._own is not None:
+            self._own.ensure(rows)
+        self._row_keys()[rows] = keys
 
     # -- introspection ------------------------------------------------------------------
     def __len__(self) -> int:
@@ -109,8 +143,9 @@ class HashIndex:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the index itself (the row -> key array is the owner's)."""
         prev = self._prev.nbytes if self._prev is not None else 0
-        return self._kv.nbytes + self._state.nbytes + prev
+        return self._tab.nbytes + prev
 
     @property
     def growing(self) -> bool:
@@ -118,12 +153,12 @@ class HashIndex:
         return self._prev is not None
 
     def keys(self) -> np.ndarray:
-        own = self._keys[self._state == FULL]
-        return own if self._prev is None else np.concatenate([own, self._prev.keys()])
+        return self.items()[0]
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
-        live = np.flatnonzero(self._state == FULL)
-        keys, rows = self._keys[live], self._vals[live] - 1
+        codes = self._tab[self._tab > 0]
+        rows = codes.astype(np.int64) - 1
+        keys = self._row_keys().take(rows)
         if self._prev is not None:
             pk, pr = self._prev.items()
             keys, rows = np.concatenate([keys, pk]), np.concatenate([rows, pr])
@@ -144,80 +179,66 @@ class HashIndex:
         keys = _as_keys(keys)
         if keys.size == 0:
             return np.empty(0, dtype=np.int64)
-        out = self._find_own(keys)
+        out = self._probe(keys, False)
         if self._prev is not None:
             miss = np.flatnonzero(out < 0)
             if miss.size:
-                out[miss] = self._prev._find_own(keys.take(miss))
+                out[miss] = self._prev._probe(keys.take(miss), False)
         return out
 
-    def _find_own(self, keys: np.ndarray) -> np.ndarray:
-        """``find`` in this index's own table (not ``_prev``)."""
-        kvv, ts, mask = self._kvv, self._state, self._mask
-        pos = self._home(keys)
-        # Round 1 over the whole batch: a matching stored key answers directly (its row
-        # entry is the row, or -1 for a tombstone -- invariants 1 and 2).
-        g = kvv.take(pos).view(np.int64).reshape(-1, 2)
-        out = g[:, 1] - 1
-        idx = np.flatnonzero(g[:, 0] != keys)
+    def _probe(self, keys: np.ndarray, positions: bool) -> np.ndarray:
+        """Row (``positions``: position) of each key in this index's own table (not
+        ``_prev``), -1 where absent."""
+        n = keys.size
+        if self._size == 0:
+            return np.full(n, -1, dtype=np.int64)
+        tab, mask, rk = self._tab, self._mask, self._row_keys()
+        p = self._home(keys)
+        # Round 1 over the whole batch. ``take(..., mode="clip")`` reads row 0 for the
+        # codes that are not rows (-1, -2); the ``r >= 0`` test discards those.
+        r = tab.take(p).astype(np.int64)
+        r -= 1  # row, or -1 (empty), -2 (deleted)
+        hit = rk.take(r, mode="clip") == keys
+        hit &= r >= 0
+        out = np.where(hit, p, -1) if positions else r
+        idx = np.flatnonzero(~hit)
         if idx.size == 0:
             return out
-        out[idx] = -1
-        p = pos.take(idx)
-        # An empty position ends the chain: absent. Compaction uses flatnonzero + take
-        # (branch-free) rather than boolean-mask indexing.
-        sel = np.flatnonzero(ts.take(p) != EMPTY)
-        idx, p = idx.take(sel), p.take(sel)
+        rr = r.take(idx)
+        if not positions:
+            out[idx] = -1
+        sel = np.flatnonzero(rr != -1)  # an empty position ends the chain: absent
+        idx = idx.take(sel)
+        p = p.take(idx)
         kq = keys.take(idx)
         while idx.size:
             p += 1
             p &= mask
-            g = kvv.take(p).view(np.int64).reshape(-1, 2)
-            hit = g[:, 0] == kq
+            r = tab.take(p).astype(np.int64)
+            r -= 1
+            hit = rk.take(r, mode="clip") == kq
+            hit &= r >= 0
             if hit.any():
-                out[idx[hit]] = g[:, 1][hit] - 1
-                sel = np.flatnonzero(~hit)
-                idx, p, kq = idx.take(sel), p.take(sel), kq.take(sel)
-            cont = ts.take(p) != EMPTY
+                out[idx[hit]] = p[hit] if positions else r[hit]
+                cont = ~hit
+                cont &= r != -1
+            else:
+                cont = r != -1
             if not cont.all():
                 sel = np.flatnonzero(cont)
                 idx, p, kq = idx.take(sel), p.take(sel), kq.take(sel)
         return out
 
-    def _locate(self, keys: np.ndarray) -> np.ndarray:
-        """Position of each key's live entry, -1 where absent."""
-        n = keys.size
-        out = np.full(n, -1, dtype=np.int64)
-        if n == 0:
-            return out
-        tk, ts, mask = self._keys, self._state, self._mask
-        p = self._home(keys)
-        idx = np.arange(n)
-        kq = keys
-        while idx.size:
-            hit = tk[p] == kq
-            if hit.any():
-                hp = p[hit]
-                full = ts.take(hp) == FULL
-                out[idx[hit][full]] = hp[full]
-                sel = np.flatnonzero(~hit)  # a stale match also ends the chain (inv. 2)
-                idx, p, kq = idx.take(sel), p.take(sel), kq.take(sel)
-            sel = np.flatnonzero(ts.take(p) != EMPTY)
-            idx, p, kq = idx.take(sel), p.take(sel), kq.take(sel)
-            p += 1
-            p &= mask
-        return out
-
     def _claim(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Place absent keys (duplicates allowed) at the first non-full position of their
-        probe chain. Returns ``(pos, new_pos)``: the position of every input key and the
-        distinct newly filled positions (one per distinct key, in claim order).
+        """Place absent keys (duplicates allowed) at the first free (empty or deleted)
+        position of their probe chain. Returns ``(pos, new_pos)``: the position of every
+        input key and the distinct newly filled positions (one per distinct key).
 
-        ``_vals`` of new positions temporarily holds the claimant's batch index + 1; the
-        caller must overwrite it with ``row + 1``. Capacity must have been reserved.
+        New positions hold ``-(claimant's batch index) - 2`` until the caller writes
+        ``row + 1``. Capacity must have been reserved.
         """
         n = keys.size
-        tk, tv, ts, mask = self._keys, self._vals, self._state, self._mask
+        tab, mask = self._tab, self._mask
         out = np.empty(n, dtype=np.int64)
         p = self._home(keys)
         idx = np.arange(n)
@@ -225,25 +246,24 @@ class HashIndex:
         filled = []
         reused = 0
         while idx.size:
-            st = ts.take(p)
-            fi = np.flatnonzero(st != FULL)
+            st = tab.take(p)
+            fi = np.flatnonzero((st == EMPTY) | (st == DELETED))
             if fi.size == 0:
                 p += 1
                 p &= mask
                 continue
             cp = p.take(fi)
-            cid = idx.take(fi)
-            cid += 1  # never 0, the "no row" value
+            code = idx.take(fi)
+            code += 2
+            np.negative(code, out=code)
             # Conflict resolution among claimants of one free position: every claimant
-            # scatters its batch index, exactly one value survives per position.
-            tv[cp] = cid
-            won = tv[cp] == cid
+            # scatters its code, exactly one value survives per position.
+            tab[cp] = code
+            won = tab.take(cp) == code
             wsel = np.flatnonzero(won)
             wf = fi.take(wsel)
             wp = cp.take(wsel)
-            tk[wp] = kq.take(wf)
             reused += int(np.count_nonzero(st.take(wf) == DELETED))
-            ts[wp] = FULL
             out[idx.take(wf)] = wp
             filled.append(wp)
             keep = np.ones(idx.size, dtype=bool)
@@ -253,7 +273,8 @@ class HashIndex:
                 lsel = np.flatnonzero(~won)
                 lf = fi.take(lsel)
                 lp = cp.take(lsel)
-                dup = tk[lp] == kq.take(lf)
+                winner = -tab.take(lp).astype(np.int64) - 2
+                dup = keys.take(winner) == kq.take(lf)
                 if dup.any():
                     out[idx.take(lf[dup])] = lp[dup]
                     keep[lf[dup]] = False
@@ -268,6 +289,13 @@ class HashIndex:
         self._size += new_pos.size
         self._deleted -= reused
         return out, new_pos
+
+    def _claimant(self, pos: np.ndarray) -> np.ndarray:
+        """Batch index of the claimant of positions just filled by ``_claim``."""
+        b = self._tab.take(pos).astype(np.int64)
+        np.negative(b, out=b)
+        b -= 2
+        return b
 
     # -- capacity -----------------------------------------------------------------------
     def reserve(self, extra: int) -> None:
@@ -296,9 +324,9 @@ class HashIndex:
             self._rehash(new_cap)
             return
         prev = HashIndex.__new__(HashIndex)
-        prev._kv, prev._kvv, prev._keys, prev._vals = self._kv, self._kvv, self._keys, self._vals
-        prev._state, prev._mask = self._state, self._mask
+        prev._tab, prev._mask = self._tab, self._mask
         prev._size, prev._deleted, prev._prev, prev._cursor = self._size, self._deleted, None, 0
+        prev._own, prev._row_keys = self._own, self._row_keys
         self._alloc(new_cap)
         self._size = 0
         self._prev, self._cursor = prev, 0
@@ -311,14 +339,13 @@ class HashIndex:
         prev = self._prev
         a = self._cursor
         b = prev.capacity if budget is None else min(a + budget, prev.capacity)
-        live = np.flatnonzero(prev._state[a:b] == FULL)
+        live = np.flatnonzero(prev._tab[a:b] > 0)
         if live.size:
             live += a
-            keys, vals = prev._keys[live], prev._vals[live]  # copies (fancy indexing)
-            pos, _ = self._claim(keys)
-            self._vals[pos] = vals  # already encoded as row + 1
-            prev._state[live] = DELETED
-            prev._vals[live] = 0
+            codes = prev._tab.take(live)
+            pos, _ = self._claim(self._row_keys().take(codes.astype(np.int64) - 1))
+            self._tab[pos] = codes  # already encoded as row + 1
+            prev._tab[live] = DELETED
             prev._size -= live.size
             prev._deleted += live.size
         self._cursor = b
@@ -326,13 +353,12 @@ class HashIndex:
             self._prev = None
 
     def _rehash(self, new_cap: int) -> None:
-        live = np.flatnonzero(self._state == FULL)
-        keys, rows = self._keys[live], self._vals[live]
+        codes = self._tab[self._tab > 0]
         self._alloc(new_cap)
         self._size = 0
-        if keys.size:
-            pos, _ = self._claim(keys)
-            self._vals[pos] = rows  # already encoded as row + 1
+        if codes.size:
+            pos, _ = self._claim(self._row_keys().take(codes.astype(np.int64) - 1))
+            self._tab[pos] = codes  # already encoded as row + 1
 
     # -- mutation -----------------------------------------------------------------------
     def insert(self, keys, rows) -> None:
@@ -343,9 +369,22 @@ class HashIndex:
             raise ValueError(f"rows shape {rows.shape} does not match keys shape {keys.shape}")
         if keys.size == 0:
             return
+        _check_rows(rows)
         self.reserve(keys.size)
+        self._set_keys(rows, keys)
         pos, _ = self._claim(keys)
-        self._vals[pos] = rows + 1
+        self._tab[pos] = rows + 1
+
+    def _fill(self, keys: np.ndarray, new_pos: np.ndarray, allocate
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """Rows for the positions ``_claim`` just filled: allocate, record their keys,
+        write the codes. Returns ``(new_keys, new_rows)``."""
+        new_keys = keys.take(self._claimant(new_pos))
+        new_rows = np.asarray(allocate(new_pos.size), dtype=np.int64)
+        _check_rows(new_rows)
+        self._set_keys(new_rows, new_keys)  # after allocate: the owner's array may grow
+        self._tab[new_pos] = new_rows + 1
+        return new_keys, new_rows
 
     def insert_new(self, keys, allocate) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Insert keys known to be absent, **duplicates allowed**, without sorting.
@@ -360,17 +399,18 @@ class HashIndex:
             return e, e, e
         self.reserve(keys.size)
         pos, new_pos = self._claim(keys)
-        new_rows = np.asarray(allocate(new_pos.size), dtype=np.int64)
-        self._vals[new_pos] = new_rows + 1
-        return self._vals[pos] - 1, self._keys[new_pos], new_rows
+        new_keys, new_rows = self._fill(keys, new_pos, allocate)
+        rows = self._tab.take(pos).astype(np.int64)
+        rows -= 1
+        return rows, new_keys, new_rows
 
     def find_or_insert(self, keys, allocate) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Row of every key, inserting the absent ones (duplicates allowed), in ONE probing
         pass instead of :meth:`find` then :meth:`insert_new` (bulk loads: restores).
 
-        While the index holds no deleted positions, the first non-full position of a
-        key's chain proves it absent and is where it goes, so a key is found or placed
-        in the same walk; with deleted positions it falls back to find + insert_new.
+        While the index holds no deleted positions, the first empty position of a key's
+        chain proves it absent and is where it goes, so a key is found or placed in the
+        same walk; with deleted positions it falls back to find + insert_new.
         ``allocate(m)`` is called once with the number of distinct new keys; their rows
         are handed out in input order (of one occurrence each), so a batch of distinct
         new keys gets its rows in input order (consecutive from a fresh arena). Returns
@@ -389,36 +429,38 @@ class HashIndex:
         self.reserve(n)
         if self._deleted or self._prev is not None:  # reserve() began a rehash
             return self.find_or_insert(keys, allocate)
-        tk, tv, ts, mask = self._keys, self._vals, self._state, self._mask
+        tab, mask = self._tab, self._mask
+        rk = self._row_keys()
         out = np.empty(n, dtype=np.int64)
         p = self._home(keys)
         idx = np.arange(n)
         kq = keys
         filled = []
         while idx.size:
-            st = ts.take(p)
+            st = tab.take(p)
             keep = np.ones(idx.size, dtype=bool)
-            fi = np.flatnonzero(st == FULL)
+            fi = np.flatnonzero(st > 0)
             if fi.size:  # a full position holding the key: found
-                hit = fi[tk[p.take(fi)] == kq.take(fi)]
+                hit = fi[rk.take(st.take(fi).astype(np.int64) - 1) == kq.take(fi)]
                 out[idx.take(hit)] = p.take(hit)
                 keep[hit] = False
-            fe = np.flatnonzero(st != FULL)  # empty: the key is absent, claim it (_claim)
+            # Empty: the key is absent, claim it (as _claim). A position claimed earlier
+            # in this call (code <= -2) belongs to another key: duplicates of a key walk
+            # in step and meet at the same position in the same round.
+            fe = np.flatnonzero(st == EMPTY)
             if fe.size:
                 cp = p.take(fe)
-                cid = idx.take(fe) + 1
-                tv[cp] = cid
-                won = tv[cp] == cid
+                code = -(idx.take(fe) + 2)
+                tab[cp] = code
+                won = tab.take(cp) == code
                 wf = fe[won]
                 wp = cp[won]
-                tk[wp] = kq.take(wf)
-                ts[wp] = FULL
                 out[idx.take(wf)] = wp
                 filled.append(wp)
                 keep[wf] = False
                 lf, lp = fe[~won], cp[~won]
                 if lf.size:  # losers carrying the winner's key are duplicates
-                    dup = tk[lp] == kq.take(lf)
+                    dup = keys.take(self._claimant(lp)) == kq.take(lf)
                     out[idx.take(lf[dup])] = lp[dup]
                     keep[lf[dup]] = False
             sel = np.flatnonzero(keep)
@@ -426,17 +468,18 @@ class HashIndex:
             p += 1
             p &= mask
         new_pos = np.concatenate(filled) if filled else np.empty(0, dtype=np.int64)
-        # rows in input order: each new position's claimant batch index is in _vals
-        new_pos = new_pos.take(np.argsort(tv[new_pos], kind="stable"))
-        new_rows = np.asarray(allocate(new_pos.size), dtype=np.int64)
-        tv[new_pos] = new_rows + 1
+        # rows in input order: each new position's code holds its claimant's batch index
+        new_pos = new_pos.take(np.argsort(self._claimant(new_pos), kind="stable"))
         self._size += new_pos.size
-        return tv[out] - 1, tk[new_pos], new_rows
+        new_keys, new_rows = self._fill(keys, new_pos, allocate)
+        rows = self._tab.take(out).astype(np.int64)
+        rows -= 1
+        return rows, new_keys, new_rows
 
     def remove(self, keys) -> np.ndarray:
         """Remove keys; returns the removed row per input key (-1 where absent)."""
         keys = _as_keys(keys)
-        pos = self._locate(keys)
+        pos = self._probe(keys, True) if keys.size else np.empty(0, dtype=np.int64)
         found = pos >= 0
         rows = np.full(keys.size, -1, dtype=np.int64)
         if self._prev is not None and not found.all():
@@ -445,10 +488,9 @@ class HashIndex:
         if not found.any():
             return rows
         fp = pos[found]
-        rows[found] = self._vals[fp] - 1
+        rows[found] = self._tab.take(fp).astype(np.int64) - 1
         up = np.unique(fp)  # duplicate keys in the request remove one entry
-        self._state[up] = DELETED
-        self._vals[up] = 0
+        self._tab[up] = DELETED
         self._size -= up.size
         self._deleted += up.size
         return rows

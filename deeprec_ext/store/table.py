@@ -18,11 +18,13 @@ plane-major ``[1 + num_slots, n, dim]`` so the element-wise work runs on contigu
 
 The arena grows geometrically (x2), so appends are amortized O(1). Deleted rows go to a
 free list and are reused before the arena grows. Memory per row: ``4 * row_width`` bytes
-of arena + 24 bytes of per-row arrays (``row_seq``, ``row_key``, a scratch mark) + 17
-bytes per hash-index position (load 3/8..1/2, i.e. ~34-45 bytes per key).
+of arena + 20 bytes of per-row arrays (``row_seq``, ``row_key``, ``row_count``) + 4
+bytes per hash-index position (load 3/8..1/2, i.e. ~8-11 bytes per key: the index holds
+int32 row ids and reads keys from ``row_key``).
 
 Parallel per-row arrays: ``row_seq`` (int64, sequence number of the row's last write,
->= 1; 0 for a free row) and ``row_key`` (int64, the key owning the row, for exports).
+>= 1; 0 for a free row), ``row_key`` (int64, the key owning the row: exports, and the
+hash index's key comparisons) and ``row_count`` (uint32 updates).
 
 Sequence numbers
 ----------------
@@ -353,14 +355,14 @@ class EmbeddingTable:
         self._slot_init = self.optimizer.init_slots(1, self.dim).reshape(-1)
         self._lock = threading.RLock()
         cap = max(int(initial_capacity), 16)
-        self._index = HashIndex(2 * cap)
+        # the index keeps no keys: it reads this table's row -> key array (_row_key)
+        self._index = HashIndex(2 * cap, self._current_row_keys)
         self._arena = np.zeros((cap, self._width), dtype=np.float32)
         self._set_views()
         self._row_seq = np.zeros(cap, dtype=np.int64)
         # updates per row: pushes that included the key (export min_count, admission)
         self._row_count = np.zeros(cap, dtype=np.uint32)
         self._row_key = np.zeros(cap, dtype=np.int64)
-        self._mark = np.zeros(cap, dtype=np.int64)  # scratch for duplicate detection
         # steps_to_live eviction: per-row step of its last update (the table's push clock)
         self._clock = 0
         self._row_step = (np.zeros(cap, dtype=np.int64)
@@ -429,7 +431,7 @@ class EmbeddingTable:
         seg = self._seg
         return (self._arena.nbytes + self._row_seq.nbytes + self._row_key.nbytes
                 + self._row_count.nbytes
-                + self._mark.nbytes + self._free.nbytes + self._index.nbytes
+                + self._free.nbytes + self._index.nbytes
                 + (seg.nbytes if seg is not None else 0))
 
     @property
@@ -647,7 +649,9 @@ class EmbeddingTable:
         if self._row_step is not None:
             self._row_step = _grown(self._row_step, new_cap, hwm)
         self._set_views()
-        self._mark = _grown(self._mark, new_cap, 0)
+
+    def _current_row_keys(self) -> np.ndarray:
+        return self._row_key
 
     def _set_views(self) -> None:
         # Row-granular views of the arena: numpy moves a whole row (or the value part of
@@ -702,7 +706,6 @@ class EmbeddingTable:
     def _init_rows(self, rows: np.ndarray, keys: np.ndarray, seq: int) -> None:
         """Write fresh rows: initializer value + initial slots."""
         self._scatter_rows(rows, self._with_fresh_slots(self.initializer(keys)))
-        self._row_key[rows] = keys
         self._row_seq[rows] = seq
         self._row_count[rows] = 0
         if self._row_step is not None:
@@ -748,14 +751,16 @@ class EmbeddingTable:
         return g.view(np.float32).reshape(rows.size, self.dim)
 
     def _find_duplicates(self, rows: np.ndarray):
-        """O(n) duplicate detection with the scratch ``_mark`` array (indexed by row id).
+        """O(n) duplicate detection, using ``_row_seq`` (indexed by row id) as scratch:
+        every caller stamps ``_row_seq[rows]`` right after, under the same lock hold. A
+        separate int64 scratch array was 8 resident bytes per row of a trained table.
 
         Returns ``None`` when ``rows`` has no duplicates (the common, fast case), else
         ``rep``: for each batch position, the position of its group's representative
         (one surviving writer per distinct row).
         """
         ar = np.arange(rows.size, dtype=np.int64)
-        mark = self._mark
+        mark = self._row_seq
         mark[rows] = ar
         rep = mark.take(rows)
         if (rep == ar).all():
@@ -776,9 +781,10 @@ class EmbeddingTable:
         return rows.take(rsel), sums
 
     def _last_occurrences(self, rows: np.ndarray) -> np.ndarray:
-        """Batch positions of the last occurrence of each distinct row."""
+        """Batch positions of the last occurrence of each distinct row (``_row_seq`` as
+        scratch, like :meth:`_find_duplicates`)."""
         ar = np.arange(rows.size, dtype=np.int64)
-        mark = self._mark
+        mark = self._row_seq
         mark[rows] = -1
         np.maximum.at(mark, rows, ar)
         return np.flatnonzero(mark.take(rows) == ar)
@@ -917,8 +923,8 @@ class EmbeddingTable:
         rep = self._find_duplicates(rows)
         if rep is not None:
             rows, grads = self._sum_duplicates(rows, grads, rep)
+        self._row_seq[rows] = seq  # also ends _find_duplicates' scratch use
         self._apply_optimizer(rows, grads)
-        self._row_seq[rows] = seq
         self._row_count[rows] += np.uint32(1)  # rows are unique here
         if self._row_step is not None:
             self._row_step[rows] = step
@@ -997,7 +1003,6 @@ class EmbeddingTable:
             seq = self.sequence.next()
             # one probing pass finds the present keys and places the new ones
             got, new_keys, new_rows = self._index.find_or_insert(keys, self._allocate)
-            self._row_key[new_rows] = new_keys
             r0 = int(got[0])
             if new_rows.size == n and int(got[-1]) == r0 + n - 1 and \
                     (n == 1 or bool((np.diff(got) == 1).all())):
@@ -1055,7 +1060,6 @@ class EmbeddingTable:
                 got, new_keys, new_rows = self._index.insert_new(
                     keys.take(np.flatnonzero(rows < 0)), self._allocate)
                 rows[rows < 0] = got
-                self._row_key[new_rows] = new_keys
             self._write_rows(rows, data, full_rows, counts, seq)
             return seq
 
@@ -1542,7 +1546,7 @@ class EmbeddingTable:
         """Drop every row (no tombstones are logged)."""
         with self._lock:
             cap = self._arena.shape[0]
-            self._index = HashIndex(2 * cap)
+            self._index = HashIndex(2 * cap, self._current_row_keys)
             self._row_seq.fill(0)
             self._row_count.fill(0)
             self._hwm = 0
@@ -1700,7 +1704,6 @@ class EmbeddingTable:
                     got, new_keys, new_rows = self._index.insert_new(keys.take(miss),
                                                                      self._allocate_fresh)
                     rows[miss] = got
-                    self._row_key[new_rows] = new_keys
                 self._scatter_rows(rows, block)
                 self._row_seq[rows] = seg._row_seq.take(sel)
                 self._row_count[rows] = seg._row_count.take(sel)
