@@ -42,7 +42,7 @@ setup(
         "google-crc32c>=1.9,<2",
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "grpcio-tools>=1.85.1,<2",
+        "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "pytest-xdist>=3.6,<4", "grpcio-tools>=1.85.1,<2",
                  "cryptography>=42,<51",
                  # a real S3-compatible server on 127.0.0.1 for the remote-data tests
                  "moto[server]>=5.2,<6"],

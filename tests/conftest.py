@@ -181,3 +181,26 @@ class CounterPusher:
         self._stop.set()
         self._thread.join(60)
         assert not self.errors, self.errors
+
+
+# Files whose tests run whole jobs (AIMaster, PS and TensorFlow workers as processes) and
+# check timings, throughput or detection windows. With `pytest -n 2` (scripts/test) they
+# form one xdist group, so they run one after another on one worker, never two jobs at
+# once; the other worker takes the unit and single-service tests beside them.
+JOB_MODULES = {
+    "test_soak.py", "test_elasticity.py", "test_training_e2e.py", "test_model_output.py",
+    "test_gazer_live.py", "test_stragglers.py", "test_fault_tolerance.py",
+    "test_consistent.py", "test_autoscale_e2e.py", "test_autoscale_eviction_e2e.py",
+    "test_eval.py", "test_checkpoint_remote.py", "test_criteo_example.py",
+    "test_data_watch.py", "test_eviction.py", "test_admission.py", "test_idempotency.py",
+    "test_shutdown.py", "test_launcher.py", "test_placement.py", "test_data_remote.py",
+    "test_replication_races.py", "test_warm_start.py", "test_tf_initializers.py",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    if not getattr(config.option, "numprocesses", None):
+        return
+    for item in items:
+        if item.path.name in JOB_MODULES:
+            item.add_marker(pytest.mark.xdist_group("jobs"))
