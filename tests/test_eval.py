@@ -19,15 +19,6 @@ def _job(**eval_section):
     return {"worker": {"replicas": 1, "command": ["true"]}, "eval": eval_section}
 
 
-@pytest.mark.parametrize("section, key", [
-    ({"every_steps": 5}, "eval.files"),
-    ({"files": ["a"], "every_steps": 5, "every_seconds": 3}, "eval.every_steps, every_seconds: give one"),
-    ({"files": ["a"]}, "eval.every_steps or every_seconds"),
-    ({"files": ["a"], "every_steps": 0}, "eval.every_steps"),
-    ({"files": ["a"], "every_seconds": -1}, "eval.every_seconds"),
-    ({"files": ["a"], "every_steps": 5, "batch": 3}, "eval: unknown key"),
-])
-
 def _eval_rounds(state_dir):
     """eval.jsonl's points and its rounds during training; one final round at the last step."""
     points = [json.loads(line) for line in (state_dir / "eval.jsonl").read_text().splitlines()]
@@ -40,6 +31,15 @@ def _eval_rounds(state_dir):
     assert all(0 < p["step"] <= total_steps for p in during), points
     return points, during, total_steps
 
+
+@pytest.mark.parametrize("section, key", [
+    ({"every_steps": 5}, "eval.files"),
+    ({"files": ["a"], "every_steps": 5, "every_seconds": 3}, "eval.every_steps, every_seconds: give one"),
+    ({"files": ["a"]}, "eval.every_steps or every_seconds"),
+    ({"files": ["a"], "every_steps": 0}, "eval.every_steps"),
+    ({"files": ["a"], "every_seconds": -1}, "eval.every_seconds"),
+    ({"files": ["a"], "every_steps": 5, "batch": 3}, "eval: unknown key"),
+])
 def test_bad_eval_section_is_refused_naming_the_key(section, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         parse_job(_job(**section))
