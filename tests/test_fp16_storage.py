@@ -242,3 +242,23 @@ def test_float16_table_through_scale_out_kill9_and_checkpoint(start_job, tmp_pat
         assert "table 'bad'" in e.value.details() and "dtype" in e.value.details()
     check()
     client.close()
+
+
+def test_keras_and_tf1_take_storage_dtype():
+    """``storage_dtype`` (not Keras's compute ``dtype``): a bad one is refused when the
+    model is built, naming the table; the layer's config round-trips it, and an export's
+    serving layer accepts that config."""
+    pytest.importorskip("tensorflow")
+    from deeprec_ext.tf.keras_api import ElasticEmbedding
+    with pytest.raises(InvalidRequestError, match="table 'user'.*dtype"):
+        ElasticEmbedding(8, table="user", storage_dtype="float64")
+    layer = ElasticEmbedding(8, table="user", storage_dtype="float16")
+    assert layer.compute_dtype == "float32"  # the Keras dtype is untouched
+    cfg = layer.get_config()
+    assert cfg["storage_dtype"] == "float16"
+    assert ElasticEmbedding.from_config(cfg).storage_dtype == "float16"
+    assert "storage_dtype" not in ElasticEmbedding(8, table="u2").get_config()
+    import inspect
+
+    from deeprec_ext.tf.tf1_api import embedding_lookup
+    assert inspect.signature(embedding_lookup).parameters["storage_dtype"].default == "float32"
