@@ -262,3 +262,28 @@ def test_keras_and_tf1_take_storage_dtype():
 
     from deeprec_ext.tf.tf1_api import embedding_lookup
     assert inspect.signature(embedding_lookup).parameters["storage_dtype"].default == "float32"
+
+
+def test_planner_counts_two_bytes_per_float16_value():
+    """``aimaster estimate``: a float16 table's arena is 2 B per value + 4 B per slot float,
+    taken from the layer (Keras) or the recorded table spec (TF1 graphs)."""
+    pytest.importorskip("tensorflow")
+    import graph_opt
+    from graph_opt.memory import table_bytes
+    assert table_bytes(1000, 8, 3, value_bytes=2)["arena"] == 1000 * (16 + 96)
+    assert table_bytes(1000, 8, 3)["arena"] == 1000 * 128
+    kw = {"lr": 1e-3, "dim": 8}
+    rows = {"embedding": 1_000_000, "linear": 1_000_000}
+    f32 = graph_opt.estimate("examples.criteo.train:build_keras", fn_kwargs=kw, rows=rows)
+    f16 = graph_opt.estimate("examples.criteo.train:build_keras",
+                             fn_kwargs={**kw, "storage_dtype": "float16"}, rows=rows)
+    assert {t.storage_dtype for t in f16.tables} == {"float16"}
+    assert {t.storage_dtype for t in f32.tables} == {"float32"}
+    # the plan's own memory model: embedding dim 8, linear dim 1, 2 B saved per value on
+    # each copy (own rows + the ring replica) of each PS's share
+    n_ps = f16.plan.ps.replicas
+    assert f32.plan.ps.replicas == n_ps
+    copies = f16.ps_memory["copies"]
+    share = -(-1_000_000 // n_ps)
+    assert f32.ps_memory["arena"] - f16.ps_memory["arena"] == copies * 2 * share * (8 + 1)
+    assert any("2 x 8 + 4 x 8 x 3 adam slots" in line for line in f16.arithmetic)

@@ -132,6 +132,8 @@ def model_record(model, dense_vars) -> dict:
         if isinstance(layer, ElasticEmbedding):
             tables[layer.table] = {"dim": layer.dim, "initializer": layer.initializer,
                                    "optimizer": layer.optimizer_spec}
+            if layer.storage_dtype != "float32":
+                tables[layer.table]["dtype"] = layer.storage_dtype
     record = {"kind": "tables", "tables": tables,
               "dense_shapes": {v.path: [int(d) for d in v.shape] for v in dense_vars},
               "tensorflow": tf.__version__, "keras": keras.__version__}
