@@ -220,7 +220,15 @@ def test_float16_table_through_scale_out_kill9_and_checkpoint(start_job, tmp_pat
     check()
     assert _cli(job, "checkpoint", "--full")["type"] == "full"
     push_rounds(2)
-    assert _cli(job, "checkpoint")["type"] == "incr"
+    incr = _cli(job, "checkpoint")
+    assert incr["type"] == "incr"
+    # what an export reads: float32 values, float16-exact, the dtype in the table's config
+    import checkpoint
+    loaded = checkpoint.load(incr["path"]).tables["h"]
+    assert loaded.values.dtype == np.float32 and loaded.config["dtype"] == "float16"
+    assert loaded.ids.size == n  # the whole chain
+    np.testing.assert_array_equal(loaded.values,
+                                  mirror.lookup(loaded.ids, insert_missing=False))
     back = EmbeddingStore()
     restore(str(ck), back)
     t = back.get("h")
