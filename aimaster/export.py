@@ -97,7 +97,7 @@ def _rebuild_keras(tf, record: dict, lookups: dict, dense: dict) -> tuple:
         """``ElasticEmbedding`` at serving time: reads the exported table variables."""
 
         def __init__(self, dim, table=None, initializer=None, optimizer=None, admission=None,
-                     eviction=None, **kwargs):
+                     eviction=None, storage_dtype=None, **kwargs):
             super().__init__(**kwargs)
             self.dim = dim
             self.table = table or self.name

@@ -44,7 +44,8 @@ in-process, fills it with ``--per-row-rows`` (4M) random ids
 ``/proc/self/statm`` before and after: bytes per row = RSS growth / rows, against the
 floor ``8 + 4 * dim * (1 + slots)`` (key + value + optimizer slots). It then trains the
 table (one ``apply_gradients`` to every row, same batches) and reads RSS again: the
-"trained" figure, what a user's table holds.
+"trained" figure, what a user's table holds. ``--dtype float16``: the same with float16
+value storage, against the floor ``8 + 2 * dim + 4 * dim * slots``.
 Target: within 1.5x of the floor, filled and trained. The table's own arrays are broken down too.
 
 Results go to ``--out`` (bench/results/memory.json) and the plot to ``--png``
@@ -352,9 +353,15 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def per_row_child(optimizer: str, rows: int) -> dict:
+def per_row_floor(optimizer: str, dtype: str = "float32") -> int:
+    """key + value + optimizer slots; float16 storage halves the value part only."""
+    value = (2 if dtype == "float16" else 4) * PER_ROW_DIM
+    return 8 + value + 4 * PER_ROW_DIM * SLOTS[optimizer]
+
+
+def per_row_child(optimizer: str, rows: int, dtype: str = "float32") -> dict:
     from deeprec_ext.store.table import EmbeddingTable
-    t = EmbeddingTable("t", PER_ROW_DIM, "zeros", optimizer)
+    t = EmbeddingTable("t", PER_ROW_DIM, "zeros", optimizer, dtype=dtype)
     rng = np.random.default_rng(5)
     batch = 1 << 16
     t.lookup(rng.integers(-2**63, 2**63 - 1, 16, dtype=np.int64))  # warm the code paths
@@ -385,7 +392,7 @@ def per_row_child(optimizer: str, rows: int) -> dict:
     arrays = {"arena": t._arena.nbytes, "row_seq": t._row_seq.nbytes,
               "row_key": t._row_key.nbytes, "row_count": t._row_count.nbytes,
               "free": t._free.nbytes, "index": idx.nbytes}
-    return {"optimizer": optimizer, "rows": int(t.size), "rss_before": before,
+    return {"optimizer": optimizer, "dtype": dtype, "rows": int(t.size), "rss_before": before,
             "rss_after": after, "rss_trained": trained, "fill_seconds": round(seconds, 1),
             "push_seconds": round(push_seconds, 1),
             "arena_capacity": int(t._arena.shape[0]), "index_capacity": int(idx.capacity)
@@ -395,19 +402,20 @@ def per_row_child(optimizer: str, rows: int) -> dict:
 
 def per_row_bench(args) -> dict:
     out = {}
-    log(f"bytes per row: {args.per_row_rows:,} rows, dim {PER_ROW_DIM}, one subprocess "
-        f"per optimizer")
+    log(f"bytes per row: {args.per_row_rows:,} rows, dim {PER_ROW_DIM}, {args.dtype} values, "
+        f"one subprocess per optimizer")
     log(f"{'optimizer':10}{'floor B':>9}{'RSS B/row':>11}{'x floor':>9}{'trained':>11}"
         f"{'x floor':>9}{'arrays B/row':>14}{'fill s':>8}")
     for opt in PER_ROW_OPTIMIZERS:
         r = subprocess.run([sys.executable, os.path.abspath(__file__), "--per-row-child", opt,
-                            "--per-row-rows", str(args.per_row_rows)], cwd=REPO,
+                            "--per-row-rows", str(args.per_row_rows), "--dtype", args.dtype],
+                           cwd=REPO,
                            env=dict(os.environ, PYTHONPATH=REPO), capture_output=True,
                            text=True, timeout=1800)
         if r.returncode != 0:
             raise RuntimeError(f"per-row child {opt} exited {r.returncode}: {r.stderr[-2000:]}")
         res = json.loads(r.stdout.strip().splitlines()[-1])
-        floor = 8 + 4 * PER_ROW_DIM * (1 + SLOTS[opt])
+        floor = per_row_floor(opt, args.dtype)
         per_row = (res["rss_after"] - res["rss_before"]) / res["rows"]
         trained = (res["rss_trained"] - res["rss_before"]) / res["rows"]
         res.update(floor_bytes=floor, bytes_per_row=per_row, ratio=per_row / floor,
@@ -450,12 +458,14 @@ def main() -> int:
     ap.add_argument("--per-row-only", action="store_true")
     ap.add_argument("--no-per-row", action="store_true")
     ap.add_argument("--per-row-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "float16"),
+                    help="value storage of the per-row tables (the floor follows it)")
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results", "memory.json"))
     ap.add_argument("--png", default=os.path.join(REPO, "docs", "memory-bounded.png"))
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args()
     if args.per_row_child:
-        print(json.dumps(per_row_child(args.per_row_child, args.per_row_rows)))
+        print(json.dumps(per_row_child(args.per_row_child, args.per_row_rows, args.dtype)))
         return 0
     if args.quick:
         if args.occurrences == ap.get_default("occurrences"):

@@ -225,7 +225,9 @@ def load(path, tables=None, verify: str = "chunks", slots: bool = True) -> Loade
                                  else np.zeros((keys.size, 0), np.float32),
                                  {"dim": dim, "initializer": t["initializer"],
                                   "optimizer": t["optimizer"],
-                                  # admission / eviction policies, when the table had any
-                                  **{k: t[k] for k in ("admission", "eviction") if t.get(k)}},
+                                  # admission / eviction policies and a float16 storage
+                                  # dtype, when the table had any
+                                  **{k: t[k] for k in ("admission", "eviction", "dtype")
+                                     if t.get(k)}},
                                  counts)
     return out

@@ -474,7 +474,8 @@ class _StoreSink:
                                         info["optimizer"],
                                         initial_capacity=max(int(expected_rows), 1024),
                                         admission=info.get("admission"),
-                                        eviction=info.get("eviction"))
+                                        eviction=info.get("eviction"),
+                                        dtype=info.get("dtype", "float32"))
         except ValueError as e:
             raise CheckpointError(f"cannot create table '{name}' in the target store: {e}") \
                 from None

@@ -153,7 +153,9 @@ def _table_info(table: EmbeddingTable) -> dict:
     cfg = table.config
     info = {"dim": int(cfg["dim"]), "initializer": cfg["initializer"],
             "optimizer": cfg["optimizer"], "row_width": int(table.row_width), "counts": True}
-    for policy in ("admission", "eviction"):  # only when set: older configs compare equal
+    # only when set: older configs compare equal (no "dtype": float32). Rows are written as
+    # float32 either way; a float16 table's values are float16-exact, so nothing is lost
+    for policy in ("admission", "eviction", "dtype"):
         if cfg.get(policy):
             info[policy] = cfg[policy]
     return info
@@ -289,7 +291,8 @@ class CheckpointWriter:
                 for name, info in pm["tables"].items():
                     self._tables[name] = {k: copy.deepcopy(v) for k, v in info.items()
                                           if k in ("dim", "initializer", "optimizer", "row_width",
-                                                   "counts", "admission", "eviction")}
+                                                   "counts", "admission", "eviction",
+                                                   "dtype")}
             elif parent is not None:
                 raise ValueError("a full checkpoint has no parent")
 

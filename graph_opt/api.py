@@ -29,10 +29,20 @@ class TableEstimate:
     candidate_rows: int = 0        # admission candidates: exact counters, or bloom blocks
     candidate_dim: int = 1         # floats per candidate row (1; bloom: BLOOM_BLOCK cells)
     rows_reason: str = ""          # why these rows (admission / eviction arithmetic)
+    storage_dtype: str = "float32"  # of the values on the PS (float16: 2 B each)
 
     @property
     def row_floats(self) -> int:
         return self.dim * (1 + self.num_slots)
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of one stored value (the slots stay float32)."""
+        return 2 if self.storage_dtype == "float16" else 4
+
+    @property
+    def arena_row_bytes(self) -> int:
+        return self.value_bytes * self.dim + 4 * self.dim * self.num_slots
 
 
 @dataclass

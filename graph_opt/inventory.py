@@ -54,9 +54,9 @@ class RecordingClient:
         self.tables: dict[str, dict] = {}
 
     def create_table(self, name, dim, initializer="zeros", optimizer="sgd", admission=None,
-                     eviction=None, **_):
+                     eviction=None, dtype="float32", **_):
         self.tables[name] = {"dim": int(dim), "initializer": initializer, "optimizer": optimizer,
-                             "admission": admission, "eviction": eviction}
+                             "admission": admission, "eviction": eviction, "dtype": dtype}
 
     def __getattr__(self, item):
         raise EstimateError(f"the model called PSClient.{item} while being built for "
@@ -184,7 +184,8 @@ def _table(spec: dict, warnings: list) -> TableEstimate:
     return TableEstimate(name=spec["table"], dim=int(spec["dim"]), optimizer=str(name),
                          num_slots=slots, initializer=spec.get("initializer"),
                          key_dtype=spec.get("key_dtype", "int64"), optimizer_assumed=assumed,
-                         admission=admission, eviction=eviction)
+                         admission=admission, eviction=eviction,
+                         storage_dtype=spec.get("dtype") or "float32")
 
 
 def _spec_consts(nodes) -> list[dict]:
@@ -222,7 +223,8 @@ def inspect_keras(model, recorded: dict) -> Inventory:
             seen.add(layer.table)
             t = _table({"table": layer.table, "dim": layer.dim,
                         "initializer": layer.initializer, "optimizer": layer.optimizer_spec,
-                        "admission": layer.admission, "eviction": layer.eviction},
+                        "admission": layer.admission, "eviction": layer.eviction,
+                        "dtype": layer.storage_dtype},
                        inv.warnings)
             feature, dtype, per_sample = _keras_feature(layer)
             t.feature, t.input_dtype, t.ids_per_sample = feature, dtype, per_sample

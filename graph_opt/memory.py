@@ -4,7 +4,8 @@ It mirrors ``deeprec_ext/store/table.py`` and ``hash_index.py`` (keep them in st
 
 * **arena** ``float32 [capacity, dim * (1 + num_slots)]``: value then optimizer slots. It
   grows x2 with ``np.zeros``, whose untouched pages the OS maps lazily, and growth copies
-  only the used rows, so what is resident is the used rows: ``4 * row_width`` per row.
+  only the used rows, so what is resident is the used rows: ``4 * row_width`` per row
+  (float16 value storage: ``2 * dim + 4 * dim * num_slots``).
 * **per-row arrays** ``row_seq``, ``row_key`` (int64, copied on growth) and ``row_count``
   (uint32 update counts): 20 bytes per used row.
 * **hash index** ``int32 [cap]`` (row ids; the keys are read from ``row_key``) = 4 bytes
@@ -69,14 +70,16 @@ def index_capacity(rows: int, churn: bool = False) -> int:
     return cap
 
 
-def table_bytes(rows: int, dim: int, num_slots: int, evicting: bool = False) -> dict:
+def table_bytes(rows: int, dim: int, num_slots: int, evicting: bool = False,
+                value_bytes: int = 4) -> dict:
     """Resident bytes of one table with ``rows`` keys, by component. ``evicting``: rows
-    are deleted and reused (eviction): a ``row_step`` int64 per row, churn-sized index."""
+    are deleted and reused (eviction): a ``row_step`` int64 per row, churn-sized index.
+    ``value_bytes``: 2 for float16 value storage (the slots stay float32)."""
     rows = max(int(rows), 0)
-    width = dim * (1 + num_slots)
+    row_bytes = value_bytes * dim + 4 * dim * num_slots
     cap = index_capacity(rows, evicting)
     per_row = ROW_ARRAY_BYTES + (ROW_STEP_BYTES if evicting else 0)
-    arena, row_arrays, index = 4 * width * rows, per_row * rows, INDEX_BYTES_PER_POSITION * cap
+    arena, row_arrays, index = row_bytes * rows, per_row * rows, INDEX_BYTES_PER_POSITION * cap
     # index, row_count, row_seq/key (+ row_step)
     arrays = [arena, 4 * cap, 4 * rows] + [8 * rows] * (3 if evicting else 2)
     return {"arena": arena, "row_arrays": row_arrays, "index": index,
@@ -100,7 +103,7 @@ def ps_bytes(tables: list[dict], n_ps: int, push_rpcs_per_ps: int = 0,
     per_table = []
     for t in tables:
         b = table_bytes(math.ceil(t["rows"] / n_ps), t["dim"], t["num_slots"],
-                        t.get("evicting", False))
+                        t.get("evicting", False), t.get("value_bytes", 4))
         per_table.append({"name": t["name"], **b, "total": sum(b.values())})
         for k, v in b.items():
             own[k] += v

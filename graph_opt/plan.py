@@ -87,7 +87,7 @@ def make_plan(tables: list[TableEstimate], dense, flops_per_sample: int | None,
     c = inputs.cost
     lines: list[str] = []
     sparse = [{"name": t.name, "rows": t.rows or 0, "dim": t.dim, "num_slots": t.num_slots,
-               "evicting": bool(t.eviction)} for t in tables]
+               "evicting": bool(t.eviction), "value_bytes": t.value_bytes} for t in tables]
     # admission candidates live in a companion table (deeprec_ext.store.policies)
     sparse += [{"name": f"{t.name}::admission", "rows": t.candidate_rows,
                 "dim": t.candidate_dim, "num_slots": 0} for t in tables if t.candidate_rows]
@@ -95,14 +95,16 @@ def make_plan(tables: list[TableEstimate], dense, flops_per_sample: int | None,
     steps = math.ceil((inputs.records or 0) * inputs.epochs / max(inputs.batch_size, 1))
     pushes_per_ps = steps * (len(tables) + 1)  # one push per table + one dense sync per step
 
-    lines.append(f"PS memory per row = 4 B x dim x (1 + optimizer slots) arena + "
+    lines.append(f"PS memory per row = (4 B, float16 storage 2 B) x dim + 4 B x dim x "
+                 f"optimizer slots arena + "
                  f"{ROW_ARRAY_BYTES} B row arrays + {INDEX_BYTES_PER_POSITION} B x index "
                  "positions (power of two >= 2 x rows, >= 2048); "
                  "allocator = 1.15 x (index + row arrays) + 1 MiB per array >= 4 MiB")
     for t in tables:
-        per_row = 4 * t.row_floats + ROW_ARRAY_BYTES
-        lines.append(f"  table {t.name}: {t.rows or 0:,} rows ({t.rows_source}) x (4 x {t.dim} x "
-                     f"(1 + {t.num_slots} {t.optimizer} slots) + {ROW_ARRAY_BYTES}) B = "
+        per_row = t.arena_row_bytes + ROW_ARRAY_BYTES
+        lines.append(f"  table {t.name}: {t.rows or 0:,} rows ({t.rows_source}) x ("
+                     f"{t.value_bytes} x {t.dim} + 4 x {t.dim} x {t.num_slots} {t.optimizer} "
+                     f"slots + {ROW_ARRAY_BYTES}) B = "
                      f"{_mib((t.rows or 0) * per_row)} + index")
         if t.rows_reason:
             lines.append(f"    rows planned under its policies: {t.rows_reason}")

@@ -99,3 +99,25 @@ def test_bad_init_from_fails_the_job_with_its_name(tmp_path, start_job):
     assert job.wait(60) != 0
     assert job.state()["phase"] == "failed"
     assert "init_from" in job.state()["message"] and "nowhere" in job.state()["message"]
+
+
+def test_warm_start_into_float16_storage(day1, start_job):
+    """The job's storage dtype wins: a float32 checkpoint warm-started into a float16 table
+    holds its values rounded to float16 and its adagrad accumulators unchanged (float32),
+    and later pushes round to float16."""
+    want = checkpoint.load(day1["path"]).tables["emb"]
+    job = start_job({"name": "day2h", "ps": {"replicas": 2}, "init_from": day1["path"]},
+                    ["--workers", "0"])
+    c = PSClient.connect(job.address, timeout=60)
+    c.create_table("emb", 8, initializer=INIT, optimizer={"name": "adagrad", "learning_rate": 0.5},
+                   dtype="float16")
+    f16 = want.values.astype(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(c.lookup("emb", want.ids, insert_missing=False), f16)
+    g = np.full((1, 8), 0.2, np.float32)
+    c.push("emb", want.ids[:1], g)
+    acc = want.slots[0] + g[0] ** 2  # the checkpoint's accumulator, kept as float32
+    expect = (f16[0] - np.float32(0.5) * g[0] / (np.sqrt(acc) + np.float32(1e-7)))
+    got = c.lookup("emb", want.ids[:1], insert_missing=False)[0]
+    np.testing.assert_array_equal(got, got.astype(np.float16).astype(np.float32))
+    np.testing.assert_allclose(got, expect, rtol=2e-3)  # within a float16 rounding
+    c.close()

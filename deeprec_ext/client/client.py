@@ -26,6 +26,7 @@ from deeprec_ext.errors import (InvalidRequestError, RoutingNotReadyError, Stale
 from deeprec_ext.grpc_util import RETRIABLE_CODES, ROUTING_EPOCH_KEY, RetryPolicy, insecure_channel
 from deeprec_ext.proto import master_pb2, master_pb2_grpc, ps_pb2, ps_pb2_grpc
 from deeprec_ext.store.policies import check_policies
+from deeprec_ext.store.spec import check_dtype
 
 log = logging.getLogger(__name__)
 
@@ -169,13 +170,16 @@ class PSClient:
 
     # -- tables --------------------------------------------------------------------
     def create_table(self, name: str, dim: int, initializer="zeros", optimizer="sgd",
-                     init_ids=None, init_values=None, admission=None, eviction=None) -> bool:
+                     init_ids=None, init_values=None, admission=None, eviction=None,
+                     dtype="float32") -> bool:
         """Create ``name`` on every PS (idempotent for an identical config).
 
         ``init_ids``/``init_values`` seed rows where absent (first creator wins), which is
         how workers share one initial value of a dense variable. ``admission`` /
         ``eviction``: the table's policies (``deeprec_ext.store.policies``), checked here
-        before any PS is asked. Returns True if created.
+        before any PS is asked. ``dtype``: how the PS stores values, "float32" (default)
+        or "float16" (half the value bytes; optimizer slots and math stay float32, lookups
+        still return float32). Returns True if created.
         """
         if not isinstance(name, str) or not name:
             raise InvalidRequestError("table name must be a non-empty string")
@@ -185,12 +189,18 @@ class PSClient:
             if not isinstance(spec, (str, dict)):
                 raise InvalidRequestError(f"table '{name}': {what} must be a name or a dict, got {spec!r}")
         check_policies(name, int(dim), admission, eviction)
+        try:
+            dtype = check_dtype(dtype, name)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
         self.table_specs[name] = {"dim": int(dim), "initializer": initializer,
                                   "optimizer": optimizer}
+        if dtype != "float32":
+            self.table_specs[name]["dtype"] = dtype
         for key, spec in (("admission", admission), ("eviction", eviction)):
             if spec:
                 self.table_specs[name][key] = spec
-        config = table_spec.to_wire(name, dim, initializer, optimizer, admission, eviction)
+        config = table_spec.to_wire(name, dim, initializer, optimizer, admission, eviction, dtype)
         ids = None
         if init_ids is not None:
             ids = _as_ids(init_ids, f"table '{name}' init_ids").ravel()

@@ -583,7 +583,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 cfg = rtable.config
                 table = self.store.create_table(name, rtable.dim, cfg["initializer"], cfg["optimizer"],
                                                 admission=cfg.get("admission"),
-                                                eviction=cfg.get("eviction"))
+                                                eviction=cfg.get("eviction"),
+                                                dtype=cfg.get("dtype", "float32"))
                 self._configs.setdefault(name, table_spec.of_table(rtable))
                 adopted = table.adopt_segment(rtable, mask, int(mask.size))
                 if adopted >= 0:

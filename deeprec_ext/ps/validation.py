@@ -55,6 +55,9 @@ def table_config(cfg) -> tuple[object, object]:
     The specs themselves are checked by the store (unknown names, bad hyperparameters)."""
     table_name(cfg.name)
     dim(cfg.dim, cfg.name)
+    if cfg.dtype not in ("", "float32", "float16"):
+        raise InvalidRequestError(f"table '{cfg.name}': dtype must be 'float32' or 'float16', "
+                                  f"got {cfg.dtype[:40]!r}")
     return table_spec.from_wire(cfg)
 
 

@@ -26,6 +26,16 @@ Parallel per-row arrays: ``row_seq`` (int64, sequence number of the row's last w
 >= 1; 0 for a free row), ``row_key`` (int64, the key owning the row: exports, and the
 hash index's key comparisons) and ``row_count`` (uint32 updates).
 
+float16 storage (``dtype="float16"``)
+-------------------------------------
+The arena row is then a packed record ``[value float16 x dim | slots float32 x dim *
+num_slots]`` (``_record_dtype``), still moved as one opaque item. Every gather converts it
+to the float32 row ``[n, row_width]`` the rest of the table (optimizer math, lookups,
+exports, migration, replication, checkpoints) works with, and every scatter rounds the
+value part back to float16 (round-to-nearest-even): outside the arena a float16 table
+looks like a float32 one whose values happen to be float16-representable. Float32 tables
+keep the plain float32 arena and their code paths unchanged.
+
 Sequence numbers
 ----------------
 One :class:`SequenceCounter` is shared by all tables of a PS. Every mutating batch takes
@@ -80,6 +90,7 @@ from deeprec_ext.hashing import DEFAULT_NUM_SLOTS, hash64, slot_of
 from deeprec_ext.store.hash_index import HashIndex
 from deeprec_ext.store.initializers import Initializer, make_initializer
 from deeprec_ext.store.optimizers import Optimizer, make_optimizer
+from deeprec_ext.store.spec import check_dtype
 from deeprec_ext.store.policies import (BLOOM_BLOCK, bloom_size, candidate_table_name,
                                         is_candidate_table, make_admission, make_eviction)
 
@@ -329,12 +340,27 @@ def _check_floats(a, shape: tuple, what: str) -> np.ndarray:
     return a
 
 
+def _record_dtype(dim: int, num_slots: int) -> np.dtype:
+    """A float16 table's packed arena row: value float16 [dim], then float32 slots."""
+    fields = [("v", np.float16, (dim,))]
+    if num_slots:
+        fields.append(("s", np.float32, (dim * num_slots,)))
+    return np.dtype(fields)
+
+
+def _new_arena(cap: int, width: int, dim: int, num_slots: int, fp16: bool) -> np.ndarray:
+    if fp16:
+        return np.zeros(cap, dtype=_record_dtype(dim, num_slots))
+    return np.zeros((cap, width), dtype=np.float32)
+
+
 class EmbeddingTable:
     """One sparse embedding table: ``HashIndex`` (key -> row) + row arena."""
 
     def __init__(self, name: str, dim: int, initializer="zeros", optimizer="sgd",
                  sequence: SequenceCounter | None = None, initial_capacity: int = 1024,
-                 track_changes: bool = True, admission=None, eviction=None):
+                 track_changes: bool = True, admission=None, eviction=None,
+                 dtype="float32"):
         if not isinstance(name, str) or not name:
             raise ValueError(f"table name must be a non-empty string, got {name!r}")
         if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim <= 0:
@@ -345,6 +371,8 @@ class EmbeddingTable:
                              f"got {initial_capacity!r}")
         self.name = name
         self.dim = int(dim)
+        self.dtype = check_dtype(dtype, name)
+        self._fp16 = self.dtype == "float16"
         self.initializer: Initializer = make_initializer(initializer, self.dim)
         self.optimizer: Optimizer = make_optimizer(optimizer)
         self.admission = make_admission(admission, name, self.dim)
@@ -357,7 +385,7 @@ class EmbeddingTable:
         cap = max(int(initial_capacity), 16)
         # the index keeps no keys: it reads this table's row -> key array (_row_key)
         self._index = HashIndex(2 * cap, self._current_row_keys)
-        self._arena = np.zeros((cap, self._width), dtype=np.float32)
+        self._arena = _new_arena(cap, self._width, self.dim, self._num_slots, self._fp16)
         self._set_views()
         self._row_seq = np.zeros(cap, dtype=np.int64)
         # updates per row: pushes that included the key (export min_count, admission)
@@ -449,7 +477,32 @@ class EmbeddingTable:
             cfg["admission"] = self.admission
         if self.eviction is not None:
             cfg["eviction"] = self.eviction
+        if self._fp16:  # only when set: float32 configs compare equal to older ones
+            cfg["dtype"] = self.dtype
         return cfg
+
+    @property
+    def arena_row_bytes(self) -> int:
+        """Bytes of one arena row (value + slots) in this table's storage dtype."""
+        return int(self._arena.dtype.itemsize * (1 if self._fp16 else self._width))
+
+    def set_dtype(self, dtype) -> bool:
+        """Convert the arena to another storage dtype, keeping every row (a replica
+        following its source, a warm start taking the job's option); float32 -> float16
+        rounds the values. Returns True when the storage changed."""
+        dtype = check_dtype(dtype, self.name)
+        with self._lock:
+            if dtype == self.dtype:
+                return False
+            cap = self._arena.shape[0]
+            block = self._read_slice(0, cap)
+            self.dtype, self._fp16 = dtype, dtype == "float16"
+            self._arena = _new_arena(cap, self._width, self.dim, self._num_slots, self._fp16)
+            self._set_views()
+            self._write_slice(0, block)
+            if self._seg is not None:
+                self._seg.set_dtype(dtype)
+        return True
 
     # -- admission / eviction -----------------------------------------------------------
     def _set_policies(self) -> None:
@@ -658,18 +711,59 @@ class EmbeddingTable:
         # a row) as ONE opaque item, which makes gathers/scatters 2-3x faster than 2-D
         # fancy indexing.
         a = self._arena
+        if self._fp16:
+            self._rec = a.dtype
+            self._row_dtype = np.dtype((np.void, a.dtype.itemsize))
+            self._arena_v = a.view(self._row_dtype)
+            self._value_v = np.ndarray((a.shape[0],), dtype=np.dtype((np.void, 2 * self.dim)),
+                                       buffer=a, strides=(a.dtype.itemsize,))
+            return
         self._row_dtype = np.dtype((np.void, 4 * self._width))
         self._arena_v = a.view(self._row_dtype).reshape(-1)
         self._value_v = np.ndarray((a.shape[0],), dtype=np.dtype((np.void, 4 * self.dim)),
                                    buffer=a, strides=(4 * self._width,))
 
+    def _widen(self, rec: np.ndarray) -> np.ndarray:
+        """float16 records [n] -> float32 rows [n, row_width]."""
+        out = np.empty((rec.shape[0], self._width), dtype=np.float32)
+        out[:, :self.dim] = rec["v"]
+        if self._num_slots:
+            out[:, self.dim:] = rec["s"]
+        return out
+
+    def _narrow(self, block: np.ndarray) -> np.ndarray:
+        """float32 rows [n, row_width] -> float16 records [n] (values rounded to nearest)."""
+        rec = np.empty(block.shape[0], dtype=self._rec)
+        rec["v"] = block[:, :self.dim]
+        if self._num_slots:
+            rec["s"] = block[:, self.dim:]
+        return rec
+
     def _gather_rows(self, rows: np.ndarray) -> np.ndarray:
         """Full rows (value + slots), float32 [n, row_width], a copy."""
+        if self._fp16:
+            return self._widen(self._arena_v.take(rows).view(self._rec))
         return self._arena_v.take(rows).view(np.float32).reshape(rows.size, self._width)
 
     def _scatter_rows(self, rows: np.ndarray, block: np.ndarray) -> None:
         """arena[rows] = block (float32 [n, row_width], C-contiguous); last write wins."""
+        if self._fp16:
+            np.put(self._arena_v, rows, self._narrow(block).view(self._row_dtype))
+            return
         np.put(self._arena_v, rows, block.view(self._row_dtype).reshape(-1))
+
+    def _read_slice(self, start: int, stop: int) -> np.ndarray:
+        """Arena rows [start, stop) as float32 [n, row_width] (a copy for float16)."""
+        if self._fp16:
+            return self._widen(self._arena[start:stop])
+        return self._arena[start:stop]
+
+    def _write_slice(self, start: int, block: np.ndarray) -> None:
+        """Arena rows [start, start + n) = float32 rows ``block`` [n, row_width]."""
+        if self._fp16:
+            self._arena[start:start + block.shape[0]] = self._narrow(block)
+        else:
+            self._arena[start:start + block.shape[0]] = block
 
     def _allocate(self, m: int) -> np.ndarray:
         take = min(m, self._nfree)
@@ -744,6 +838,9 @@ class EmbeddingTable:
 
     def _gather_values(self, rows: np.ndarray) -> np.ndarray:
         """Values float32 [n, dim] of rows (one strided gather of the value part)."""
+        if self._fp16:
+            return (self._value_v[rows].view(np.float16).reshape(rows.size, self.dim)
+                    .astype(np.float32))
         if self._num_slots == 0:
             g = self._arena_v.take(rows)
         else:
@@ -803,7 +900,11 @@ class EmbeddingTable:
         for s in range(0, rows.size, step):
             r, g = rows[s:s + step], grads[s:s + step]
             m = r.size
-            block = self._arena_v.take(r)
+            if self._fp16:  # float32 math on the widened rows, rounded back on the scatter
+                block = self._gather_rows(r).view(np.dtype((np.void, 4 * self._width)))
+                block = block.reshape(-1)
+            else:
+                block = self._arena_v.take(r)
             if k == 0:
                 vals = block.view(np.float32).reshape(m, dim)
                 self.optimizer.apply(vals, None, g)
@@ -812,7 +913,10 @@ class EmbeddingTable:
                 planes = np.ascontiguousarray(bv.T).view(np.float32).reshape(1 + k, m, dim)
                 self.optimizer.apply(planes[0], planes[1:].transpose(1, 0, 2), g)
                 bv[...] = planes.view(vec).reshape(1 + k, m).T
-            np.put(self._arena_v, r, block)
+            if self._fp16:
+                self._scatter_rows(r, block.view(np.float32).reshape(m, self._width))
+            else:
+                np.put(self._arena_v, r, block)
 
     # -- public API ---------------------------------------------------------------------
     def lookup(self, keys, insert_missing: bool = True) -> np.ndarray:
@@ -951,13 +1055,17 @@ class EmbeddingTable:
             reset = opt.name != self.optimizer.name or opt.num_slots != self._num_slots
             if reset:
                 width = self.dim * (1 + opt.num_slots)
-                arena = np.zeros((self._arena.shape[0], width), dtype=np.float32)
-                arena[:, :self.dim] = self._arena[:, :self.dim]
+                cap = self._arena.shape[0]
+                values = self._read_slice(0, cap)[:, :self.dim]
+                block = np.empty((cap, width), dtype=np.float32)
+                block[:, :self.dim] = values
                 slot_init = opt.init_slots(1, self.dim).reshape(-1)
-                arena[:, self.dim:] = slot_init
-                self._arena, self._width, self._num_slots = arena, width, opt.num_slots
+                block[:, self.dim:] = slot_init
+                self._arena = _new_arena(cap, width, self.dim, opt.num_slots, self._fp16)
+                self._width, self._num_slots = width, opt.num_slots
                 self._slot_init = slot_init
                 self._set_views()
+                self._write_slice(0, block)
             self.initializer, self.optimizer = init, opt
             if self._seg is not None:
                 self._seg.reconfigure(initializer, optimizer)
@@ -1006,7 +1114,7 @@ class EmbeddingTable:
             r0 = int(got[0])
             if new_rows.size == n and int(got[-1]) == r0 + n - 1 and \
                     (n == 1 or bool((np.diff(got) == 1).all())):
-                self._arena[r0:r0 + n] = rows[:, :width]
+                self._write_slice(r0, rows[:, :width])
                 self._row_seq[r0:r0 + n] = seq
                 self._row_count[r0:r0 + n] = counts
                 if self._row_step is not None:  # a restored row starts a fresh lease
@@ -1490,7 +1598,7 @@ class EmbeddingTable:
             out = np.empty((n, width + extra), dtype=np.float32)
             if n == stop - start:  # no free rows in the slice: plain sequential copies
                 keys = self._row_key[start:stop].copy()
-                out[:, :width] = self._arena[start:stop]
+                out[:, :width] = self._read_slice(start, stop)
                 if extra:
                     out[:, width] = self._row_count[start:stop]
             else:
@@ -1744,7 +1852,7 @@ class EmbeddingStore:
 
     def create_table(self, name: str, dim: int, initializer="zeros", optimizer="sgd",
                      initial_capacity: int = 1024, admission=None,
-                     eviction=None) -> EmbeddingTable:
+                     eviction=None, dtype="float32") -> EmbeddingTable:
         """Create a table, or return the existing one if its config is identical.
         A conflicting config raises ValueError naming the first differing field.
         ``admission`` / ``eviction``: the table's policies (see ``store.policies``); a
@@ -1757,7 +1865,7 @@ class EmbeddingStore:
                 table = EmbeddingTable(name, dim, initializer, optimizer, sequence=self.sequence,
                                        initial_capacity=initial_capacity,
                                        track_changes=self.track_changes,
-                                       admission=admission, eviction=eviction)
+                                       admission=admission, eviction=eviction, dtype=dtype)
                 table.routing_slots = self.routing_slots
                 self._tables[name] = table
                 if table.admission is not None:
@@ -1785,6 +1893,10 @@ class EmbeddingStore:
         if ev != existing.eviction:
             raise ValueError(f"table '{name}' already exists with eviction="
                              f"{existing.eviction}, requested eviction={ev}")
+        dt = check_dtype(dtype, name)
+        if dt != existing.dtype:
+            raise ValueError(f"table '{name}' already exists with dtype={existing.dtype}, "
+                             f"requested dtype={dt}")
         return existing
 
     routing_slots = DEFAULT_NUM_SLOTS  # the job's routing slots (bloom cells are keyed by them)
@@ -1820,24 +1932,29 @@ class EmbeddingStore:
         return {n: t.evict(slot_mask) for n, t in self.tables().items() if t.eviction}
 
     def ensure_table(self, name: str, dim: int, initializer, optimizer, admission=None,
-                     eviction=None) -> EmbeddingTable:
+                     eviction=None, dtype="float32") -> EmbeddingTable:
         """Create the table, or make the existing one take this config (same ``dim``). For
         copies that follow an authoritative source (replicas), whose config may change once,
         at a warm start."""
         try:
             return self.create_table(name, dim, initializer, optimizer, admission=admission,
-                                     eviction=eviction)
+                                     eviction=eviction, dtype=dtype)
         except ValueError:
             if name not in self._tables:
                 raise
             self.reconfigure(name, dim, initializer, optimizer)
-            return self.set_policies(name, admission, eviction)
+            return self.set_policies(name, admission, eviction, dtype=dtype)
 
-    def set_policies(self, name: str, admission, eviction) -> EmbeddingTable:
-        """Give an existing table other admission / eviction policies (a replica following
-        its source, a warm start taking the job's)."""
+    def set_policies(self, name: str, admission, eviction, dtype=None) -> EmbeddingTable:
+        """Give an existing table other admission / eviction policies and, unless ``dtype``
+        is None, that storage dtype (a replica following its source, a warm start taking
+        the job's)."""
         table = self.get(name)
+        if dtype is not None:
+            check_dtype(dtype, name)
         table.set_policies(admission, eviction)
+        if dtype is not None:
+            table.set_dtype(dtype)
         if table.admission is not None:
             with self._lock:
                 table.attach_candidates(self._candidates_of(name))

@@ -10,9 +10,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from deeprec_ext.errors import InvalidRequestError
 from deeprec_ext.evaluation import EvalLoop, eval_spec, is_evaluator, record_batches
 from deeprec_ext.evaluation import LossCurve
 from deeprec_ext.store.policies import check_policies
+from deeprec_ext.store.spec import check_dtype
 from deeprec_ext.tf.dense import DenseSync
 from deeprec_ext.tf.op_sampler import sampler_for
 from deeprec_ext.tf.ops import ANCHOR_SUFFIX, elastic_lookup
@@ -26,7 +28,7 @@ TABLE_SPEC_OP = "deeprec_table_spec"
 
 
 def record_table_spec(table: str, dim: int, initializer, optimizer, admission=None,
-                      eviction=None) -> None:
+                      eviction=None, storage_dtype="float32") -> None:
     """Leave the table's spec in the graph being traced as an unused string constant, so
     ``graph_opt`` finds it in a GraphDef, MetaGraph or SavedModel (where layer attributes
     are not saved); its admission / eviction policies size the planned rows. Nothing in
@@ -38,6 +40,8 @@ def record_table_spec(table: str, dim: int, initializer, optimizer, admission=No
             spec["admission"] = admission
         if eviction:
             spec["eviction"] = eviction
+        if storage_dtype != "float32":
+            spec["dtype"] = storage_dtype
         tf.constant(json.dumps(spec), name=TABLE_SPEC_OP)
 
 
@@ -53,16 +57,24 @@ class ElasticEmbedding(keras.layers.Layer):
     vector; ``eviction={"steps_to_live": S}`` / ``{"l2_below": x}``: rows are deleted
     once stale or small (see ``deeprec_ext.store.policies``). Bad specs are refused here,
     naming the table.
+
+    ``storage_dtype="float16"``: the PS stores the values as float16 (half the value
+    bytes; optimizer slots and math stay float32, lookups still return float32). Not
+    ``dtype``: Keras layers already take ``dtype`` as their compute dtype.
     """
 
     def __init__(self, dim: int, table: str | None = None, initializer=None, optimizer=None,
-                 admission=None, eviction=None, **kwargs):
+                 admission=None, eviction=None, storage_dtype="float32", **kwargs):
         super().__init__(**kwargs)
         if not isinstance(dim, int) or dim <= 0:
             raise ValueError(f"ElasticEmbedding: dim must be a positive int, got {dim!r}")
         self.dim = dim
         self.table = table or self.name
         check_policies(self.table, dim, admission, eviction)
+        try:
+            self.storage_dtype = check_dtype(storage_dtype, self.table)
+        except ValueError as exc:  # refused like a bad policy: where the model is built
+            raise InvalidRequestError(str(exc)) from None
         self.admission, self.eviction = admission, eviction
         self.initializer = initializer if initializer is not None else DEFAULT_INITIALIZER
         self.optimizer_spec = optimizer if optimizer is not None else DEFAULT_OPTIMIZER
@@ -78,13 +90,14 @@ class ElasticEmbedding(keras.layers.Layer):
         if not self._table_ready:
             get_context().client.create_table(self.table, self.dim, initializer=self.initializer,
                                               optimizer=self.optimizer_spec,
-                                              admission=self.admission, eviction=self.eviction)
+                                              admission=self.admission, eviction=self.eviction,
+                                              dtype=self.storage_dtype)
             self._table_ready = True
 
     def call(self, ids, training=None):
         self._ensure_table()
         record_table_spec(self.table, self.dim, self.initializer, self.optimizer_spec,
-                          self.admission, self.eviction)
+                          self.admission, self.eviction, self.storage_dtype)
         return elastic_lookup(self.table, self.dim, ids, tf.convert_to_tensor(self.anchor),
                               training=bool(training))
 
@@ -99,6 +112,8 @@ class ElasticEmbedding(keras.layers.Layer):
             cfg["admission"] = self.admission
         if self.eviction:
             cfg["eviction"] = self.eviction
+        if self.storage_dtype != "float32":
+            cfg["storage_dtype"] = self.storage_dtype
         return cfg
 
 
@@ -117,6 +132,8 @@ def model_record(model, dense_vars) -> dict:
         if isinstance(layer, ElasticEmbedding):
             tables[layer.table] = {"dim": layer.dim, "initializer": layer.initializer,
                                    "optimizer": layer.optimizer_spec}
+            if layer.storage_dtype != "float32":
+                tables[layer.table]["dtype"] = layer.storage_dtype
     record = {"kind": "tables", "tables": tables,
               "dense_shapes": {v.path: [int(d) for d in v.shape] for v in dense_vars},
               "tensorflow": tf.__version__, "keras": keras.__version__}

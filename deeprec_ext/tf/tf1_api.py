@@ -8,6 +8,7 @@ import numpy as np
 import tensorflow as tf
 
 from deeprec_ext.evaluation import is_evaluator
+from deeprec_ext.store.spec import check_dtype
 from deeprec_ext.tf.dense import DenseSync
 from deeprec_ext.tf.keras_api import (DEFAULT_INITIALIZER, DEFAULT_OPTIMIZER, _embedding_tables,
                                       record_table_spec)
@@ -22,18 +23,22 @@ ANCHOR_COLLECTION = "deeprec_ext_push_anchors"
 
 
 def embedding_lookup(name: str, ids, dim: int, initializer=None, optimizer=None,
-                     training: bool = True, admission=None, eviction=None) -> tf.Tensor:
+                     training: bool = True, admission=None, eviction=None,
+                     storage_dtype="float32") -> tf.Tensor:
     """Rows of PS table ``name`` for ``ids`` (any shape) -> ids.shape + [dim].
 
     Replaces ``tf.nn.embedding_lookup(tf.compat.v1.get_variable(name, [V, dim]), ids)``;
     the gradient is pushed to the PS when the optimizer computes it. ``admission`` /
-    ``eviction``: the table's policies, as for ``ElasticEmbedding``.
+    ``eviction``: the table's policies, ``storage_dtype`` ("float32" or "float16") how the
+    PS stores its values, as for ``ElasticEmbedding``.
     """
     initializer = initializer if initializer is not None else DEFAULT_INITIALIZER
     optimizer = optimizer if optimizer is not None else DEFAULT_OPTIMIZER
     get_context().client.create_table(name, dim, initializer=initializer, optimizer=optimizer,
-                                      admission=admission, eviction=eviction)
-    record_table_spec(name, dim, initializer, optimizer, admission, eviction)
+                                      admission=admission, eviction=eviction,
+                                      dtype=storage_dtype)
+    record_table_spec(name, dim, initializer, optimizer, admission, eviction,
+                      check_dtype(storage_dtype, name))
     with v1.variable_scope(None, default_name=f"{name}_ps"):
         anchor = v1.get_variable(ANCHOR_SUFFIX, shape=[], dtype=tf.float32,
                                  initializer=v1.zeros_initializer(), trainable=True,

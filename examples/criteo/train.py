@@ -53,12 +53,13 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
-def build_keras(lr: float, dim: int) -> keras.Model:
+def build_keras(lr: float, dim: int, storage_dtype: str = "float32") -> keras.Model:
     specs = embedding_specs(lr)
 
     def factory(name, d):
         init, opt = specs[name]
-        return dtf.ElasticEmbedding(d, table=name, initializer=init, optimizer=opt, name=name)
+        return dtf.ElasticEmbedding(d, table=name, initializer=init, optimizer=opt, name=name,
+                                    storage_dtype=storage_dtype)
 
     model = build_deepfm(embedding_factory=factory, dim=dim)
     model.compile(optimizer=keras.optimizers.Adam(lr), loss="binary_crossentropy")
@@ -74,7 +75,7 @@ def predict_keras(model, test_file: str, batch_size: int) -> tuple[np.ndarray, n
 
 
 def run_keras(args, ctx) -> dict:
-    model = build_keras(args.lr, args.dim)
+    model = build_keras(args.lr, args.dim, args.storage_dtype)
     ds = dtf.shard_dataset(args.batch_size, parse_fn=parse_lines)
     callback = dtf.ElasticCallback(overlap={"": False, "fresh": True, "stale": "stale"}[args.overlap])
     if args.predictions_before_out and args.test and ctx.rank == 0:
@@ -106,7 +107,8 @@ def run_tf1(args, ctx) -> dict:
 
     def lookup(name, ids, d):
         init, opt = specs[name]
-        return dtf.embedding_lookup(name, ids, d, initializer=init, optimizer=opt)
+        return dtf.embedding_lookup(name, ids, d, initializer=init, optimizer=opt,
+                                    storage_dtype=args.storage_dtype)
 
     ds = dtf.shard_dataset(args.batch_size, parse_fn=parse_lines)
     features, label = v1.data.make_one_shot_iterator(ds).get_next()
@@ -135,6 +137,8 @@ def main(argv=None) -> int:
     p.add_argument("--dim", type=int, default=8)
     p.add_argument("--lr", type=float, default=0.001)
     p.add_argument("--test", default="", help="test file; worker 0 reports its AUC")
+    p.add_argument("--storage-dtype", default="float32", choices=("float32", "float16"),
+                   help="how the PS stores the embedding values (float16: half the bytes)")
     p.add_argument("--overlap", nargs="?", const="fresh", default="", choices=("fresh", "stale"),
                    help="pushes one step in flight and dense sync in the background: faster; "
                         "'stale' also skips fresh lookups (see docs/guide-tensorflow.md)")
