@@ -203,9 +203,12 @@ class Tmux:
 
     def __init__(self, command: str, width: int = 200, height: int = 50):
         self.socket = f"gazer-test-{uuid.uuid4().hex[:8]}"
+        # the window's size, not the test runner's: pytest-xdist workers export COLUMNS=80
+        # and LINES=24, which every terminal program (rich included) prefers to the tty's
+        env = {k: v for k, v in ENV.items() if k not in ("COLUMNS", "LINES")}
         subprocess.run(["tmux", "-L", self.socket, "-f", "/dev/null", "new-session", "-d",
                         "-s", "t", "-x", str(width), "-y", str(height), command],
-                       check=True, env=dict(ENV, TERM="xterm-256color"), timeout=30)
+                       check=True, env=dict(env, TERM="xterm-256color"), timeout=30)
 
     def screen(self) -> str:
         out = subprocess.run(["tmux", "-L", self.socket, "capture-pane", "-p", "-t", "t"],
