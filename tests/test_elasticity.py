@@ -247,14 +247,16 @@ def test_deepfm_training_through_scale_changes_converges(start_job, tmp_path):
     """The example model keeps training, and reaches a useful AUC, while PS and workers
     change under it (2 -> 3 -> 1 -> 2 PS, 2 -> 3 -> 1 workers)."""
     from examples.criteo.generate import generate
-    data = generate(str(tmp_path / "data"), rows=600_000, files=4, test_rows=30_000, seed=5)
+    # two epochs of 400k records: room for the five changes while training runs, also on
+    # a loaded machine (600k once ran out after two of them there)
+    data = generate(str(tmp_path / "data"), rows=400_000, files=4, test_rows=30_000, seed=5)
     job = start_job({
         "name": "deepfm-elastic",
         "ps": {"replicas": 2, "max_replicas": 3},
         "worker": {"replicas": 2, "max_replicas": 3,
                    "command": ["{python}", "-m", "examples.criteo.train", "--batch-size", "256",
                                "--test", data["test"]]},
-        "data": {"files": data["train"], "records_per_shard": 5000},
+        "data": {"files": data["train"], "records_per_shard": 5000, "epochs": 2},
         "master": {"heartbeat_seconds": 0.5},
     })
     wait_for(lambda: job.status()["shards"]["done"] >= 2, 180, "training to start")
