@@ -1,0 +1,600 @@
+"""A scaling model of ours (issue 16, item 6): throughput of W workers and P PS on N-core
+machines with a given network bandwidth, from costs measured on a real job here.
+
+    # measure the costs on real jobs (1+1 and 1+2 calibrate; all four layouts validate)
+    .venv/bin/python bench/scaling_model.py validate --repeat 3 \
+        --out bench/results/scaling-model.json
+    # predictions for clusters we cannot run here, from the costs in that file
+    .venv/bin/python bench/scaling_model.py predict bench/results/scaling-model.json \
+        --workers 8,32,128 --cores 16 --gbit 10,25
+
+What is measured (``measure``: one real ``aimaster run`` of the example DeepFM through
+``bench/bench_training.py``'s job, a sampler polling every process of the job):
+
+- CPU seconds of every worker, PS and the AIMaster (``psutil`` ``cpu_times`` user +
+  system of the real processes, robust to the machine's noise, unlike wall time), and of
+  the whole machine (``psutil.cpu_times()``: what other processes took is the
+  *background* load of the run);
+- RPCs and bytes of every PS (the Gazer counters each PS keeps per method,
+  ``deeprec_ext/stats.py``: serialized request and response bytes), read from the
+  AIMaster's Gazer snapshot;
+- the steady-state window and its samples (``bench_training.steady_rate``); every
+  counter above is interpolated to the window's ends, so start-up, tracing and the
+  evaluation at the end are excluded.
+
+The model (``predict``) -- every figure per training sample; B = batch, q = 2 P / B the
+RPCs per sample of a worker (one lookup and one push per PS per step):
+
+    worker CPU          c_w(P)  = w0 + wr q          (client work per key + per RPC)
+    PS CPU, all PS      c_ps(P) = k  + r  q          (keys split 1/P over the PS + per RPC)
+    bytes on the wire   b(P)    = b0 + br q          (each direction, at a worker; the PS
+                                                      side carries W/P times that per PS)
+    AIMaster            m cores per member           (heartbeats, shards; own machine)
+
+    one worker's step   T = B c_w / u_w + (k B / P + 2 r) / u_ps + 2 rtt + B b(P) / bw
+    throughput          R = min( W B / T,                       per-worker latency
+                                 W n_w / c_w,                    workers' CPU
+                                 P n_ps / c_ps,                  PS' CPU
+                                 W bw / b,  P bw / (W/P ...)     NICs (see _nic_bound)
+                                 (N - bg - m (W+P)) / (c_w + c_ps)  when all share N cores)
+
+``u_w``/``u_ps`` is the CPU a process keeps busy on its step's critical path (1: the
+step is serial Python + gRPC, GIL-bound), ``n_w``/``n_ps`` = min(N, the cores one
+process can use) the CPU it gets. On this 2-core machine every process shares the same
+cores, so the last bound applies with N = 2 and the measured background load; on a
+cluster each process has its own N cores and that bound is dropped.
+
+What it ignores: stragglers (every worker as fast as the median), PS hot keys (keys
+split evenly, a real skew makes the busiest PS the bound), sync mode (async only:
+``consistency: sync`` adds a barrier per step), the AIMaster beyond its CPU, input I/O
+(data are local files, parsed on the worker's CPU, which c_w includes), TCP/gRPC flow
+control, and contention between processes packed on one machine in a cluster.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+TARGET_ERROR = 0.20
+LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2))  # (workers, ps) this machine can run
+
+
+# ----------------------------------------------------------------------------------------
+# the model (pure arithmetic; tests/test_scaling_model.py)
+# ----------------------------------------------------------------------------------------
+
+@dataclass
+class Costs:
+    """Per-sample costs, fitted from measured runs (``fit``)."""
+    batch: int
+    w0: float            # worker CPU s/sample, independent of P
+    wr: float            # worker CPU s per RPC it sends
+    k: float             # PS CPU s/sample summed over all PS (keys: split 1/P)
+    r: float             # PS CPU s per RPC served
+    b0: float            # bytes/sample on the wire at a worker (request + response)
+    br: float            # bytes per RPC (headers, per-table framing)
+    rep: float = 0.0     # replication bytes/sample between PS (ring), 0 with one PS
+    master: float = 0.0  # AIMaster cores per member (W + P)
+    rpcs_per_step_per_ps: int = 2
+    u_w: float = 1.0     # CPU a worker keeps busy on its step's critical path
+    u_ps: float = 1.0    # the same for a PS serving one RPC
+    n_w: float = 1.0     # cores one worker process can use (GIL: about 1)
+    n_ps: float = 1.0    # cores one PS process can use
+    rtt_s: float = 100e-6  # network round trip (cluster); 0 on one machine
+
+    def q(self, p: int) -> float:
+        return self.rpcs_per_step_per_ps * p / self.batch
+
+    def c_w(self, p: int) -> float:
+        return self.w0 + self.wr * self.q(p)
+
+    def c_ps(self, p: int) -> float:
+        return self.k + self.r * self.q(p)
+
+    def bytes(self, p: int) -> float:
+        return self.b0 + self.br * self.q(p)
+
+
+def predict(c: Costs, workers: int, ps: int, cores: float, gbit: float | None = None,
+            shared: bool = False, background: float = 0.0, rtt_s: float | None = None) -> dict:
+    """Samples/s of ``workers`` + ``ps`` with per-sample costs ``c``.
+
+    ``shared``: all processes (and the AIMaster) on ONE machine of ``cores`` cores, of
+    which ``background`` are taken by other programs (this machine); otherwise every
+    process has a machine of ``cores`` cores of its own (a cluster). ``gbit``: NIC
+    bandwidth of every machine (None: not a bound, e.g. loopback)."""
+    if workers < 1 or ps < 1 or cores <= 0:
+        raise ValueError(f"need workers >= 1, ps >= 1, cores > 0 (got {workers}, {ps}, {cores})")
+    W, P, B = workers, ps, c.batch
+    rtt = (0.0 if shared else c.rtt_s) if rtt_s is None else rtt_s
+    bw = None if gbit is None else gbit * 1e9 / 8  # bytes/s each direction
+    cw, cps, nb = c.c_w(P), c.c_ps(P), c.bytes(P)
+    # bytes/sample split in half between directions (lookup answers in, gradients out)
+    half = nb / 2
+    step = (B * cw / c.u_w + (c.k * B / P + c.rpcs_per_step_per_ps * c.r) / c.u_ps
+            + c.rpcs_per_step_per_ps / 2 * rtt + (B * half / bw if bw else 0.0))
+    bounds = {"latency": W * B / step}
+    if shared:
+        free = cores - background - c.master * (W + P)
+        if free <= 0:
+            raise ValueError(f"no CPU left: {cores} cores, background {background:.2f}, "
+                             f"AIMaster {c.master * (W + P):.2f}")
+        bounds["cpu_shared"] = free / (cw + cps)
+        # one process cannot use more than its cores, even on a shared machine
+        bounds["workers_cpu"] = W * min(c.n_w, cores) / cw
+        bounds["ps_cpu"] = P * min(c.n_ps, cores) / cps
+    else:
+        bounds["workers_cpu"] = W * min(c.n_w, cores) / cw
+        bounds["ps_cpu"] = P * min(c.n_ps, cores) / cps
+        if bw:
+            bounds["worker_nic"] = W * bw / half
+            # a PS receives 1/P of every worker's bytes (R half / P per direction) and
+            # ships as much replication to its ring peer as it receives from the other
+            rep = c.rep if P > 1 else 0.0
+            bounds["ps_nic"] = P * bw / (half + rep)
+    bound = min(bounds, key=bounds.get)
+    return {"workers": W, "ps": P, "cores": cores, "gbit": gbit, "shared": shared,
+            "background": background, "samples_per_s": bounds[bound], "bound": bound,
+            "bounds": bounds, "step_ms_unloaded": 1e3 * step,
+            "per_sample": {"worker_cpu_s": cw, "ps_cpu_s": cps, "bytes": nb},
+            "master_cores": c.master * (W + P)}
+
+
+def best_ps(c: Costs, workers: int, cores: float, gbit: float | None,
+            max_ps: int | None = None, within: float = 0.02) -> dict:
+    """The fewest PS whose predicted throughput is within ``within`` of the best
+    over 1..max_ps (default: ``workers``)."""
+    preds = [predict(c, workers, p, cores, gbit) for p in range(1, (max_ps or workers) + 1)]
+    top = max(x["samples_per_s"] for x in preds)
+    return next(x for x in preds if x["samples_per_s"] >= (1 - within) * top)
+
+
+def fit(runs: list[dict], batch: int) -> Costs:
+    """Per-sample costs from measured runs: the P-dependence (key work split over the PS
+    vs fixed cost per RPC) is a least-squares line over q = 2 P / B through the runs'
+    medians per layout; with one P only, the per-RPC part is 0."""
+    q = [2 * r["ps"] / batch for r in runs]
+    cols = {"w": [r["worker_cpu_per_sample"] for r in runs],
+            "ps": [r["ps_cpu_per_sample"] for r in runs],
+            "b": [r["bytes_per_sample"] for r in runs]}
+    out = {}
+    qm = sum(q) / len(q)
+    sqq = sum((x - qm) ** 2 for x in q)
+    for name, y in cols.items():
+        ym = sum(y) / len(y)
+        # least squares y = icpt + slope q; a negative slope (noise) is taken as 0
+        slope = max(sum((x - qm) * (v - ym) for x, v in zip(q, y)) / sqq, 0.0) if sqq else 0.0
+        out[name] = (ym - slope * qm, slope)
+    master = _median([r["master_cores"] / (r["workers"] + r["ps"]) for r in runs])
+    multi = [r["rep_bytes_per_sample"] for r in runs if r["ps"] > 1]
+    c = Costs(batch=batch, w0=out["w"][0], wr=out["w"][1], k=out["ps"][0], r=out["ps"][1],
+              b0=out["b"][0], br=out["b"][1], rep=_median(multi) if multi else 0.0,
+              master=master)
+    # u_w, the one throughput-fitted figure: a worker's step overlaps part of its own CPU
+    # (tf.data parses the next batch on other threads while the step waits for the PS), so
+    # its critical path is c_w / u_w. Solved from a one-worker run's measured rate:
+    # 1 / R = c_w / u_w + c_ps / u_ps (one machine, no network).
+    one = [r for r in runs if r["workers"] == 1]
+    if one:
+        r0 = min(one, key=lambda r: r["ps"])
+        path = 1.0 / r0["samples_per_s"] - (c.k / r0["ps"] + 2 * c.r / batch) / c.u_ps
+        if path > 0:
+            c.u_w = float(min(max(c.c_w(r0["ps"]) / path, 1.0), cores_of(r0)))
+    return c
+
+
+def cores_of(run: dict) -> float:
+    return float(run.get("cores") or os.cpu_count() or 1)
+
+
+# ----------------------------------------------------------------------------------------
+# measurement: one real job, every process's CPU and every PS's RPC counters sampled
+# ----------------------------------------------------------------------------------------
+
+class _Sampler(threading.Thread):
+    """Polls (time, CPU s per member, machine CPU s, PS RPC counters) every ``period``."""
+
+    def __init__(self, master_pid: int, state_dir: str, log_path: str, period: float = 0.5):
+        super().__init__(daemon=True)
+        self.master_pid, self.state_dir, self.log_path = master_pid, state_dir, log_path
+        self.period = period
+        self.samples: list[dict] = []
+        self.stop = threading.Event()
+        self._procs: dict = {}
+        self._addr = None
+
+    def _members(self) -> list:
+        from aimaster.state import load_state
+        try:
+            return (load_state(self.state_dir) or {}).get("members", [])
+        except Exception:  # noqa: BLE001 - the AIMaster may be writing its first state
+            return []
+
+    def _address(self):
+        if self._addr is None:
+            try:
+                with open(self.log_path, errors="replace") as f:
+                    m = re.search(r"listening on (\S+)", f.read())
+                self._addr = m.group(1) if m else None
+            except OSError:
+                pass
+        return self._addr
+
+    def _rpcs(self) -> dict:
+        """{ps id: (time the PS collected them, {method: [count, bytes_in, bytes_out]})}
+        from the Gazer snapshot (the counters ride on the PS's heartbeat)."""
+        addr = self._address()
+        if not addr:
+            return {}
+        from gazer.cli import get_snapshot
+        try:
+            snap = get_snapshot(addr, 2.0)
+        except Exception:  # noqa: BLE001 - the job may be ending
+            return {}
+        out = {}
+        for m in snap.members:
+            if m.role == "ps" and m.stats.time:
+                out[m.id] = (m.stats.time, {r.method: [r.count, r.bytes_in, r.bytes_out]
+                                            for r in m.stats.rpcs})
+        return out
+
+    def run(self):
+        import psutil
+        while not self.stop.is_set():
+            t = time.time()
+            cpu = {}
+            members = [{"id": "master", "role": "master", "pid": self.master_pid}] + \
+                [m for m in self._members() if m.get("pid")]
+            for m in members:
+                key = (m["id"], m["pid"])
+                try:
+                    p = self._procs.get(key) or self._procs.setdefault(key, psutil.Process(m["pid"]))
+                    ct = p.cpu_times()
+                    # not children_*: the AIMaster's children are the members themselves
+                    cpu[m["id"]] = (m["role"], ct.user + ct.system)
+                except (psutil.Error, OSError):
+                    pass
+            mt = psutil.cpu_times()
+            busy = mt.user + mt.nice + mt.system + getattr(mt, "irq", 0) + \
+                getattr(mt, "softirq", 0) + getattr(mt, "steal", 0)
+            try:
+                rpcs = self._rpcs()
+            except Exception:  # noqa: BLE001 - a missed poll must not end the sampling
+                rpcs = {}
+            self.samples.append({"t": t, "cpu": cpu, "machine_busy": busy, "rpcs": rpcs})
+            self.stop.wait(self.period)
+
+
+def _interp(samples: list, t: float, get, when=lambda s: s["t"]) -> float | None:
+    """Value of ``get(sample)`` at time ``t`` (linear between the two nearest samples
+    that have it; ``when(sample)``: the time the value was taken)."""
+    pts = sorted({(when(s), get(s)) for s in samples if get(s) is not None})
+    if len(pts) < 2 or not pts[0][0] <= t <= pts[-1][0]:
+        return None
+    for (t0, v0), (t1, v1) in zip(pts, pts[1:]):
+        if t0 <= t <= t1:
+            return v0 if t1 == t0 else v0 + (v1 - v0) * (t - t0) / (t1 - t0)
+    return None
+
+
+def _machine_busy() -> float:
+    import psutil
+    mt = psutil.cpu_times()
+    return mt.user + mt.nice + mt.system + getattr(mt, "irq", 0) + \
+        getattr(mt, "softirq", 0) + getattr(mt, "steal", 0)
+
+
+def machine_busy_cores(seconds: float) -> float:
+    """Cores the machine's other programs keep busy, over ``seconds`` without our job."""
+    a, t = _machine_busy(), time.monotonic()
+    time.sleep(seconds)
+    return (_machine_busy() - a) / (time.monotonic() - t)
+
+
+def measure(workers: int, ps: int, rows: int, batch: int, timeout: float = 600.0,
+            warmup: int = 20, seed: int = 1, files: int = 2, idle_seconds: float = 3.0) -> dict:
+    """One real job of ``workers`` + ``ps``: steady samples/s and the per-sample costs.
+
+    The machine's background load is measured over ``idle_seconds`` right before and
+    right after the job (not during it: on a saturated machine, "machine busy minus the
+    job" is whatever the job left, which would make the prediction circular)."""
+    import psutil
+    from bench import bench_training as bt
+    data = bt.ensure_data(rows, files, seed, 0)
+    tag = f"scaling-{workers}w{ps}p"
+    state_dir = os.path.join(REPO, "runs", f"bench-{tag}")
+    shutil.rmtree(state_dir, ignore_errors=True)
+    os.makedirs(state_dir)
+    job_path = os.path.join(state_dir, "job.yaml")
+    args = argparse.Namespace(batch_size=batch, lr=1e-3, records_per_shard=20_000)
+    bt.write_job(job_path, f"bench-{tag}", data["dir"], args, profile=False)
+    cmd = bt._aimaster_cmd() + ["run", job_path, "--ps", str(ps), "--workers", str(workers),
+                                "--state-dir", os.path.relpath(state_dir, REPO),
+                                "--log-level", "WARNING"]
+    log_path = os.path.join(state_dir, "aimaster.out")
+    load_before = os.getloadavg()
+    bg_before = machine_busy_cores(idle_seconds)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        sampler = _Sampler(proc.pid, state_dir, log_path)
+        sampler.start()
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{tag}: timed out after {timeout}s; see {log_path}")
+        finally:
+            sampler.stop.set()
+            sampler.join(10)
+            if proc.poll() is None:
+                bt._stop_group(proc)
+    load_after = os.getloadavg()
+    bg_after = machine_busy_cores(idle_seconds)
+    if code != 0:
+        raise RuntimeError(f"{tag}: aimaster exited with {code}; see {log_path}")
+    steps = []
+    for path in sorted(_glob(state_dir, "bench-steps-worker-*.json")):
+        with open(path) as f:
+            steps.append(json.load(f)["series"])
+    if len(steps) != workers:
+        raise RuntimeError(f"{tag}: {len(steps)} step logs for {workers} workers")
+    steady = bt.steady_rate(steps, warmup)
+    if not steady.get("samples_per_s"):
+        raise RuntimeError(f"{tag}: no steady window ({steady.get('reason')})")
+    t1 = min(s[-1][0] for s in steps)
+    t0 = t1 - steady["window_seconds"]
+    n = steady["window_samples"]
+    S = sampler.samples
+
+    def delta(get, when=lambda s: s["t"]):
+        a, b = _interp(S, t0, get, when), _interp(S, t1, get, when)
+        return None if a is None or b is None else b - a
+
+    ids = {(mid, role) for s in S for mid, (role, _) in s["cpu"].items()}
+    cpu = {mid: delta(lambda s, m=mid: s["cpu"].get(m, (None, None))[1]) for mid, _ in ids}
+    role = dict(ids)
+    missing = [m for m, v in cpu.items() if v is None]
+    if missing:
+        raise RuntimeError(f"{tag}: CPU of {missing} not sampled over the window")
+    by_role = {r: sum(v for m, v in cpu.items() if role[m] == r) for r in ("worker", "ps", "master")}
+    wall = steady["window_seconds"]
+    machine = delta(lambda s: s["machine_busy"])
+    job_cpu = sum(cpu.values())
+    ps_ids = sorted({p for s in S for p in s["rpcs"]})
+    per_ps = {}
+    for p in ps_ids:
+        have = [s for s in S if p in s["rpcs"]]
+        methods = sorted({m for s in have for m in s["rpcs"][p][1]})
+        per_ps[p] = {m: [_delta_at(have, t0, t1, lambda s, p=p, m=m, i=i:
+                                   (s["rpcs"][p][1].get(m) or [None] * 3)[i],
+                                   lambda s, p=p: s["rpcs"][p][0]) for i in range(3)]
+                     for m in methods}
+    steps_in_window = n / batch
+    train_methods = ("Lookup", "Push", "LookupMany", "PushMany")
+    rpc_count = rpc_bytes = 0.0
+    for p, meths in per_ps.items():
+        for m, (cnt, bi, bo) in meths.items():
+            if m in train_methods and None not in (cnt, bi, bo):
+                rpc_count += cnt
+                rpc_bytes += bi + bo
+    all_rpc_bytes = sum(sum(v[1:]) for meths in per_ps.values() for v in meths.values()
+                        if None not in v)
+    return {
+        "workers": workers, "ps": ps, "batch": batch, "rows": rows, "cores": os.cpu_count(),
+        "samples_per_s": steady["samples_per_s"], "window_seconds": wall, "window_samples": n,
+        "load_before": load_before, "load_after": load_after,
+        "cpu_seconds": {m: round(v, 4) for m, v in sorted(cpu.items())},
+        "cores_used": {"worker": by_role["worker"] / wall, "ps": by_role["ps"] / wall,
+                       "master": by_role["master"] / wall, "job": job_cpu / wall,
+                       "machine": machine / wall if machine else None,
+                       # informational only (see the docstring): not a model input
+                       "others_during": (machine - job_cpu) / wall if machine else None,
+                       "background": (bg_before + bg_after) / 2,
+                       "background_before": bg_before, "background_after": bg_after},
+        "worker_cpu_per_sample": by_role["worker"] / n,
+        "ps_cpu_per_sample": by_role["ps"] / n,
+        "master_cores": by_role["master"] / wall,
+        "rpcs_per_step_per_ps": rpc_count / steps_in_window / ps if steps_in_window else None,
+        "bytes_per_sample": rpc_bytes / n,
+        # PS -> PS (replication ring, ``Replicate``): on the PS' NICs only
+        "rep_bytes_per_sample": sum(sum(v[1:]) for meths in per_ps.values()
+                                    for m, v in meths.items()
+                                    if m == "Replicate" and None not in v) / n,
+        "bytes_per_step_per_ps": rpc_bytes / steps_in_window / ps,
+        "other_rpc_bytes_per_sample": (all_rpc_bytes - rpc_bytes) / n,
+        "ps_rpcs": per_ps, "state_dir": os.path.relpath(state_dir, REPO),
+        "sampler_points": len(S),
+    }
+
+
+def _delta_at(samples, t0, t1, get, when):
+    a, b = _interp(samples, t0, get, when), _interp(samples, t1, get, when)
+    return None if a is None or b is None else b - a
+
+
+def _glob(d, pat):
+    import glob
+    return glob.glob(os.path.join(d, pat))
+
+
+# ----------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------
+
+def _median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def _layout_medians(runs: list[dict]) -> list[dict]:
+    out = []
+    for W, P in sorted({(r["workers"], r["ps"]) for r in runs}):
+        rs = [r for r in runs if (r["workers"], r["ps"]) == (W, P)]
+        med = {"workers": W, "ps": P, "repeats": len(rs)}
+        for key in ("samples_per_s", "worker_cpu_per_sample", "ps_cpu_per_sample",
+                    "master_cores", "bytes_per_sample", "rep_bytes_per_sample",
+                    "rpcs_per_step_per_ps",
+                    "bytes_per_step_per_ps"):
+            med[key] = _median([r[key] for r in rs])
+        med["background"] = _median([r["cores_used"]["background"] for r in rs])
+        med["all_samples_per_s"] = [round(r["samples_per_s"]) for r in rs]
+        out.append(med)
+    return out
+
+
+def validate(meds: list[dict], costs: Costs, cores: float) -> list[dict]:
+    rows = []
+    for m in meds:
+        try:
+            p = predict(costs, m["workers"], m["ps"], cores, None, shared=True,
+                        background=m["background"])
+        except ValueError as exc:  # the machine was saturated by other programs
+            rows.append({"workers": m["workers"], "ps": m["ps"],
+                         "measured": m["samples_per_s"], "predicted": None, "bound": str(exc),
+                         "background": m["background"], "error": None,
+                         "within_target": False, "bounds": {}})
+            continue
+        err = p["samples_per_s"] / m["samples_per_s"] - 1
+        rows.append({"workers": m["workers"], "ps": m["ps"], "measured": m["samples_per_s"],
+                     "predicted": p["samples_per_s"], "bound": p["bound"],
+                     "background": m["background"], "error": err,
+                     "within_target": abs(err) <= TARGET_ERROR, "bounds": p["bounds"]})
+    return rows
+
+
+def cluster_table(costs: Costs, workers: list[int], cores: float, gbits: list[float]) -> list:
+    out = []
+    for g in gbits:
+        for w in workers:
+            best = best_ps(costs, w, cores, g)
+            for p in sorted({max(1, w // 8), max(1, w // 4), max(1, w // 2), best["ps"]}):
+                x = predict(costs, w, p, cores, g)
+                x["chosen"] = p == best["ps"]
+                out.append(x)
+    return out
+
+
+def _print_validation(rows):
+    print(f"{'layout':>7} {'measured':>10} {'predicted':>10} {'error':>7} {'bound':>11} "
+          f"{'bg cores':>8}")
+    for r in rows:
+        if r["predicted"] is None:
+            print(f"{r['workers']}w+{r['ps']}p {r['measured']:>10,.0f}  no prediction: {r['bound']}")
+            continue
+        print(f"{r['workers']}w+{r['ps']}p {r['measured']:>10,.0f} {r['predicted']:>10,.0f} "
+              f"{100 * r['error']:>+6.1f}% {r['bound']:>11} {r['background']:>8.2f}"
+              + ("" if r["within_target"] else "  MISS"))
+
+
+def _print_cluster(rows):
+    print(f"{'workers':>7} {'PS':>4} {'Gbit/s':>6} {'samples/s':>12} {'per worker':>10} "
+          f"{'bound':>11} {'step ms':>7} {'AIMaster cores':>14}")
+    for x in rows:
+        print(f"{x['workers']:>7} {x['ps']:>4} {x['gbit']:>6g} {x['samples_per_s']:>12,.0f} "
+              f"{x['samples_per_s'] / x['workers']:>10,.0f} {x['bound']:>11} "
+              f"{x['step_ms_unloaded']:>7.1f} {x['master_cores']:>14.2f}"
+              + ("  <- fewest PS near the best" if x["chosen"] else ""))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("validate", help="run the layouts here, fit the costs, compare")
+    v.add_argument("--layouts", default="1x1,2x1,1x2,2x2",
+                   help="WxP list (workers x PS), default 1x1,2x1,1x2,2x2")
+    v.add_argument("--repeat", type=int, default=3)
+    v.add_argument("--rows", type=int, default=200_000)
+    v.add_argument("--batch-size", type=int, default=1024)
+    v.add_argument("--timeout", type=float, default=600.0)
+    v.add_argument("--calibrate", default="1x1,1x2",
+                   help="layouts whose costs the model is fitted on (default 1x1,1x2: the "
+                        "other layouts are then out-of-sample)")
+    v.add_argument("--cores", type=float, default=float(os.cpu_count() or 2))
+    v.add_argument("--out", default=None)
+    p = sub.add_parser("predict", help="predictions for a cluster from a results file")
+    p.add_argument("results", help="JSON written by validate")
+    p.add_argument("--workers", default="8,32,128")
+    p.add_argument("--cores", type=float, default=16)
+    p.add_argument("--gbit", default="10,25")
+    args = ap.parse_args(argv)
+
+    def layouts(s):
+        try:
+            out = [tuple(int(x) for x in item.lower().split("x")) for item in s.split(",") if item]
+        except ValueError:
+            out = []
+        if not out or any(len(t) != 2 or min(t) < 1 for t in out):
+            ap.error(f"layouts must be WxP with W, P >= 1, comma-separated (got {s!r})")
+        return out
+
+    if args.cmd == "predict":
+        try:
+            with open(args.results) as f:
+                res = json.load(f)
+            costs = Costs(**res["costs"])
+            workers = [int(x) for x in args.workers.split(",")]
+            gbits = [float(x) for x in args.gbit.split(",")]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"scaling_model: error: cannot use {args.results}: {exc}", file=sys.stderr)
+            return 2
+        _print_cluster(cluster_table(costs, workers, args.cores, gbits))
+        return 0
+
+    todo = layouts(args.layouts)
+    calib = layouts(args.calibrate)
+    runs = []
+    print(f"uptime at start: {_uptime()}", flush=True)
+    for i in range(args.repeat):
+        for W, P in todo:
+            r = measure(W, P, args.rows, args.batch_size, args.timeout)
+            r["round"] = i
+            runs.append(r)
+            print(f"round {i} {W}w+{P}p: {r['samples_per_s']:,.0f} samples/s, cores "
+                  f"w {r['cores_used']['worker']:.2f} ps {r['cores_used']['ps']:.2f} "
+                  f"master {r['cores_used']['master']:.2f} bg {r['cores_used']['background']:.2f}"
+                  f"; load {r['load_before'][0]:.2f} -> {r['load_after'][0]:.2f}", flush=True)
+    print(f"uptime at end: {_uptime()}", flush=True)
+    meds = _layout_medians(runs)
+    cal = [m for m in meds if (m["workers"], m["ps"]) in calib] or meds
+    costs = fit(cal, args.batch_size)
+    rows = validate(meds, costs, args.cores)
+    _print_validation(rows)
+    cluster = cluster_table(costs, [8, 32, 128], 16, [10, 25])
+    _print_cluster(cluster)
+    if args.out:
+        out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "host": {"cores": os.cpu_count(), "python": platform.python_version()},
+               "args": vars(args), "calibrated_on": [f"{w}x{p}" for w, p in calib],
+               "costs": asdict(costs), "layouts": meds, "validation": rows,
+               "cluster_16_cores": cluster, "runs": runs}
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.out}")
+    return 0 if all(r["within_target"] for r in rows) else 1
+
+
+def _uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        la = os.getloadavg()
+        return f"load average: {la[0]:.2f}, {la[1]:.2f}, {la[2]:.2f}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
