@@ -88,6 +88,7 @@ class Costs:
     b0: float            # bytes/sample on the wire at a worker (request + response)
     br: float            # bytes per RPC (headers, per-table framing)
     rep: float = 0.0     # replication bytes/sample between PS (ring), 0 with one PS
+    rep_cpu: float = 0.0  # PS CPU s/sample (all PS) of the ring replication, P > 1 only
     master: float = 0.0  # AIMaster cores per member (W + P)
     rpcs_per_step_per_ps: int = 2
     u_w: float = 1.0     # CPU a worker keeps busy on its step's critical path
@@ -102,15 +103,16 @@ class Costs:
     def c_w(self, p: int) -> float:
         return self.w0 + self.wr * self.q(p)
 
-    def c_ps(self, p: int) -> float:
-        return self.k + self.r * self.q(p)
+    def c_ps(self, p: int, replication: bool = True) -> float:
+        return self.k + self.r * self.q(p) + (self.rep_cpu if replication and p > 1 else 0.0)
 
     def bytes(self, p: int) -> float:
         return self.b0 + self.br * self.q(p)
 
 
 def predict(c: Costs, workers: int, ps: int, cores: float, gbit: float | None = None,
-            shared: bool = False, background: float = 0.0, rtt_s: float | None = None) -> dict:
+            shared: bool = False, background: float = 0.0, rtt_s: float | None = None,
+            replication: bool = True) -> dict:
     """Samples/s of ``workers`` + ``ps`` with per-sample costs ``c``.
 
     ``shared``: all processes (and the AIMaster) on ONE machine of ``cores`` cores, of
@@ -122,7 +124,7 @@ def predict(c: Costs, workers: int, ps: int, cores: float, gbit: float | None = 
     W, P, B = workers, ps, c.batch
     rtt = (0.0 if shared else c.rtt_s) if rtt_s is None else rtt_s
     bw = None if gbit is None else gbit * 1e9 / 8  # bytes/s each direction
-    cw, cps, nb = c.c_w(P), c.c_ps(P), c.bytes(P)
+    cw, cps, nb = c.c_w(P), c.c_ps(P, replication), c.bytes(P)
     # bytes/sample split in half between directions (lookup answers in, gradients out)
     half = nb / 2
     step = (B * cw / c.u_w + (c.k * B / P + c.rpcs_per_step_per_ps * c.r) / c.u_ps
@@ -144,7 +146,7 @@ def predict(c: Costs, workers: int, ps: int, cores: float, gbit: float | None = 
             bounds["worker_nic"] = W * bw / half
             # a PS receives 1/P of every worker's bytes (R half / P per direction) and
             # ships as much replication to its ring peer as it receives from the other
-            rep = c.rep if P > 1 else 0.0
+            rep = c.rep if P > 1 and replication else 0.0
             bounds["ps_nic"] = P * bw / (half + rep)
     bound = min(bounds, key=bounds.get)
     return {"workers": W, "ps": P, "cores": cores, "gbit": gbit, "shared": shared,
@@ -164,37 +166,52 @@ def best_ps(c: Costs, workers: int, cores: float, gbit: float | None,
 
 
 def fit(runs: list[dict], batch: int) -> Costs:
-    """Per-sample costs from measured runs: the P-dependence (key work split over the PS
-    vs fixed cost per RPC) is a least-squares line over q = 2 P / B through the runs'
-    medians per layout; with one P only, the per-RPC part is 0."""
+    """Per-sample costs from measured runs (medians per layout).
+
+    The P-dependence (key work split over the PS vs a fixed cost per RPC) is a
+    least-squares line over q = 2 P / B through the runs WITHOUT replication (one PS, or
+    several with shipping deferred: ``replication: false`` in the run); the replication's
+    PS CPU is then what the runs with several replicating PS cost above that line. With
+    one P only, the per-RPC part is 0."""
+    all_runs = runs
+    runs = [r for r in all_runs if r["ps"] == 1 or not r.get("replication", True)] or all_runs
     q = [2 * r["ps"] / batch for r in runs]
     cols = {"w": [r["worker_cpu_per_sample"] for r in runs],
             "ps": [r["ps_cpu_per_sample"] for r in runs],
-            "b": [r["bytes_per_sample"] for r in runs]}
+            "b": [r["bytes_per_sample"] for r in all_runs]}
+    qa = [2 * r["ps"] / batch for r in all_runs]
     out = {}
-    qm = sum(q) / len(q)
-    sqq = sum((x - qm) ** 2 for x in q)
     for name, y in cols.items():
-        ym = sum(y) / len(y)
-        # least squares y = icpt + slope q; a negative slope (noise) is taken as 0
-        slope = max(sum((x - qm) * (v - ym) for x, v in zip(q, y)) / sqq, 0.0) if sqq else 0.0
-        out[name] = (ym - slope * qm, slope)
-    master = _median([r["master_cores"] / (r["workers"] + r["ps"]) for r in runs])
-    multi = [r["rep_bytes_per_sample"] for r in runs if r["ps"] > 1]
+        x = qa if name == "b" else q  # bytes: replication goes through other RPCs
+        out[name] = _line(x, y)
+    master = _median([r["master_cores"] / (r["workers"] + r["ps"]) for r in all_runs])
+    multi = [r for r in all_runs if r["ps"] > 1 and r.get("replication", True)]
     c = Costs(batch=batch, w0=out["w"][0], wr=out["w"][1], k=out["ps"][0], r=out["ps"][1],
-              b0=out["b"][0], br=out["b"][1], rep=_median(multi) if multi else 0.0,
+              b0=out["b"][0], br=out["b"][1],
+              rep=_median([r["rep_bytes_per_sample"] for r in multi]) if multi else 0.0,
               master=master)
+    if multi:
+        c.rep_cpu = max(_median([r["ps_cpu_per_sample"] - c.c_ps(r["ps"], False)
+                                 for r in multi]), 0.0)
     # u_w, the one throughput-fitted figure: a worker's step overlaps part of its own CPU
     # (tf.data parses the next batch on other threads while the step waits for the PS), so
     # its critical path is c_w / u_w. Solved from a one-worker run's measured rate:
     # 1 / R = c_w / u_w + c_ps / u_ps (one machine, no network).
-    one = [r for r in runs if r["workers"] == 1]
+    one = [r for r in all_runs if r["workers"] == 1 and r["ps"] == 1]
     if one:
         r0 = min(one, key=lambda r: r["ps"])
-        path = 1.0 / r0["samples_per_s"] - (c.k / r0["ps"] + 2 * c.r / batch) / c.u_ps
+        path = 1.0 / r0["samples_per_s"] - (c.k + 2 * c.r / batch) / c.u_ps
         if path > 0:
             c.u_w = float(min(max(c.c_w(r0["ps"]) / path, 1.0), cores_of(r0)))
     return c
+
+
+def _line(x: list, y: list) -> tuple[float, float]:
+    """Least squares y = icpt + slope x; a negative slope (noise) is taken as 0."""
+    xm, ym = sum(x) / len(x), sum(y) / len(y)
+    sxx = sum((a - xm) ** 2 for a in x)
+    slope = max(sum((a - xm) * (b - ym) for a, b in zip(x, y)) / sxx, 0.0) if sxx else 0.0
+    return ym - slope * xm, slope
 
 
 def cores_of(run: dict) -> float:
@@ -306,7 +323,8 @@ def machine_busy_cores(seconds: float) -> float:
 
 
 def measure(workers: int, ps: int, rows: int, batch: int, timeout: float = 600.0,
-            warmup: int = 20, seed: int = 1, files: int = 2, idle_seconds: float = 3.0) -> dict:
+            warmup: int = 20, seed: int = 1, files: int = 2, idle_seconds: float = 3.0,
+            replication: bool = True) -> dict:
     """One real job of ``workers`` + ``ps``: steady samples/s and the per-sample costs.
 
     The machine's background load is measured over ``idle_seconds`` right before and
@@ -315,13 +333,22 @@ def measure(workers: int, ps: int, rows: int, batch: int, timeout: float = 600.0
     import psutil
     from bench import bench_training as bt
     data = bt.ensure_data(rows, files, seed, 0)
-    tag = f"scaling-{workers}w{ps}p"
+    tag = f"scaling-{workers}w{ps}p" + ("" if replication else "-norep")
     state_dir = os.path.join(REPO, "runs", f"bench-{tag}")
     shutil.rmtree(state_dir, ignore_errors=True)
     os.makedirs(state_dir)
     job_path = os.path.join(state_dir, "job.yaml")
     args = argparse.Namespace(batch_size=batch, lr=1e-3, records_per_shard=20_000)
     bt.write_job(job_path, f"bench-{tag}", data["dir"], args, profile=False)
+    if not replication:
+        # calibration only: defer the ring's shipping past the job's end, so the PS CPU
+        # of this run is lookups and pushes alone (the changes are still tracked)
+        import yaml
+        with open(job_path) as f:
+            job = yaml.safe_load(f)
+        job["replication"] = {"mode": "async", "interval_ms": 1e9}
+        with open(job_path, "w") as f:
+            yaml.safe_dump(job, f, sort_keys=False)
     cmd = bt._aimaster_cmd() + ["run", job_path, "--ps", str(ps), "--workers", str(workers),
                                 "--state-dir", os.path.relpath(state_dir, REPO),
                                 "--log-level", "WARNING"]
@@ -394,7 +421,8 @@ def measure(workers: int, ps: int, rows: int, batch: int, timeout: float = 600.0
     all_rpc_bytes = sum(sum(v[1:]) for meths in per_ps.values() for v in meths.values()
                         if None not in v)
     return {
-        "workers": workers, "ps": ps, "batch": batch, "rows": rows, "cores": os.cpu_count(),
+        "workers": workers, "ps": ps, "replication": replication, "batch": batch,
+        "rows": rows, "cores": os.cpu_count(),
         "samples_per_s": steady["samples_per_s"], "window_seconds": wall, "window_samples": n,
         "load_before": load_before, "load_after": load_after,
         "cpu_seconds": {m: round(v, 4) for m, v in sorted(cpu.items())},
@@ -443,9 +471,11 @@ def _median(xs):
 
 def _layout_medians(runs: list[dict]) -> list[dict]:
     out = []
-    for W, P in sorted({(r["workers"], r["ps"]) for r in runs}):
-        rs = [r for r in runs if (r["workers"], r["ps"]) == (W, P)]
-        med = {"workers": W, "ps": P, "repeats": len(rs)}
+    for W, P, R in sorted({(r["workers"], r["ps"], r["replication"]) for r in runs},
+                          key=lambda t: (not t[2], t[1], t[0])):
+        rs = [r for r in runs if (r["workers"], r["ps"], r["replication"]) == (W, P, R)]
+        med = {"workers": W, "ps": P, "replication": R, "name": _name(W, P, R),
+               "repeats": len(rs)}
         for key in ("samples_per_s", "worker_cpu_per_sample", "ps_cpu_per_sample",
                     "master_cores", "bytes_per_sample", "rep_bytes_per_sample",
                     "rpcs_per_step_per_ps",
@@ -457,23 +487,30 @@ def _layout_medians(runs: list[dict]) -> list[dict]:
     return out
 
 
+def _name(w: int, p: int, replication: bool = True) -> str:
+    return f"{w}x{p}" + ("" if replication else ":norep")
+
+
 def validate(meds: list[dict], costs: Costs, cores: float) -> list[dict]:
     rows = []
     for m in meds:
         try:
             p = predict(costs, m["workers"], m["ps"], cores, None, shared=True,
-                        background=m["background"])
+                        background=m["background"], replication=m["replication"])
         except ValueError as exc:  # the machine was saturated by other programs
-            rows.append({"workers": m["workers"], "ps": m["ps"],
+            rows.append({"workers": m["workers"], "ps": m["ps"], "name": m["name"],
                          "measured": m["samples_per_s"], "predicted": None, "bound": str(exc),
                          "background": m["background"], "error": None,
-                         "within_target": False, "bounds": {}})
+                         "within_target": False, "bounds": {},
+                         "replication": m["replication"]})
             continue
         err = p["samples_per_s"] / m["samples_per_s"] - 1
-        rows.append({"workers": m["workers"], "ps": m["ps"], "measured": m["samples_per_s"],
+        rows.append({"workers": m["workers"], "ps": m["ps"], "name": m["name"],
+                     "measured": m["samples_per_s"],
                      "predicted": p["samples_per_s"], "bound": p["bound"],
                      "background": m["background"], "error": err,
-                     "within_target": abs(err) <= TARGET_ERROR, "bounds": p["bounds"]})
+                     "within_target": bool(abs(err) <= TARGET_ERROR), "bounds": p["bounds"],
+                     "replication": m["replication"]})
     return rows
 
 
@@ -490,13 +527,13 @@ def cluster_table(costs: Costs, workers: list[int], cores: float, gbits: list[fl
 
 
 def _print_validation(rows):
-    print(f"{'layout':>7} {'measured':>10} {'predicted':>10} {'error':>7} {'bound':>11} "
+    print(f"{'layout':>9} {'measured':>10} {'predicted':>10} {'error':>7} {'bound':>11} "
           f"{'bg cores':>8}")
     for r in rows:
         if r["predicted"] is None:
-            print(f"{r['workers']}w+{r['ps']}p {r['measured']:>10,.0f}  no prediction: {r['bound']}")
+            print(f"{r['name']:>9} {r['measured']:>10,.0f}  no prediction: {r['bound']}")
             continue
-        print(f"{r['workers']}w+{r['ps']}p {r['measured']:>10,.0f} {r['predicted']:>10,.0f} "
+        print(f"{r['name']:>9} {r['measured']:>10,.0f} {r['predicted']:>10,.0f} "
               f"{100 * r['error']:>+6.1f}% {r['bound']:>11} {r['background']:>8.2f}"
               + ("" if r["within_target"] else "  MISS"))
 
@@ -515,15 +552,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("validate", help="run the layouts here, fit the costs, compare")
-    v.add_argument("--layouts", default="1x1,2x1,1x2,2x2",
-                   help="WxP list (workers x PS), default 1x1,2x1,1x2,2x2")
+    v.add_argument("--layouts", default="1x1,2x1,1x2,2x2,1x2:norep",
+                   help="WxP list (workers x PS; ':norep' defers the PS ring's replication, "
+                        "a calibration run), default 1x1,2x1,1x2,2x2,1x2:norep")
     v.add_argument("--repeat", type=int, default=3)
     v.add_argument("--rows", type=int, default=200_000)
     v.add_argument("--batch-size", type=int, default=1024)
     v.add_argument("--timeout", type=float, default=600.0)
-    v.add_argument("--calibrate", default="1x1,1x2",
-                   help="layouts whose costs the model is fitted on (default 1x1,1x2: the "
-                        "other layouts are then out-of-sample)")
+    v.add_argument("--calibrate", default="1x1,1x2,1x2:norep",
+                   help="layouts whose costs the model is fitted on (default "
+                        "1x1,1x2,1x2:norep: the two-worker layouts are then out-of-sample)")
     v.add_argument("--cores", type=float, default=float(os.cpu_count() or 2))
     v.add_argument("--out", default=None)
     p = sub.add_parser("predict", help="predictions for a cluster from a results file")
@@ -535,11 +573,17 @@ def main(argv=None) -> int:
 
     def layouts(s):
         try:
-            out = [tuple(int(x) for x in item.lower().split("x")) for item in s.split(",") if item]
+            out = []
+            for item in filter(None, s.split(",")):
+                wp, _, flag = item.lower().partition(":")
+                w, p = (int(x) for x in wp.split("x"))
+                if w < 1 or p < 1 or flag not in ("", "norep"):
+                    raise ValueError(item)
+                out.append((w, p, flag != "norep"))
         except ValueError:
             out = []
-        if not out or any(len(t) != 2 or min(t) < 1 for t in out):
-            ap.error(f"layouts must be WxP with W, P >= 1, comma-separated (got {s!r})")
+        if not out:
+            ap.error(f"layouts must be WxP[:norep] with W, P >= 1, comma-separated (got {s!r})")
         return out
 
     if args.cmd == "predict":
@@ -560,17 +604,17 @@ def main(argv=None) -> int:
     runs = []
     print(f"uptime at start: {_uptime()}", flush=True)
     for i in range(args.repeat):
-        for W, P in todo:
-            r = measure(W, P, args.rows, args.batch_size, args.timeout)
+        for W, P, R in todo:
+            r = measure(W, P, args.rows, args.batch_size, args.timeout, replication=R)
             r["round"] = i
             runs.append(r)
-            print(f"round {i} {W}w+{P}p: {r['samples_per_s']:,.0f} samples/s, cores "
+            print(f"round {i} {_name(W, P, R)}: {r['samples_per_s']:,.0f} samples/s, cores "
                   f"w {r['cores_used']['worker']:.2f} ps {r['cores_used']['ps']:.2f} "
                   f"master {r['cores_used']['master']:.2f} bg {r['cores_used']['background']:.2f}"
                   f"; load {r['load_before'][0]:.2f} -> {r['load_after'][0]:.2f}", flush=True)
     print(f"uptime at end: {_uptime()}", flush=True)
     meds = _layout_medians(runs)
-    cal = [m for m in meds if (m["workers"], m["ps"]) in calib] or meds
+    cal = [m for m in meds if (m["workers"], m["ps"], m["replication"]) in calib] or meds
     costs = fit(cal, args.batch_size)
     rows = validate(meds, costs, args.cores)
     _print_validation(rows)
@@ -579,13 +623,13 @@ def main(argv=None) -> int:
     if args.out:
         out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "host": {"cores": os.cpu_count(), "python": platform.python_version()},
-               "args": vars(args), "calibrated_on": [f"{w}x{p}" for w, p in calib],
+               "args": vars(args), "calibrated_on": [_name(*t) for t in calib],
                "costs": asdict(costs), "layouts": meds, "validation": rows,
                "cluster_16_cores": cluster, "runs": runs}
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        with open(args.out, "w") as f:  # numpy scalars from the steady-state window
+            json.dump(out, f, indent=1, default=lambda o: o.item() if hasattr(o, "item") else str(o))
         print(f"wrote {args.out}")
-    return 0 if all(r["within_target"] for r in rows) else 1
+    return 0 if all(r["within_target"] for r in rows if r["replication"] or r["ps"] == 1) else 1
 
 
 def _uptime() -> str:

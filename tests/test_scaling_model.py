@@ -65,19 +65,25 @@ def test_best_ps_is_the_fewest_near_the_best():
     assert all(x < 0.98 * max(allp) for x in allp[:b["ps"] - 1])
 
 
+def test_replication_cpu_only_with_several_ps():
+    c = Costs(batch=B, w0=0, wr=0, k=10e-6, r=0, b0=0, br=0, rep_cpu=4e-6)
+    assert c.c_ps(1) == pytest.approx(10e-6)
+    assert c.c_ps(2) == pytest.approx(14e-6) and c.c_ps(2, replication=False) == pytest.approx(10e-6)
+
+
 def test_fit_recovers_known_costs():
-    truth = Costs(batch=B, w0=25e-6, wr=3e-3, k=12e-6, r=5e-3, b0=880.0, br=6000.0, rep=600.0,
-                  master=0.005, u_w=1.6)
+    truth = Costs(batch=B, w0=25e-6, wr=3e-3, k=12e-6, r=5e-4, b0=880.0, br=6000.0, rep=600.0,
+                  rep_cpu=3e-6, master=0.005, u_w=1.6)
     runs = []
-    for w, p in ((1, 1), (1, 2), (2, 2)):
-        rate = predict(truth, w, p, cores=8, shared=True)["samples_per_s"]
-        runs.append({"workers": w, "ps": p, "samples_per_s": rate,
-                     "worker_cpu_per_sample": truth.c_w(p), "ps_cpu_per_sample": truth.c_ps(p),
-                     "bytes_per_sample": truth.bytes(p),
-                     "rep_bytes_per_sample": 600.0 if p > 1 else 0.0,
+    for w, p, rep in ((1, 1, True), (1, 2, True), (2, 2, True), (1, 2, False)):
+        rate = predict(truth, w, p, cores=8, shared=True, replication=rep)["samples_per_s"]
+        runs.append({"workers": w, "ps": p, "replication": rep, "samples_per_s": rate,
+                     "worker_cpu_per_sample": truth.c_w(p),
+                     "ps_cpu_per_sample": truth.c_ps(p, rep), "bytes_per_sample": truth.bytes(p),
+                     "rep_bytes_per_sample": 600.0 if p > 1 and rep else 0.0,
                      "master_cores": 0.005 * (w + p), "cores": 8})
     c = fit(runs, B)
-    for name in ("w0", "wr", "k", "r", "b0", "br", "rep", "master", "u_w"):
+    for name in ("w0", "wr", "k", "r", "b0", "br", "rep", "rep_cpu", "master", "u_w"):
         assert getattr(c, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
 
 
