@@ -1,60 +1,67 @@
 """A scaling model of ours (issue 16, item 6): throughput of W workers and P PS on N-core
-machines with a given network bandwidth, from costs measured on a real job here.
+machines with a given network bandwidth, from costs measured on real jobs here.
 
-    # measure the costs on real jobs (1+1 and 1+2 calibrate; all four layouts validate)
-    .venv/bin/python bench/scaling_model.py validate --repeat 3 \
+    # measure the costs on real jobs, fit, and compare predicted with measured samples/s
+    .venv/bin/python bench/scaling_model.py validate --repeat 3 \\
         --out bench/results/scaling-model.json
     # predictions for clusters we cannot run here, from the costs in that file
-    .venv/bin/python bench/scaling_model.py predict bench/results/scaling-model.json \
+    .venv/bin/python bench/scaling_model.py predict bench/results/scaling-model.json \\
         --workers 8,32,128 --cores 16 --gbit 10,25
+    # fit again from the stored runs (e.g. another calibration set)
+    .venv/bin/python bench/scaling_model.py refit bench/results/scaling-model.json
 
-What is measured (``measure``: one real ``aimaster run`` of the example DeepFM through
-``bench/bench_training.py``'s job, a sampler polling every process of the job):
+What is measured (``measure``: one real ``aimaster run`` of the example DeepFM, the job
+of ``bench/bench_training.py``, with a sampler polling every process of the job):
 
 - CPU seconds of every worker, PS and the AIMaster (``psutil`` ``cpu_times`` user +
-  system of the real processes, robust to the machine's noise, unlike wall time), and of
-  the whole machine (``psutil.cpu_times()``: what other processes took is the
-  *background* load of the run);
+  system of the real processes: robust to the machine's noise, unlike wall time);
 - RPCs and bytes of every PS (the Gazer counters each PS keeps per method,
   ``deeprec_ext/stats.py``: serialized request and response bytes), read from the
   AIMaster's Gazer snapshot;
 - the steady-state window and its samples (``bench_training.steady_rate``); every
   counter above is interpolated to the window's ends, so start-up, tracing and the
-  evaluation at the end are excluded.
+  end of the job are excluded;
+- the machine's background: cores busy over 3 s right before and after the job.
 
-The model (``predict``) -- every figure per training sample; B = batch, q = 2 P / B the
-RPCs per sample of a worker (one lookup and one push per PS per step):
+The model -- every cost per training sample; B = batch, q = 2 P / B the RPCs per sample
+of a worker (one lookup and one push per PS per step):
 
-    worker CPU          c_w(P)  = w0 + wr q          (client work per key + per RPC)
-    PS CPU, all PS      c_ps(P) = k  + r  q          (keys split 1/P over the PS + per RPC)
-    bytes on the wire   b(P)    = b0 + br q          (each direction, at a worker; the PS
-                                                      side carries W/P times that per PS)
-    AIMaster            m cores per member           (heartbeats, shards; own machine)
+    worker CPU           c_w(P)  = w0 + wr q          client work + a cost per RPC sent
+    PS CPU, all PS       c_ps(P) = k  + r q           keys (split 1/P) + a cost per RPC
+                                 + rep_cpu (P > 1)    the ring's replication, off the path
+    bytes, at a worker   b(P)    = b0 + br q          lookups and pushes, both directions
+    replication bytes    rep     per sample, PS to PS (P > 1)
+    AIMaster             master  cores per member
 
-    one worker's step   T = B c_w / u_w + (k B / P + 2 r) / u_ps + 2 rtt + B b(P) / bw
-    throughput          R = min( W B / T,                       per-worker latency
-                                 W n_w / c_w,                    workers' CPU
-                                 P n_ps / c_ps,                  PS' CPU
-                                 W bw / b,  P bw / (W/P ...)     NICs (see _nic_bound)
-                                 (N - bg - m (W+P)) / (c_w + c_ps)  when all share N cores)
+``fit`` takes w0, wr, k, r from runs without replication (1+1 and 1+2 with shipping
+deferred, ``:norep``), rep_cpu from the 1+2 runs above that line, bytes from all runs.
+No measured rate goes into the costs.
 
-``u_w``/``u_ps`` is the CPU a process keeps busy on its step's critical path (1: the
-step is serial Python + gRPC, GIL-bound), ``n_w``/``n_ps`` = min(N, the cores one
-process can use) the CPU it gets. On this 2-core machine every process shares the same
-cores, so the last bound applies with N = 2 and the measured background load; on a
-cluster each process has its own N cores and that bound is dropped.
+Throughput: each worker is a customer of a closed queueing network that loops over one
+step (``mva``: exact mean-value analysis, multi-server stations by Seidmann's
+approximation):
+
+- one machine (``shared``, the validation here): the step's whole CPU work B (c_w + c_ps
+  without replication) queues at one station of N cores, minus what the replication and
+  the AIMaster take beside the steps; other programs wanting D cores slow the job by
+  N / (J + D) when the job's J and D exceed N;
+- a cluster: a worker's CPU is its own (a delay of B c_w / n_w), then the network (a
+  round trip and B b / 2 bytes at the NIC's bandwidth), then the PS: a station of
+  n_ps cores per PS with demand B c_ps / P per step, minus the replication's share;
+  bounded by the NICs (worker: W bw / (b / 2); PS: P bw / (b / 2 + rep)) and by the
+  cores a process can use (n_w, n_ps: 1 by default, a GIL-bound Python process).
 
 What it ignores: stragglers (every worker as fast as the median), PS hot keys (keys
-split evenly, a real skew makes the busiest PS the bound), sync mode (async only:
-``consistency: sync`` adds a barrier per step), the AIMaster beyond its CPU, input I/O
-(data are local files, parsed on the worker's CPU, which c_w includes), TCP/gRPC flow
-control, and contention between processes packed on one machine in a cluster.
+split evenly; a skew makes the busiest PS the bound), the fork-join wait of a step for
+the slowest of its P PS, sync mode (async only: ``consistency: sync`` adds a barrier),
+the AIMaster beyond its CPU, input I/O (local files, parsed on the worker's CPU, which
+c_w includes), TCP/gRPC flow control, processes packed on one machine in a cluster, and
+that w0, wr, k, r are lines through P = 1 and 2 only: far beyond, they are extrapolated.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import re
@@ -91,11 +98,9 @@ class Costs:
     rep_cpu: float = 0.0  # PS CPU s/sample (all PS) of the ring replication, P > 1 only
     master: float = 0.0  # AIMaster cores per member (W + P)
     rpcs_per_step_per_ps: int = 2
-    u_w: float = 1.0     # CPU a worker keeps busy on its step's critical path
-    u_ps: float = 1.0    # the same for a PS serving one RPC
-    n_w: float = 1.0     # cores one worker process can use (GIL: about 1)
-    n_ps: float = 1.0    # cores one PS process can use
-    rtt_s: float = 100e-6  # network round trip (cluster); 0 on one machine
+    n_w: float = 1.0     # cores one worker process can use (Python + GIL: about 1)
+    n_ps: float = 1.0    # cores one PS process can use (gRPC-Python handlers: about 1)
+    rtt_s: float = 100e-6  # network round trip on a cluster; 0 on one machine
 
     def q(self, p: int) -> float:
         return self.rpcs_per_step_per_ps * p / self.batch
@@ -110,50 +115,98 @@ class Costs:
         return self.b0 + self.br * self.q(p)
 
 
+def mva(customers: int, delay: float, demand: float, servers: float = 1.0) -> float:
+    """Throughput (cycles/s) of ``customers`` that each loop over a delay of ``delay`` s
+    and one visit of ``demand`` s at a station of ``servers`` servers: exact mean-value
+    analysis of the closed network, the multi-server station by Seidmann's approximation
+    (a queue of demand/servers plus a delay of demand (servers - 1)/servers)."""
+    servers = max(servers, 1e-9)
+    sq = demand / servers
+    z = delay + (demand * (servers - 1) / servers if servers > 1 else 0.0)
+    x = q = 0.0
+    for n in range(1, customers + 1):
+        resp = sq * (1 + q)
+        x = n / (z + resp)
+        q = x * resp
+    return x
+
+
 def predict(c: Costs, workers: int, ps: int, cores: float, gbit: float | None = None,
             shared: bool = False, background: float = 0.0, rtt_s: float | None = None,
             replication: bool = True) -> dict:
     """Samples/s of ``workers`` + ``ps`` with per-sample costs ``c``.
 
-    ``shared``: all processes (and the AIMaster) on ONE machine of ``cores`` cores, of
-    which ``background`` are taken by other programs (this machine); otherwise every
-    process has a machine of ``cores`` cores of its own (a cluster). ``gbit``: NIC
-    bandwidth of every machine (None: not a bound, e.g. loopback)."""
+    Each worker is a customer of a closed queueing network that loops over one step:
+    its own CPU, then its lookups and pushes at the PS, which wait for each other.
+
+    ``shared`` (this machine): all processes and the AIMaster share ONE machine of
+    ``cores`` cores, so the whole CPU work of a step, the worker's and the PS', queues
+    at one station of ``cores`` servers; what runs beside the steps (the ring's
+    replication, the AIMaster) takes cores away from it. Other programs that want
+    ``background`` cores slow the job, when job and they want more than the cores, by
+    N / (J + D) (a proportional share; Linux' CFS shares by runnable thread, which this
+    approximates).
+
+    Otherwise (a cluster) every process has a machine of ``cores`` cores of its own: a
+    worker's CPU is a delay (no one else's), the PS a station of ``min(n_ps, cores)``
+    servers that every worker visits once per step (its P PS in parallel, as one station
+    of the per-PS demand: symmetric keys, no fork-join wait for the slowest), the
+    network a delay of the round trips plus the bytes at ``gbit``, and each NIC a bound.
+    """
     if workers < 1 or ps < 1 or cores <= 0:
         raise ValueError(f"need workers >= 1, ps >= 1, cores > 0 (got {workers}, {ps}, {cores})")
     W, P, B = workers, ps, c.batch
     rtt = (0.0 if shared else c.rtt_s) if rtt_s is None else rtt_s
     bw = None if gbit is None else gbit * 1e9 / 8  # bytes/s each direction
-    cw, cps, nb = c.c_w(P), c.c_ps(P, replication), c.bytes(P)
-    # bytes/sample split in half between directions (lookup answers in, gradients out)
-    half = nb / 2
-    step = (B * cw / c.u_w + (c.k * B / P + c.rpcs_per_step_per_ps * c.r) / c.u_ps
-            + c.rpcs_per_step_per_ps / 2 * rtt + (B * half / bw if bw else 0.0))
-    bounds = {"latency": W * B / step}
+    cw, nb = c.c_w(P), c.bytes(P)
+    cps_path = c.c_ps(P, replication=False)   # lookups and pushes: on a step's path
+    rep_cpu = c.c_ps(P, replication) - cps_path  # shipped in the background
+    half = nb / 2  # bytes/sample per direction (lookup answers in, gradients out)
+    net = c.rpcs_per_step_per_ps / 2 * rtt + (B * half / bw if bw else 0.0)
+    master = c.master * (W + P)
+    bounds = {}
+    x = 0.0
     if shared:
-        free = cores - background - c.master * (W + P)
-        if free <= 0:
-            raise ValueError(f"no CPU left: {cores} cores, background {background:.2f}, "
-                             f"AIMaster {c.master * (W + P):.2f}")
-        bounds["cpu_shared"] = free / (cw + cps)
-        # one process cannot use more than its cores, even on a shared machine
-        bounds["workers_cpu"] = W * min(c.n_w, cores) / cw
-        bounds["ps_cpu"] = P * min(c.n_ps, cores) / cps
+        if cores - master <= 0:
+            raise ValueError(f"no CPU left: {cores} cores, AIMaster {master:.2f}")
+        for _ in range(50):  # fixed point: the replication's share depends on the rate
+            free = max(cores - master - x * B * rep_cpu, 0.05 * cores)
+            x = mva(W, net, B * (cw + cps_path), free)
+        bounds["queueing"] = x * B
     else:
-        bounds["workers_cpu"] = W * min(c.n_w, cores) / cw
-        bounds["ps_cpu"] = P * min(c.n_ps, cores) / cps
+        n_ps = min(c.n_ps, cores)
+        for _ in range(50):
+            free = max(n_ps - x * B * rep_cpu / P, 0.05 * n_ps)
+            x = mva(W, B * cw / min(c.n_w, cores) + net, B * cps_path / P, free)
+        bounds["queueing"] = x * B
         if bw:
             bounds["worker_nic"] = W * bw / half
             # a PS receives 1/P of every worker's bytes (R half / P per direction) and
             # ships as much replication to its ring peer as it receives from the other
             rep = c.rep if P > 1 and replication else 0.0
             bounds["ps_nic"] = P * bw / (half + rep)
+    # one process cannot use more than its cores
+    bounds["workers_cpu"] = W * min(c.n_w, cores) / cw
+    bounds["ps_cpu"] = P * min(c.n_ps, cores) / c.c_ps(P, replication)
     bound = min(bounds, key=bounds.get)
+    rate, share = bounds[bound], 1.0
+    if shared:
+        share = background_share(rate * (cw + c.c_ps(P, replication)) + master, background,
+                                 cores)
+        rate *= share
+    step = B * cw / min(c.n_w, cores) + B * cps_path / P + net  # one step, nothing queued
     return {"workers": W, "ps": P, "cores": cores, "gbit": gbit, "shared": shared,
-            "background": background, "samples_per_s": bounds[bound], "bound": bound,
+            "background": background, "share": share, "samples_per_s": rate, "bound": bound,
             "bounds": bounds, "step_ms_unloaded": 1e3 * step,
-            "per_sample": {"worker_cpu_s": cw, "ps_cpu_s": cps, "bytes": nb},
-            "master_cores": c.master * (W + P)}
+            "per_sample": {"worker_cpu_s": cw, "ps_cpu_s": c.c_ps(P, replication),
+                           "bytes": nb},
+            "master_cores": master}
+
+
+def background_share(job_cores: float, background: float, cores: float) -> float:
+    """Factor by which a job that would use ``job_cores`` alone is slowed by other
+    programs that want ``background`` cores of the same ``cores``."""
+    return min(1.0, cores / (job_cores + background)) if job_cores + background > 0 else 1.0
 
 
 def best_ps(c: Costs, workers: int, cores: float, gbit: float | None,
@@ -166,7 +219,8 @@ def best_ps(c: Costs, workers: int, cores: float, gbit: float | None,
 
 
 def fit(runs: list[dict], batch: int) -> Costs:
-    """Per-sample costs from measured runs (medians per layout).
+    """Per-sample costs from measured runs (medians per layout). Only CPU seconds and
+    bytes are fitted; no rate goes in.
 
     The P-dependence (key work split over the PS vs a fixed cost per RPC) is a
     least-squares line over q = 2 P / B through the runs WITHOUT replication (one PS, or
@@ -176,33 +230,18 @@ def fit(runs: list[dict], batch: int) -> Costs:
     all_runs = runs
     runs = [r for r in all_runs if r["ps"] == 1 or not r.get("replication", True)] or all_runs
     q = [2 * r["ps"] / batch for r in runs]
-    cols = {"w": [r["worker_cpu_per_sample"] for r in runs],
-            "ps": [r["ps_cpu_per_sample"] for r in runs],
-            "b": [r["bytes_per_sample"] for r in all_runs]}
     qa = [2 * r["ps"] / batch for r in all_runs]
-    out = {}
-    for name, y in cols.items():
-        x = qa if name == "b" else q  # bytes: replication goes through other RPCs
-        out[name] = _line(x, y)
-    master = _median([r["master_cores"] / (r["workers"] + r["ps"]) for r in all_runs])
+    w0, wr = _line(q, [r["worker_cpu_per_sample"] for r in runs])
+    k, r_ = _line(q, [r["ps_cpu_per_sample"] for r in runs])
+    # bytes of lookups and pushes: replication travels in its own RPCs
+    b0, br = _line(qa, [r["bytes_per_sample"] for r in all_runs])
     multi = [r for r in all_runs if r["ps"] > 1 and r.get("replication", True)]
-    c = Costs(batch=batch, w0=out["w"][0], wr=out["w"][1], k=out["ps"][0], r=out["ps"][1],
-              b0=out["b"][0], br=out["b"][1],
+    c = Costs(batch=batch, w0=w0, wr=wr, k=k, r=r_, b0=b0, br=br,
               rep=_median([r["rep_bytes_per_sample"] for r in multi]) if multi else 0.0,
-              master=master)
+              master=_median([r["master_cores"] / (r["workers"] + r["ps"]) for r in all_runs]))
     if multi:
         c.rep_cpu = max(_median([r["ps_cpu_per_sample"] - c.c_ps(r["ps"], False)
                                  for r in multi]), 0.0)
-    # u_w, the one throughput-fitted figure: a worker's step overlaps part of its own CPU
-    # (tf.data parses the next batch on other threads while the step waits for the PS), so
-    # its critical path is c_w / u_w. Solved from a one-worker run's measured rate:
-    # 1 / R = c_w / u_w + c_ps / u_ps (one machine, no network).
-    one = [r for r in all_runs if r["workers"] == 1 and r["ps"] == 1]
-    if one:
-        r0 = min(one, key=lambda r: r["ps"])
-        path = 1.0 / r0["samples_per_s"] - (c.k + 2 * c.r / batch) / c.u_ps
-        if path > 0:
-            c.u_w = float(min(max(c.c_w(r0["ps"]) / path, 1.0), cores_of(r0)))
     return c
 
 
@@ -212,10 +251,6 @@ def _line(x: list, y: list) -> tuple[float, float]:
     sxx = sum((a - xm) ** 2 for a in x)
     slope = max(sum((a - xm) * (b - ym) for a, b in zip(x, y)) / sxx, 0.0) if sxx else 0.0
     return ym - slope * xm, slope
-
-
-def cores_of(run: dict) -> float:
-    return float(run.get("cores") or os.cpu_count() or 1)
 
 
 # ----------------------------------------------------------------------------------------
@@ -346,7 +381,7 @@ def measure(workers: int, ps: int, rows: int, batch: int, timeout: float = 600.0
         import yaml
         with open(job_path) as f:
             job = yaml.safe_load(f)
-        job["replication"] = {"mode": "async", "interval_ms": 1e9}
+        job["replication"] = {"mode": "async", "interval_ms": 3.6e6}  # the maximum: 1 h
         with open(job_path, "w") as f:
             yaml.safe_dump(job, f, sort_keys=False)
     cmd = bt._aimaster_cmd() + ["run", job_path, "--ps", str(ps), "--workers", str(workers),
@@ -564,11 +599,22 @@ def main(argv=None) -> int:
                         "1x1,1x2,1x2:norep: the two-worker layouts are then out-of-sample)")
     v.add_argument("--cores", type=float, default=float(os.cpu_count() or 2))
     v.add_argument("--out", default=None)
+    f = sub.add_parser("refit", help="fit and validate again from the runs of a results file")
+    f.add_argument("results", help="JSON written by validate")
+    f.add_argument("--calibrate", default="1x1,1x2,1x2:norep")
+    f.add_argument("--cores", type=float, default=float(os.cpu_count() or 2))
+    f.add_argument("--out", default=None)
     p = sub.add_parser("predict", help="predictions for a cluster from a results file")
     p.add_argument("results", help="JSON written by validate")
     p.add_argument("--workers", default="8,32,128")
     p.add_argument("--cores", type=float, default=16)
     p.add_argument("--gbit", default="10,25")
+    p.add_argument("--ps-cores", type=float, default=None,
+                   help="cores one PS process can use (default: the results' n_ps, 1)")
+    p.add_argument("--worker-cores", type=float, default=None,
+                   help="cores one worker process can use (default: the results' n_w, 1)")
+    p.add_argument("--rtt-us", type=float, default=None,
+                   help="network round trip in microseconds (default 100)")
     args = ap.parse_args(argv)
 
     def layouts(s):
@@ -593,16 +639,36 @@ def main(argv=None) -> int:
             costs = Costs(**res["costs"])
             workers = [int(x) for x in args.workers.split(",")]
             gbits = [float(x) for x in args.gbit.split(",")]
+            if min(workers) < 1 or min(gbits) <= 0:
+                raise ValueError("--workers must be >= 1 and --gbit > 0")
+            for name, v in (("n_ps", args.ps_cores), ("n_w", args.worker_cores),
+                            ("rtt_s", None if args.rtt_us is None else args.rtt_us * 1e-6)):
+                if v is not None:
+                    if v <= 0:
+                        raise ValueError(f"{name} must be > 0")
+                    setattr(costs, name, v)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             print(f"scaling_model: error: cannot use {args.results}: {exc}", file=sys.stderr)
             return 2
         _print_cluster(cluster_table(costs, workers, args.cores, gbits))
         return 0
 
-    todo = layouts(args.layouts)
+    todo = layouts(args.layouts) if args.cmd == "validate" else []
     calib = layouts(args.calibrate)
+    if args.cmd == "refit":
+        try:
+            with open(args.results) as f:
+                res = json.load(f)
+            runs = res["runs"]
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"scaling_model: error: cannot use {args.results}: {exc}", file=sys.stderr)
+            return 2
+        res.pop("runs")
+        return _analyze(runs, calib, args.cores, runs[0]["batch"], args.out,
+                        {k: res[k] for k in ("date", "host", "args", "uptime") if k in res})
     runs = []
-    print(f"uptime at start: {_uptime()}", flush=True)
+    start = _uptime()
+    print(f"uptime at start: {start}", flush=True)
     for i in range(args.repeat):
         for W, P, R in todo:
             r = measure(W, P, args.rows, args.batch_size, args.timeout, replication=R)
@@ -612,23 +678,29 @@ def main(argv=None) -> int:
                   f"w {r['cores_used']['worker']:.2f} ps {r['cores_used']['ps']:.2f} "
                   f"master {r['cores_used']['master']:.2f} bg {r['cores_used']['background']:.2f}"
                   f"; load {r['load_before'][0]:.2f} -> {r['load_after'][0]:.2f}", flush=True)
-    print(f"uptime at end: {_uptime()}", flush=True)
+    uptime = {"start": start, "end": _uptime()}
+    print(f"uptime at end: {uptime['end']}", flush=True)
+    return _analyze(runs, calib, args.cores, args.batch_size, args.out,
+                    {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                     "host": {"cores": os.cpu_count(), "python": platform.python_version()},
+                     "args": vars(args), "uptime": uptime})
+
+
+def _analyze(runs, calib, cores, batch, out_path, header) -> int:
     meds = _layout_medians(runs)
     cal = [m for m in meds if (m["workers"], m["ps"], m["replication"]) in calib] or meds
-    costs = fit(cal, args.batch_size)
-    rows = validate(meds, costs, args.cores)
+    costs = fit(cal, batch)
+    print("costs: " + ", ".join(f"{k} {v:.4g}" for k, v in asdict(costs).items()))
+    rows = validate(meds, costs, cores)
     _print_validation(rows)
     cluster = cluster_table(costs, [8, 32, 128], 16, [10, 25])
     _print_cluster(cluster)
-    if args.out:
-        out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "host": {"cores": os.cpu_count(), "python": platform.python_version()},
-               "args": vars(args), "calibrated_on": [_name(*t) for t in calib],
-               "costs": asdict(costs), "layouts": meds, "validation": rows,
-               "cluster_16_cores": cluster, "runs": runs}
-        with open(args.out, "w") as f:  # numpy scalars from the steady-state window
+    if out_path:
+        out = dict(header, calibrated_on=[_name(*t) for t in calib], costs=asdict(costs),
+                   layouts=meds, validation=rows, cluster_16_cores=cluster, runs=runs)
+        with open(out_path, "w") as f:  # numpy scalars from the steady-state window
             json.dump(out, f, indent=1, default=lambda o: o.item() if hasattr(o, "item") else str(o))
-        print(f"wrote {args.out}")
+        print(f"wrote {out_path}")
     return 0 if all(r["within_target"] for r in rows if r["replication"] or r["ps"] == 1) else 1
 
 
