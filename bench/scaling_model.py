@@ -70,7 +70,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -230,11 +230,11 @@ def fit(runs: list[dict], batch: int) -> Costs:
     all_runs = runs
     runs = [r for r in all_runs if r["ps"] == 1 or not r.get("replication", True)] or all_runs
     q = [2 * r["ps"] / batch for r in runs]
-    qa = [2 * r["ps"] / batch for r in all_runs]
     w0, wr = _line(q, [r["worker_cpu_per_sample"] for r in runs])
     k, r_ = _line(q, [r["ps_cpu_per_sample"] for r in runs])
     # bytes of lookups and pushes: replication travels in its own RPCs
-    b0, br = _line(qa, [r["bytes_per_sample"] for r in all_runs])
+    have = [r for r in all_runs if r["bytes_per_sample"] is not None]
+    b0, br = _line([2 * r["ps"] / batch for r in have], [r["bytes_per_sample"] for r in have])
     multi = [r for r in all_runs if r["ps"] > 1 and r.get("replication", True)]
     c = Costs(batch=batch, w0=w0, wr=wr, k=k, r=r_, b0=b0, br=br,
               rep=_median([r["rep_bytes_per_sample"] for r in multi]) if multi else 0.0,
@@ -365,7 +365,6 @@ def measure(workers: int, ps: int, rows: int, batch: int, timeout: float = 600.0
     The machine's background load is measured over ``idle_seconds`` right before and
     right after the job (not during it: on a saturated machine, "machine busy minus the
     job" is whatever the job left, which would make the prediction circular)."""
-    import psutil
     from bench import bench_training as bt
     data = bt.ensure_data(rows, files, seed, 0)
     tag = f"scaling-{workers}w{ps}p" + ("" if replication else "-norep")
@@ -421,6 +420,8 @@ def measure(workers: int, ps: int, rows: int, batch: int, timeout: float = 600.0
     t0 = t1 - steady["window_seconds"]
     n = steady["window_samples"]
     S = sampler.samples
+    with open(os.path.join(state_dir, "scaling-samples.json"), "w") as f:
+        json.dump(S, f)
 
     def delta(get, when=lambda s: s["t"]):
         a, b = _interp(S, t0, get, when), _interp(S, t1, get, when)
@@ -448,11 +449,20 @@ def measure(workers: int, ps: int, rows: int, batch: int, timeout: float = 600.0
     steps_in_window = n / batch
     train_methods = ("Lookup", "Push", "LookupMany", "PushMany")
     rpc_count = rpc_bytes = 0.0
+    complete = len(per_ps) == ps
     for p, meths in per_ps.items():
+        seen = 0
         for m, (cnt, bi, bo) in meths.items():
-            if m in train_methods and None not in (cnt, bi, bo):
+            if m in train_methods:
+                if None in (cnt, bi, bo):  # a PS's heartbeats did not cover the window
+                    complete = False
+                    continue
+                seen += 1
                 rpc_count += cnt
                 rpc_bytes += bi + bo
+        complete = complete and seen >= 2
+    if not complete:
+        rpc_count = rpc_bytes = None
     all_rpc_bytes = sum(sum(v[1:]) for meths in per_ps.values() for v in meths.values()
                         if None not in v)
     return {
@@ -471,13 +481,14 @@ def measure(workers: int, ps: int, rows: int, batch: int, timeout: float = 600.0
         "worker_cpu_per_sample": by_role["worker"] / n,
         "ps_cpu_per_sample": by_role["ps"] / n,
         "master_cores": by_role["master"] / wall,
-        "rpcs_per_step_per_ps": rpc_count / steps_in_window / ps if steps_in_window else None,
-        "bytes_per_sample": rpc_bytes / n,
+        # None: the PS' counters did not cover the window (left out of the medians)
+        "rpcs_per_step_per_ps": None if rpc_count is None else rpc_count / steps_in_window / ps,
+        "bytes_per_sample": None if rpc_bytes is None else rpc_bytes / n,
         # PS -> PS (replication ring, ``Replicate``): on the PS' NICs only
         "rep_bytes_per_sample": sum(sum(v[1:]) for meths in per_ps.values()
                                     for m, v in meths.items()
                                     if m == "Replicate" and None not in v) / n,
-        "bytes_per_step_per_ps": rpc_bytes / steps_in_window / ps,
+        "bytes_per_step_per_ps": None if rpc_bytes is None else rpc_bytes / steps_in_window / ps,
         "other_rpc_bytes_per_sample": (all_rpc_bytes - rpc_bytes) / n,
         "ps_rpcs": per_ps, "state_dir": os.path.relpath(state_dir, REPO),
         "sampler_points": len(S),
@@ -515,7 +526,8 @@ def _layout_medians(runs: list[dict]) -> list[dict]:
                     "master_cores", "bytes_per_sample", "rep_bytes_per_sample",
                     "rpcs_per_step_per_ps",
                     "bytes_per_step_per_ps"):
-            med[key] = _median([r[key] for r in rs])
+            vals = [r[key] for r in rs if r[key] is not None]
+            med[key] = _median(vals) if vals else None
         med["background"] = _median([r["cores_used"]["background"] for r in rs])
         med["all_samples_per_s"] = [round(r["samples_per_s"]) for r in rs]
         out.append(med)
