@@ -443,7 +443,8 @@ def measure(workers: int, ps: int, rows: int, batch: int, timeout: float = 600.0
         have = [s for s in S if p in s["rpcs"]]
         methods = sorted({m for s in have for m in s["rpcs"][p][1]})
         per_ps[p] = {m: [_delta_at(have, t0, t1, lambda s, p=p, m=m, i=i:
-                                   (s["rpcs"][p][1].get(m) or [None] * 3)[i],
+                                   # not served yet: its counters are 0
+                                   (s["rpcs"][p][1].get(m) or [0, 0, 0])[i],
                                    lambda s, p=p: s["rpcs"][p][0]) for i in range(3)]
                      for m in methods}
     steps_in_window = n / batch
@@ -489,7 +490,7 @@ def measure(workers: int, ps: int, rows: int, batch: int, timeout: float = 600.0
                                     for m, v in meths.items()
                                     if m == "Replicate" and None not in v) / n,
         "bytes_per_step_per_ps": None if rpc_bytes is None else rpc_bytes / steps_in_window / ps,
-        "other_rpc_bytes_per_sample": (all_rpc_bytes - rpc_bytes) / n,
+        "other_rpc_bytes_per_sample": None if rpc_bytes is None else (all_rpc_bytes - rpc_bytes) / n,
         "ps_rpcs": per_ps, "state_dir": os.path.relpath(state_dir, REPO),
         "sampler_points": len(S),
     }
@@ -678,12 +679,17 @@ def main(argv=None) -> int:
         res.pop("runs")
         return _analyze(runs, calib, args.cores, runs[0]["batch"], args.out,
                         {k: res[k] for k in ("date", "host", "args", "uptime") if k in res})
-    runs = []
+    runs, failed = [], []
     start = _uptime()
     print(f"uptime at start: {start}", flush=True)
     for i in range(args.repeat):
         for W, P, R in todo:
-            r = measure(W, P, args.rows, args.batch_size, args.timeout, replication=R)
+            try:
+                r = measure(W, P, args.rows, args.batch_size, args.timeout, replication=R)
+            except RuntimeError as exc:  # one failed job must not lose the others
+                print(f"round {i} {_name(W, P, R)}: FAILED: {exc}", flush=True)
+                failed.append({"round": i, "layout": _name(W, P, R), "error": str(exc)})
+                continue
             r["round"] = i
             runs.append(r)
             print(f"round {i} {_name(W, P, R)}: {r['samples_per_s']:,.0f} samples/s, cores "
@@ -695,7 +701,7 @@ def main(argv=None) -> int:
     return _analyze(runs, calib, args.cores, args.batch_size, args.out,
                     {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                      "host": {"cores": os.cpu_count(), "python": platform.python_version()},
-                     "args": vars(args), "uptime": uptime})
+                     "args": vars(args), "uptime": uptime, "failed_runs": failed})
 
 
 def _analyze(runs, calib, cores, batch, out_path, header) -> int:
