@@ -114,20 +114,30 @@ def ps_verdicts(windows: dict[str, PsWindow], k: float, min_requests: int,
         timed = [o for o in others if o.requests >= min_requests]
         detail = {"cpu": round(w.cpu, 3), "cpu_others": round(cpu_others, 3),
                   "requests": w.requests}
+        if w.requests >= min_requests:
+            # its own service time, even with no other PS timed: the capacity weights need
+            # the healthy PS's too (a throttled peer may serve too few requests to time)
+            detail.update(p50_ms=round(w.p50_ms, 3), p99_ms=round(w.p99_ms, 3),
+                          mean_ms=round(w.mean_ms, 3))
+        probed = [o.probe_ms for o in others if o.probe_ms > 0]
+        probe_ratio = 0.0
+        if w.probe_ms > 0 and probed:
+            medp = max(float(np.median(probed)), PROBE_FLOOR_MS)
+            probe_ratio = w.probe_ms / medp
+            detail.update(probe_ms=round(w.probe_ms, 3), median_probe_ms=round(medp, 3))
         if w.requests < min_requests or not timed:
-            out[ps] = (True if saturated else None, {**detail, "cpu_saturated": saturated})
+            if probe_ratio:
+                # too few requests to time (a PS slow enough serves few: clients wait on
+                # it), but the AIMaster's probes were answered: judge by them
+                detail.update(ratio=round(probe_ratio, 2), cpu_saturated=saturated)
+                out[ps] = (probe_ratio > k or saturated, detail)
+            else:
+                out[ps] = (True if saturated else None, {**detail, "cpu_saturated": saturated})
             continue
         med50 = max(float(np.median([o.p50_ms for o in timed])), FLOOR_MS)
         med99 = max(float(np.median([o.p99_ms for o in timed])), FLOOR_MS)
-        ratio = max(w.p50_ms / med50, w.p99_ms / med99)
-        detail.update(p50_ms=round(w.p50_ms, 3), p99_ms=round(w.p99_ms, 3),
-                      mean_ms=round(w.mean_ms, 3),
-                      median_p50_ms=round(med50, 3), median_p99_ms=round(med99, 3))
-        probed = [o.probe_ms for o in others if o.probe_ms > 0]
-        if w.probe_ms > 0 and probed:
-            medp = max(float(np.median(probed)), PROBE_FLOOR_MS)
-            ratio = max(ratio, w.probe_ms / medp)
-            detail.update(probe_ms=round(w.probe_ms, 3), median_probe_ms=round(medp, 3))
+        ratio = max(w.p50_ms / med50, w.p99_ms / med99, probe_ratio)
+        detail.update(median_p50_ms=round(med50, 3), median_p99_ms=round(med99, 3))
         detail.update(ratio=round(ratio, 2), cpu_saturated=saturated)
         out[ps] = (ratio > k or saturated, detail)
     return out
@@ -182,6 +192,7 @@ class StragglerPlugin(MasterPlugin):
         self.worker_marks = Hysteresis(float(self.cfg.window_seconds))
         self._details: dict[str, dict] = {}
         self._reweighted: dict[str, float] = {}   # PS -> when its share was cut
+        self._noop_at: dict[str, float] = {}      # PS -> when a re-placement moved nothing
         self._replaced: set[str] = set()
         self._hot_reported: set[int] = set()
         self._rates: dict[str, float] = {}        # worker -> records/s over the window
@@ -343,7 +354,10 @@ class StragglerPlugin(MasterPlugin):
                 "still slow a window after re-placement"
             self._replaced.add(ps)
             self._start(master, "replace", ps, dict(detail, reason=why))
-        elif first and self.cfg.reweight and ps not in self._reweighted:
+        elif (self.cfg.reweight and ps not in self._reweighted
+              and (first or now - self._noop_at.get(ps, -np.inf) >= self.cfg.window_seconds)):
+            # on detection; again a window after a re-placement that moved nothing (its
+            # service rates, read over the window, did not yet set it apart)
             self._reweighted[ps] = now
             self._start(master, "rebalance", ps, dict(detail, capacity_weights=weights),
                         weights)
@@ -359,7 +373,11 @@ class StragglerPlugin(MasterPlugin):
         try:
             if action == "rebalance":
                 event = master.straggler_rebalance(weights, {"slow": ps})
-                self._reweighted[ps] = time.monotonic()  # the next window starts now
+                if event.get("moved_slots", 0):
+                    self._reweighted[ps] = time.monotonic()  # the next window starts now
+                else:  # nothing moved: its share was not cut, try again a window later
+                    self._reweighted.pop(ps, None)
+                    self._noop_at[ps] = time.monotonic()
             elif action == "replace_worker":
                 event = master.replace_worker(ps, dict(detail))
                 # nor is its replacement replaced in turn: slow too, it points at the host

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import pathlib
 import time
 import subprocess
@@ -31,6 +32,20 @@ def scale(job, *args, expect_ok=True):
 def pids(job, role):
     return {m["id"]: m["pid"] for m in job.status()["members"]
             if m["role"] == role and m["state"] == "running"}
+
+
+def kill9_ps_until_replaced(job, ps_id: str, scale_events: int) -> dict:
+    """kill -9 ``ps_id``; returns the recovery event once the replacement PS has joined
+    (the job's ``scale_events``-th scale event). Counts are exact only from then on: from
+    the replacement's hand-over to the end of its clean-up, the source still holds the
+    moved rows and counts them too."""
+    os.kill(pids(job, "ps")[ps_id], signal.SIGKILL)
+    rec = wait_for(lambda: [e for e in job.status()["events"] if e["kind"] == "recovery"],
+                   60, "recovery")[0]
+    assert rec["promoted_rows"] > 0, rec
+    wait_for(lambda: sum(e["kind"] == "scale" for e in job.status()["events"]) == scale_events,
+             60, "the replacement PS to join")
+    return rec
 
 
 def test_ps_scale_under_pushes_counts_exact(start_job):

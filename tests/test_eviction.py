@@ -4,8 +4,6 @@ and their memory is reused."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import threading
 import time
 
@@ -127,7 +125,7 @@ def test_eviction_through_scale_out_and_kill9(start_job, tmp_path):
     PS scale-out and across a kill -9 of a PS (sync replication): the final table equals
     the one a run without either would hold -- the counted rows exactly, no evicted row
     anywhere -- and an incremental checkpoint of it restores no evicted row."""
-    from tests.test_elasticity import pids, scale
+    from tests.test_elasticity import kill9_ps_until_replaced, scale
     ck = tmp_path / "ckpt"
     job = start_job({"name": "evict", "ps": {"replicas": 2, "max_replicas": 3},
                      "replication": {"mode": "sync"}, "checkpoint": {"dir": str(ck)}},
@@ -192,17 +190,9 @@ def test_eviction_through_scale_out_and_kill9(start_job, tmp_path):
                              .replication.behind_sequence == 0 for s in client.ps_stats()),
                  60, "every replica to catch up")
         paused.clear()
-        before = pids(job, "ps")
-        os.kill(before["ps-1"], signal.SIGKILL)
-        rec = wait_for(lambda: [e for e in job.status()["events"] if e["kind"] == "recovery"],
-                       60, "recovery")[0]
-        assert rec["promoted_rows"] > 0
-        # the promoted replica holds no evicted row. The count is read once the replacement
-        # PS has joined (its scale-out ends with the clean-up): from its hand-over to the
-        # end of that clean-up the source still holds the moved rows and counts them too
-        # (that window, not the promotion, made a read here show 1046 or 1418 rows)
-        wait_for(lambda: sum(e["kind"] == "scale" for e in job.status()["events"]) == 2, 60,
-                 "the replacement PS to join")
+        # the promoted replica holds no evicted row (the count read once the replacement
+        # PS has joined: a read in its scale-out's window showed 1046 or 1418 rows)
+        kill9_ps_until_replaced(job, "ps-1", scale_events=2)
         assert rows("d") == 1000
         at = pushes[0]
         wait_for(lambda: pushes[0] > at + 20, 60, "pushes after the recovery")

@@ -4,8 +4,6 @@ promotion."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 
 import grpc
 import numpy as np
@@ -15,7 +13,6 @@ from checkpoint import CheckpointWriter, restore
 from checkpoint.reader import load_manifest
 from deeprec_ext import InvalidRequestError, PSClient
 from deeprec_ext.store import EmbeddingStore, EmbeddingTable
-from tests.conftest import wait_for
 
 INIT = {"name": "random_normal", "stddev": 0.3, "seed": 7}
 OPTS = [{"name": "sgd", "learning_rate": 0.1}, {"name": "adagrad", "learning_rate": 0.1},
@@ -176,7 +173,7 @@ def test_float16_table_through_scale_out_kill9_and_checkpoint(start_job, tmp_pat
     nothing lost -- and the restored table is float16. Bad dtypes are refused by the PS
     with INVALID_ARGUMENT naming the table, and it keeps serving."""
     from deeprec_ext.proto import ps_pb2, ps_pb2_grpc
-    from tests.test_elasticity import pids, scale
+    from tests.test_elasticity import kill9_ps_until_replaced, scale
     ck = tmp_path / "ckpt"
     job = start_job({"name": "fp16", "ps": {"replicas": 2, "max_replicas": 3},
                      "replication": {"mode": "sync"}, "checkpoint": {"dir": str(ck)}},
@@ -208,13 +205,7 @@ def test_float16_table_through_scale_out_kill9_and_checkpoint(start_job, tmp_pat
     assert scale(job, "--ps", "3")["ps"] == [2, 3]
     push_rounds(5)
     check()
-    before = pids(job, "ps")
-    os.kill(before["ps-1"], signal.SIGKILL)
-    rec = wait_for(lambda: [e for e in job.status()["events"] if e["kind"] == "recovery"],
-                   60, "recovery")[0]
-    assert rec["promoted_rows"] > 0
-    wait_for(lambda: sum(e["kind"] == "scale" for e in job.status()["events"]) == 2, 60,
-             "the replacement PS to join")
+    kill9_ps_until_replaced(job, "ps-1", scale_events=2)
     check()
     push_rounds(3)
     check()

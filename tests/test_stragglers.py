@@ -63,7 +63,27 @@ def test_ps_verdicts_compare_each_ps_with_the_median_of_the_others():
     assert ps_verdicts(w, 3, 20, 0.9)["ps-2"][0] is None
     w["ps-2"] = PsWindow(5, 30.0, 90.0, 0.97)
     assert ps_verdicts(w, 3, 20, 0.9)["ps-2"][0] is True
+    # too few requests, but the AIMaster's probes were answered: they decide (a PS slow
+    # enough serves few requests, its clients waiting on it, and must not escape)
+    probed = {p: PsWindow(x.requests, x.p50_ms, x.p99_ms, 0.2, probe_ms=1.0)
+              for p, x in w.items()}
+    probed["ps-2"] = PsWindow(5, 30.0, 90.0, 0.2, probe_ms=40.0)
+    v = ps_verdicts(probed, 3, 20, 0.9)["ps-2"]
+    assert v[0] is True and v[1]["ratio"] >= 20  # against the probe floor
+    probed["ps-2"] = PsWindow(5, 30.0, 90.0, 0.2, probe_ms=1.5)
+    assert ps_verdicts(probed, 3, 20, 0.9)["ps-2"][0] is False
     assert ps_verdicts({"ps-0": w["ps-0"]}, 3, 20, 0.9)["ps-0"][0] is None  # alone
+    # two PS, one throttled so hard it served too few requests to time: the healthy one
+    # has no verdict but still its own service time, which the capacity weights need
+    # (without it the slow PS was weighed against itself alone and nothing moved)
+    two = {"ps-0": PsWindow(500, 0.3, 2.0, 0.4, mean_ms=0.5),
+           "ps-1": PsWindow(8, 40.0, 95.0, 0.3, mean_ms=45.0)}
+    v = ps_verdicts(two, 3, 20, 0.9)
+    assert v["ps-0"][0] is None and v["ps-0"][1]["mean_ms"] > 0
+    from aimaster.placement import capacity_weights
+    service = {p: d.get("mean_ms", 0.0) for p, (_, d) in v.items()}
+    service["ps-1"] = 40.0  # measured in an earlier window of the same hysteresis
+    assert capacity_weights(service, ["ps-0", "ps-1"])[1] < 0.6
 
 
 def test_worker_verdicts_use_the_median_of_the_others():
@@ -277,22 +297,26 @@ def test_throttled_ps_is_detected_and_its_load_moved_with_exact_counts(start_job
         wait_for(lambda: sum(len(p.acked) for p in pushers) > 100, 60, "pushes")
         ps1 = next(m["pid"] for m in job.state()["members"] if m["id"] == "ps-1")
         slots_before = job.status()["placement"]["ps"]["ps-1"]["slots"]
-        with Throttle(ps1, share=0.3, period=0.1).start() as _:
-            moved = wait_for(lambda: _kinds(job, "straggler_rebalance"), 60, "re-placement")
+        # 20% of a core: at 30% a run now and then stayed under k 5 for a whole minute
+        with Throttle(ps1, share=0.2, period=0.1).start() as _:
+            # a re-placement that moved nothing (its rates not yet apart) is retried
+            moved = wait_for(lambda: [e for e in _kinds(job, "straggler_rebalance")
+                                      if e["moved_slots"]], 90, "re-placement")
             snap = _snapshot(job.address)  # Gazer marks it while it is slow
         detected = _kinds(job, "straggler_detected")
     finally:
         total = _exact(client, pushers, n)
         other.close()
-    assert [(e["role"], e["id"]) for e in detected] == [("ps", "ps-1")]
+    # only ps-1 (its mark may clear and come back while the duty cycle runs)
+    assert {(e["role"], e["id"]) for e in detected} == {("ps", "ps-1")}
     assert detected[0]["ratio"] > 5
     ev = moved[0]
     assert ev["slow"] == "ps-1" and ev["moved_slots"] > 0 and ev["capacity"]["ps-1"] < 1
     assert job.status()["placement"]["ps"]["ps-1"]["slots"] < slots_before
     marked = {m.id: m.straggler_why for m in snap.members if m.straggler}
     assert list(marked) == ["ps-1"] and "median" in marked["ps-1"], marked
-    assert snap.straggler_events["straggler_detected"] == 1
-    assert snap.straggler_events["straggler_rebalance"] == 1
+    assert snap.straggler_events["straggler_detected"] >= 1
+    assert snap.straggler_events["straggler_rebalance"] >= 1
     assert total > 0
     client.close()
 
