@@ -135,6 +135,18 @@ def _push(ps: Ps, table: str, keys: np.ndarray, grad: float, rid: str = "") -> N
 
 
 # ------------------------------------------------------------ 1. promote during a full resync
+
+def _move_slots(a, n, b, moving, slow: float) -> dict:
+    """A migration's data steps from A to N: snapshot, fence (A keeps ~moving, replicating
+    to B), last delta. Returns the slot request, for the clean-up's DropSlots."""
+    req = dict(slots=moving.astype(np.uint8).tobytes(), num_slots=NUM_SLOTS,
+               dst_address=n.address)
+    w = a.stub.MigrateSlots(ps_pb2.MigrateSlotsRequest(since_seq=-1, **req), timeout=120).watermark
+    a.route(~moving, b, interval_ms=slow)  # fence
+    a.stub.MigrateSlots(ps_pb2.MigrateSlotsRequest(since_seq=w, send_request_ids=True, **req),
+                        timeout=120)
+    return req
+
 def test_promote_during_full_resync_waits_for_it_and_loses_nothing(cluster):
     """The ring re-forms: A's new peer B starts a full copy of A's rows. A Promote of A on
     B arriving meanwhile waits for that copy and promotes every row (it used to fail at
@@ -224,12 +236,7 @@ def test_slots_migrated_away_do_not_come_back_from_the_replica(cluster):
     in_s = moving[slot_of(keys, NUM_SLOTS)]
 
     # scale event: S moves A -> N (snapshot, fence, last delta, hand-over, clean-up)
-    req = dict(slots=moving.astype(np.uint8).tobytes(), num_slots=NUM_SLOTS,
-               dst_address=n.address)
-    w = a.stub.MigrateSlots(ps_pb2.MigrateSlotsRequest(since_seq=-1, **req), timeout=120).watermark
-    a.route(~moving, b, interval_ms=slow)  # fence
-    a.stub.MigrateSlots(ps_pb2.MigrateSlotsRequest(since_seq=w, send_request_ids=True, **req),
-                        timeout=120)
+    req = _move_slots(a, n, b, moving, slow)
     n.route(moving, a)  # N replicates to A (ring a -> b, n -> a)
     a.stub.DropSlots(ps_pb2.DropSlotsRequest(slots=req["slots"], num_slots=NUM_SLOTS), timeout=60)
     assert a.rows("c") == int((~in_s).sum())
@@ -274,12 +281,7 @@ def test_promoted_replica_counts_and_ships_only_the_dead_ps_slots(cluster):
     in_s = moving[slot_of(keys, NUM_SLOTS)]
 
     # scale-out: S moves A -> N; the ring becomes a -> n -> b -> a
-    req = dict(slots=moving.astype(np.uint8).tobytes(), num_slots=NUM_SLOTS,
-               dst_address=n.address)
-    w = a.stub.MigrateSlots(ps_pb2.MigrateSlotsRequest(since_seq=-1, **req), timeout=120).watermark
-    a.route(~moving, b, interval_ms=slow)  # fence
-    a.stub.MigrateSlots(ps_pb2.MigrateSlotsRequest(since_seq=w, send_request_ids=True, **req),
-                        timeout=120)
+    req = _move_slots(a, n, b, moving, slow)
     n.route(moving, b)
     b.route(NONE, a)
     a.route(~moving, n, interval_ms=slow)  # hand-over: A's full copy to N, S's rows in it
