@@ -3,14 +3,18 @@
     python bench/bench_input.py [--quick] [--mb 32] [--big-mb 2048] [--no-s3]
                                 [--rates-only] [--formats tfrecord,parquet]
 
-1. Records/s of ``deeprec_ext.data.tf_dataset.record_dataset`` over byte/row-range shards
+1. Records/s and CPU time per record of the input pipeline over byte/row-range shards
    (``aimaster.shards.make_shards``) for text, gzip text, TFRecord and Parquet, from local
-   disk and from a local S3 server (moto's server mode on a free 127.0.0.1 port), against a
-   plain ``tf.data.TextLineDataset`` over the same records as local text files (the
-   target's reference; its runs alternate with ours, so both see the same load), plus the
-   format's own tf.data reader where TensorFlow has one.
-   The same parse runs on every pipeline: batches of 4096 records,
-   ``tf.strings.split(batch, "\\t")``, counted with ``reduce``.
+   disk and from a local S3 server (moto's server mode on a free 127.0.0.1 port). Text,
+   gzip and TFRecord: ``record_dataset`` and the line parse (batches of 4096 records,
+   ``tf.strings.split(batch, "\\t")``, counted with ``reduce``); Parquet: typed columns
+   (``parquet_dataset``, batches of 4096: decoding is the parse). The target's reference
+   is TensorFlow's own reader over the same files where it has one (``TextLineDataset``,
+   with ``"GZIP"`` for gzip, ``TFRecordDataset``) and a plain ``TextLineDataset`` over the
+   text files of the same records where it has none (Parquet; S3, as this TensorFlow has
+   no s3:// file system), with the line parse; the plain text reader is also given for
+   every row, and for S3 gzip and TFRecord TensorFlow's reader over the local copies, as
+   information. Reference runs alternate with ours, so all see the same load.
 2. Read amplification (bytes read by all workers / bytes of the files) with 1, 2 and 4
    workers: shards dealt round-robin, every worker a fresh subprocess reading its shards
    with ``read_shard`` (the worker's path). Local files: ``/proc/self/io`` ``rchar``
@@ -181,7 +185,7 @@ def timed(fn) -> tuple[float, float, object]:
 
 
 def parse_count(ds):
-    """The same parse on every pipeline: batches split into fields, rows counted."""
+    """The same parse on every line pipeline: batches split into fields, rows counted."""
     import numpy as np
     import tensorflow as tf
     ds = ds.batch(4096).map(lambda x: tf.strings.split(x, "\t"),
@@ -189,7 +193,16 @@ def parse_count(ds):
     return int(ds.reduce(np.int64(0), lambda c, r: c + r.nrows(out_type=tf.int64)).numpy())
 
 
+def column_count(ds):
+    """Rows of a columnar pipeline (batches of typed columns: decoding is its parse)."""
+    import numpy as np
+    import tensorflow as tf
+    return int(ds.reduce(np.int64(0),
+                         lambda c, b: c + tf.shape(b["label"], out_type=tf.int64)[0]).numpy())
+
+
 def native_dataset(fmt: str, paths: list[str]):
+    """TensorFlow's own reader of ``fmt`` (None: it has none)."""
     import tensorflow as tf
     if fmt == "text":
         return tf.data.TextLineDataset(paths)
@@ -200,53 +213,86 @@ def native_dataset(fmt: str, paths: list[str]):
     return None  # no Parquet reader in TensorFlow
 
 
-def rates(data, where: str, shard_bytes: int, repeat: int, records: int, ref_paths,
-          formats=FORMATS) -> list[dict]:
-    """Per format: ``record_dataset`` runs alternate with the reference (TextLineDataset
-    over the local text files), so both see the same load; medians of ``repeat`` each, of
-    the wall time and of this process's CPU time (less sensitive to other jobs on the
-    machine than the wall time)."""
-    import tensorflow as tf
+REF_NAMES = {"text": "TextLineDataset", "text.gz": 'TextLineDataset("GZIP")',
+             "tfrecord": "TFRecordDataset"}
 
+
+def references(fmt: str, where: str, local) -> list[tuple[str, str, object]]:
+    """``(role, name, fn)`` of the pipelines ``fmt`` is compared with, over the local files
+    (same records; TensorFlow here has no s3:// file system). ``target``: TensorFlow's own
+    reader over the same files where it has one (local text, gzip, TFRecord), else the plain
+    ``TextLineDataset`` over the text files of the same records (Parquet, every S3 row).
+    ``plain``: that plain text reader, as information. ``native``: for S3 rows, TensorFlow's
+    reader of the format over the local copies of the objects, as information."""
+    import tensorflow as tf
+    plain = ("plain", "TextLineDataset", lambda: parse_count(tf.data.TextLineDataset(local["text"])))
+    if where == "local" and fmt in REF_NAMES:
+        if fmt == "text":
+            return [("target", "TextLineDataset", plain[2])]
+        return [("target", REF_NAMES[fmt] + " same files",
+                 lambda: parse_count(native_dataset(fmt, local[fmt]))), plain]
+    out = [("target", "TextLineDataset of the text files", plain[2])]
+    if fmt in REF_NAMES and fmt != "text":
+        out.append(("native", REF_NAMES[fmt] + " local copies",
+                    lambda: parse_count(native_dataset(fmt, local[fmt]))))
+    return out
+
+
+def ours(fmt: str, ranges):
+    """Our pipeline: Parquet as typed columns (``parquet_dataset``), the rest as lines
+    (``record_dataset``) with the line parse."""
+    from deeprec_ext.data.tf_dataset import parquet_dataset, record_dataset
+    if fmt == "parquet":
+        return lambda: column_count(parquet_dataset(ranges, 4096))
+    return lambda: parse_count(record_dataset(ranges, fmt))
+
+
+def rates(data, where: str, shard_bytes: int, repeat: int, records: int, local,
+          formats=FORMATS) -> list[dict]:
+    """Per format: our runs alternate with the reference pipelines (``references``), so all
+    see the same load; medians of ``repeat`` each, of the wall time and of this process's
+    CPU time (less sensitive to other jobs on the machine than the wall time)."""
     from aimaster.shards import make_shards
-    from deeprec_ext.data.tf_dataset import record_dataset
     rows = []
     for fmt in formats:
         shards = make_shards(data[fmt], shard_bytes, fmt=fmt)
         ranges = [(s.path, s.start, s.end) for s in shards]
-        ours, ref, ours_cpu, ref_cpu = [], [], [], []
-        parse_count(record_dataset(ranges, fmt))  # warm: graph tracing, imports, page cache
+        run = ours(fmt, ranges)
+        refs = references(fmt, where, local)
+        run()  # warm: graph tracing, imports, page cache
+        wall, cpu = {"ours": []}, {"ours": []}
         for _ in range(repeat):
-            t, c, n = timed(lambda: parse_count(tf.data.TextLineDataset(ref_paths)))
-            assert n == records, ("reference", n, records)
-            ref.append(t)
-            ref_cpu.append(c)
-            t, c, n = timed(lambda: parse_count(record_dataset(ranges, fmt)))
+            for role, _, fn in refs:
+                t, c, n = timed(fn)
+                assert n == records, (role, n, records)
+                wall.setdefault(role, []).append(t)
+                cpu.setdefault(role, []).append(c)
+            t, c, n = timed(run)
             assert n == records, (fmt, where, n, records)
-            ours.append(t)
-            ours_cpu.append(c)
-        dt, rdt = statistics.median(ours), statistics.median(ref)
-        ct, rct = statistics.median(ours_cpu), statistics.median(ref_cpu)
+            wall["ours"].append(t)
+            cpu["ours"].append(c)
+        med = {k: statistics.median(v) for k, v in cpu.items()}
+        medw = {k: statistics.median(v) for k, v in wall.items()}
         row = {"format": fmt, "where": where, "shards": len(shards), "records": records,
-               "seconds": dt, "records_per_s": records / dt, "seconds_all": ours,
-               "reference_records_per_s": records / rdt, "reference_seconds_all": ref,
-               "cpu_us_per_record": ct / records * 1e6, "cpu_seconds_all": ours_cpu,
-               "reference_cpu_us_per_record": rct / records * 1e6,
-               "reference_cpu_seconds_all": ref_cpu,
-               "cpu_ratio_pairs": [r / o for r, o in zip(ref_cpu, ours_cpu)],
-               "native_records_per_s": None}
-        if native_dataset(fmt, data[fmt]) is not None:
-            try:
-                ndt, nn = median_time(lambda: parse_count(native_dataset(fmt, data[fmt])), repeat)
-                assert nn == records, (fmt, where, "native", nn)
-                row["native_records_per_s"] = nn / ndt
-            except Exception as exc:  # noqa: BLE001 e.g. no s3:// file system in this TF
-                row["native_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+               "pipeline": "parquet_dataset (typed columns)" if fmt == "parquet"
+               else "record_dataset + line parse",
+               "references": {role: name for role, name, _ in refs},
+               "seconds": medw["ours"], "records_per_s": records / medw["ours"],
+               "cpu_us_per_record": med["ours"] / records * 1e6,
+               "wall_seconds_all": wall, "cpu_seconds_all": cpu}
+        for role, _, _ in refs:
+            row[f"{role}_cpu_us_per_record"] = med[role] / records * 1e6
+            row[f"{role}_records_per_s"] = records / medw[role]
+            row[f"x_{role}_cpu"] = med[role] / med["ours"]
+            row[f"x_{role}_cpu_pairs"] = [r / o for r, o in zip(cpu[role], cpu["ours"])]
+            row[f"x_{role}_wall"] = medw[role] / medw["ours"]
+        if "plain" not in row["references"]:  # the target is the plain text reader
+            row["x_plain_cpu"] = row["x_target_cpu"]
         rows.append(row)
-        print(f"  {where:5s} {fmt:8s} {records / dt / 1e6:6.3f} M records/s ({dt:.2f} s, "
-              f"{len(shards)} shards), {ct / records * 1e6:5.2f} us CPU/record; reference "
-              f"{records / rdt / 1e6:6.3f} M records/s, {rct / records * 1e6:5.2f} us CPU/record",
-              flush=True)
+        print(f"  {where:5s} {fmt:8s} {records / medw['ours'] / 1e6:6.3f} M records/s, "
+              f"{row['cpu_us_per_record']:5.2f} us CPU/record; " + "; ".join(
+                  f"{role} {name}: {row[role + '_cpu_us_per_record']:5.2f} us CPU/record, "
+                  f"x {row['x_' + role + '_cpu']:.2f}" for role, name, _ in refs), flush=True)
     return rows
 
 
@@ -356,22 +402,24 @@ def loadavg() -> float:
 
 
 def table(res: dict) -> str:
-    lines = ["x ref: ours / a plain tf.data.TextLineDataset over the local text files (same "
-             "records, same parse), run alternately with ours", "",
-             "x ref CPU: the reference's CPU time per record / ours (this process, all threads)", "",
-             f"{'input rate':28s} {'ours M/s':>9s} {'native M/s':>10s} {'x nat':>6s} {'x ref':>6s} "
-             f"{'us CPU/rec':>10s} {'ref':>5s} {'x ref CPU':>9s}  target >= {RATE_TARGET}"]
+    lines = ["x target: the target reference's CPU time per record / ours (this process, all "
+             "threads), alternated runs, medians; reference: TensorFlow's own reader over the "
+             "same files (local text, gzip, TFRecord), else TextLineDataset over the text "
+             "files of the same records (Parquet, S3)",
+             "x plain: against TextLineDataset over the local text files (information); "
+             "x native: S3 rows against TensorFlow's reader of the format over the local "
+             "copies (information)", "",
+             f"{'input rate':22s} {'M rec/s':>8s} {'us CPU/rec':>10s} {'target ref':>34s} "
+             f"{'ref us':>6s} {'x target':>8s} {'x plain':>7s} {'x native':>8s} {'x wall':>6s}"
+             f"  target >= {RATE_TARGET} (CPU)"]
     for r in res["rates"]:
-        nat = f"{r['native_records_per_s'] / 1e6:10.3f}" if r["native_records_per_s"] else f"{'n/a':>10s}"
-        x = r["records_per_s"] / r["reference_records_per_s"]
-        xc = r["reference_cpu_us_per_record"] / r["cpu_us_per_record"]
-        xn = (f"{r['records_per_s'] / r['native_records_per_s']:6.2f}"
-              if r["native_records_per_s"] else f"{'n/a':>6s}")
-        lines.append(f"  {r['where'] + ' ' + r['format']:26s} {r['records_per_s'] / 1e6:9.3f} {nat} "
-                     f"{xn} {x:6.2f} {r['cpu_us_per_record']:10.2f} "
-                     f"{r['reference_cpu_us_per_record']:5.2f} {xc:9.2f}  "
-                     f"wall {'PASS' if x >= RATE_TARGET else 'MISS'}, "
-                     f"CPU {'PASS' if xc >= RATE_TARGET else 'MISS'}")
+        opt = lambda k: f"{r[k]:.2f}" if k in r else "n/a"  # noqa: E731
+        x = r["x_target_cpu"]
+        lines.append(f"  {r['where'] + ' ' + r['format']:20s} {r['records_per_s'] / 1e6:8.3f} "
+                     f"{r['cpu_us_per_record']:10.2f} {r['references']['target']:>34s} "
+                     f"{r['target_cpu_us_per_record']:6.2f} {x:8.2f} {opt('x_plain_cpu'):>7s} "
+                     f"{opt('x_native_cpu'):>8s} {r['x_target_wall']:6.2f}  "
+                     f"{'PASS' if x >= RATE_TARGET else 'MISS'}")
     lines += ["", f"{'read amplification':28s} {'W=1':>7s} {'W=2':>7s} {'W=4':>7s}  target <= {AMP_TARGET}"]
     by = {}
     for r in res["amplification"]:
@@ -430,7 +478,7 @@ def main() -> int:
     assert set(formats) <= set(FORMATS), formats
 
     print("records/s (read + parse), median of %d:" % a.repeat, flush=True)
-    res["rates"] = rates(data, "local", a.shard_bytes, a.repeat, records, data["text"], formats)
+    res["rates"] = rates(data, "local", a.shard_bytes, a.repeat, records, data, formats)
     res["amplification"], res["first_record"] = [], []
     if not a.rates_only:
         print("read amplification:", flush=True)
@@ -440,8 +488,7 @@ def main() -> int:
             t = time.perf_counter()
             remote = upload(data)
             print(f"uploaded to the local S3 server in {time.perf_counter() - t:.1f} s", flush=True)
-            res["rates"] += rates(remote, "s3", a.shard_bytes, a.repeat, records, data["text"],
-                                  formats)
+            res["rates"] += rates(remote, "s3", a.shard_bytes, a.repeat, records, data, formats)
             if not a.rates_only:
                 res["amplification"] += amplification(remote, "s3", a.shard_bytes)
     if not a.rates_only:

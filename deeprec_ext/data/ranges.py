@@ -14,7 +14,8 @@ file), rows for Parquet. The shard owns the records that *begin* at a position i
   last line without a newline is a record.
 * TFRecord: shards start and end at record boundaries (the AIMaster found them).
 * Parquet: rows ``[start, end)``; each row becomes one tab-separated text record, so a
-  parser written for TSV lines reads it unchanged.
+  parser written for TSV lines reads it unchanged. ``parquet_columns`` reads the same
+  rows as typed columns instead (no text formatting; ``tf_dataset.parquet_dataset``).
 
 Every reader returns ``(records, next_pos)``: the records (bytes) and, per record, the
 position where the record after it begins. A worker that leaves after training records
@@ -428,11 +429,30 @@ def _parquet_joined(path: str, start: int, end: int):
     fields) into one ``large_binary`` array, or None when no row group holds them."""
     import pyarrow as pa
     import pyarrow.compute as pc
+
+    table = parquet_table(path, start, end)
+    if table is None:
+        return None
+    cols = [pc.fill_null(pc.cast(c, pa.string()), "") for c in table.columns]
+    joined = cols[0] if len(cols) == 1 else pc.binary_join_element_wise(*cols, "\t")
+    # large_binary: 64-bit offsets, so a shard over 2 GiB of text still makes one array
+    return pc.cast(joined, pa.large_binary()).combine_chunks()
+
+
+def parquet_table(path: str, start: int, end: int, columns: list[str] | None = None):
+    """Rows ``[start, end)`` of a Parquet file as a pyarrow ``Table`` (only ``columns``,
+    all by default), or None when no row group holds them. Only the row groups holding
+    the rows are read (remote files: without read-ahead, see ``fs.open_binary``)."""
     import pyarrow.parquet as pq
 
     with fs.open_binary(path, sequential=False) as f:
         pf = pq.ParquetFile(f)
         md = pf.metadata
+        if columns is not None:
+            missing = [c for c in columns if c not in md.schema.names]
+            if missing:
+                raise BadInput(path, start, f"no column {', '.join(map(repr, missing))} "
+                               f"(the file has {', '.join(md.schema.names)})")
         groups, first_row, row = [], None, 0
         for g in range(md.num_row_groups):
             n = md.row_group(g).num_rows
@@ -442,12 +462,111 @@ def _parquet_joined(path: str, start: int, end: int):
             row += n
         if not groups or start >= end:
             return None
-        table = pf.read_row_groups(groups)
-    table = table.slice(start - first_row, min(end, row) - start)
-    cols = [pc.fill_null(pc.cast(c, pa.string()), "") for c in table.columns]
-    joined = cols[0] if len(cols) == 1 else pc.binary_join_element_wise(*cols, "\t")
-    # large_binary: 64-bit offsets, so a shard over 2 GiB of text still makes one array
-    return pc.cast(joined, pa.large_binary()).combine_chunks()
+        table = pf.read_row_groups(groups, columns=columns)
+    return table.slice(start - first_row, min(end, row) - start)
+
+
+# typed columns: how each Arrow type reaches tf.data (``parquet_kinds``)
+NUMBER_KINDS = {"int64": np.int64, "uint64": np.uint64, "float32": np.float32,
+                "float64": np.float64, "bool": np.bool_}
+
+
+def column_kind(arrow_type) -> str | None:
+    """``int64``, ``uint64``, ``float32``, ``float64``, ``bool`` or ``string`` for an Arrow
+    type a column can be read as (every integer up to 64 bits signed as int64, uint64 as
+    uint64, float16/32 as float32; string, binary and their dictionary encodings as
+    string); None for the others (nested, timestamps, decimals, ...)."""
+    import pyarrow as pa
+    t = arrow_type
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    if pa.types.is_integer(t):
+        return "uint64" if t == pa.uint64() else "int64"
+    if pa.types.is_floating(t):
+        return "float64" if t == pa.float64() else "float32"
+    if pa.types.is_boolean(t):
+        return "bool"
+    if (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
+            or pa.types.is_large_binary(t)):
+        return "string"
+    return None
+
+
+def parquet_kinds(path: str, columns: list[str] | None = None) -> dict[str, str]:
+    """``{column: kind}`` (``column_kind``) of a Parquet file's schema, read from its
+    footer, in file order (or in the order of ``columns``); a column of another type
+    is an error naming it."""
+    import pyarrow.parquet as pq
+    with fs.open_binary(path, sequential=False) as f:
+        schema = pq.ParquetFile(f).schema_arrow
+    names = list(schema.names) if columns is None else list(columns)
+    out = {}
+    for name in names:
+        if name not in schema.names:
+            raise ValueError(f"{path}: no column {name!r} (the file has "
+                             f"{', '.join(schema.names)})")
+        kind = column_kind(schema.field(name).type)
+        if kind is None:
+            raise ValueError(f"{path}: column {name!r} has type {schema.field(name).type}, "
+                             "which cannot be read as a tensor column (numbers, bool, "
+                             "string); leave it out with columns=[...] or cast it when "
+                             "writing the file")
+        out[name] = kind
+    return out
+
+
+def _string_buffer(arr) -> tuple[bytes, np.ndarray, np.ndarray]:
+    """A string/binary Arrow array (nulls already filled) as one byte string plus per
+    value its offset and length in it: no Python object per value."""
+    import pyarrow as pa
+    large = pa.types.is_large_string(arr.type) or pa.types.is_large_binary(arr.type)
+    _, offsets_buf, data_buf = arr.buffers()[:3]
+    width = 8 if large else 4
+    offsets = np.frombuffer(offsets_buf, np.int64 if large else np.int32, len(arr) + 1,
+                            arr.offset * width).astype(np.int64)
+    first, last = int(offsets[0]), int(offsets[-1])
+    data = data_buf.slice(first, last - first).to_pybytes() if data_buf is not None and \
+        last > first else b""
+    return data, offsets[:-1] - first, np.diff(offsets)
+
+
+def parquet_columns(path: str, start: int, end: int, kinds: dict[str, str],
+                    null_values: dict | None = None) -> list:
+    """Rows ``[start, end)`` as typed columns, flat, in the order of ``kinds``
+    (``parquet_kinds``): a numpy array per number column (a null becomes
+    ``null_values.get(name, 0)``, false for bool), and per string column its values as one
+    byte string, offsets and lengths (``_string_buffer``; a null is empty). A column
+    missing or of another kind in this file is ``BadInput`` naming it."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    null_values = null_values or {}
+    table = parquet_table(path, start, end, list(kinds))
+    out: list = []
+    for name, kind in kinds.items():
+        if table is None:
+            out += [b"", np.zeros(0, np.int64), np.zeros(0, np.int64)] if kind == "string" \
+                else [np.zeros(0, NUMBER_KINDS[kind])]
+            continue
+        col = table.column(name)
+        here = column_kind(col.type)
+        if here != kind:
+            raise BadInput(path, start, f"column {name!r} has type {col.type} here, "
+                           f"read as {kind} (from the schema of the first file)")
+        arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+        if pa.types.is_dictionary(arr.type):
+            arr = arr.dictionary_decode()
+        if kind == "string":
+            if arr.null_count:
+                arr = pc.fill_null(arr, pa.scalar(b"" if pa.types.is_binary(arr.type) or
+                                                  pa.types.is_large_binary(arr.type) else "",
+                                                  arr.type))
+            out += list(_string_buffer(arr))
+            continue
+        if arr.null_count:
+            fill = null_values.get(name, False if kind == "bool" else 0)
+            arr = pc.fill_null(arr, pa.scalar(fill, arr.type))
+        out.append(arr.to_numpy(zero_copy_only=False).astype(NUMBER_KINDS[kind], copy=False))
+    return out
 
 
 def _field_separators(records: list[bytes], delimiter: bytes) -> np.ndarray:
@@ -557,5 +676,6 @@ def _guarded(read, path: str, start: int, bad: list | None):
 
 __all__ = ["read_shard", "BadInput", "masked_crc32c", "tfrecord_frame", "read_text_range", "split_text", "text_body", "read_tfrecord_range",
            "read_gzip_text", "read_gzip_tfrecord", "parquet_rows", "parquet_buffer",
-           "tfrecord_buffer", "read_buffer", "gzip_text_body",
+           "tfrecord_buffer", "read_buffer", "gzip_text_body", "parquet_table",
+           "parquet_kinds", "parquet_columns", "column_kind",
            "STREAM_END"]

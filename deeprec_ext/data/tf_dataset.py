@@ -15,6 +15,10 @@ Parquet and TFRecord shards come out of that call as one byte string plus an off
 length per record (pyarrow's joined rows; the TFRecord payloads in the bytes read,
 framing and CRCs checked there), cut into records in-graph by ``tf.strings.substr``: no
 Python object per record.
+
+Parquet can also be read as typed columns (``parquet_dataset``): a dict of tensors per
+batch, numbers as numbers and strings as ``tf.string`` cut from one buffer per column, so
+no value is formatted as text and no line needs parsing.
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from deeprec_ext.data.ranges import (_guarded, gzip_text_body, read_buffer, read_shard,
+from deeprec_ext.data.ranges import (NUMBER_KINDS, _guarded, gzip_text_body,
+                                     parquet_columns, parquet_kinds, read_buffer, read_shard,
                                      text_body)
 
 log = logging.getLogger(__name__)
@@ -162,4 +167,101 @@ def record_dataset(ranges, fmt: str = "text", num_parallel_reads=tf.data.AUTOTUN
     return ds.unbatch()
 
 
-__all__ = ["record_dataset", "ranges_dataset", "shard_records"]
+_KIND_DTYPES = {"int64": tf.int64, "uint64": tf.uint64, "float32": tf.float32,
+                "float64": tf.float64, "bool": tf.bool, "string": tf.string}
+
+
+def _read_columns(kinds: dict, null_values: dict | None, skip: bool):
+    def read(path, start, end):
+        bad = [] if skip else None
+        path = _as_str(path)
+        out = _guarded(lambda: parquet_columns(path, int(start), int(end), kinds, null_values),
+                       path, int(start), bad)
+        for b in bad or ():
+            log.warning("bad input, skipped: %s: %s at row %d", b["path"], b["reason"],
+                        b["offset"])
+        if out is None:  # skipped: the shard holds no row
+            out = []
+            for kind in kinds.values():
+                out += [b"", np.zeros(0, np.int64), np.zeros(0, np.int64)] \
+                    if kind == "string" else [np.zeros(0, NUMBER_KINDS[kind])]
+        # a scalar string leaves numpy_function as an object array
+        return [np.array(x, dtype=object) if isinstance(x, bytes) else x for x in out]
+    return read
+
+
+def shard_columns(path, start, end, kinds: dict, null_values: dict | None = None,
+                  on_bad_record: str = "fail") -> dict:
+    """The rows of one Parquet range as ``{column: 1-D tensor}`` (``kinds``: ``{column:
+    kind}`` as ``ranges.parquet_kinds`` gives). One ``numpy_function`` call per shard;
+    string columns are cut in-graph from one buffer each. Bad input as ``shard_records``
+    (an unreadable file, a column missing or of another type in this file)."""
+    if on_bad_record not in ("fail", "skip"):
+        raise ValueError(f"on_bad_record must be 'fail' or 'skip', got {on_bad_record!r}")
+    tout = []
+    for kind in kinds.values():
+        tout += [tf.string, tf.int64, tf.int64] if kind == "string" else [_KIND_DTYPES[kind]]
+    flat = tf.numpy_function(_read_columns(kinds, null_values, on_bad_record == "skip"),
+                             [path, tf.cast(start, tf.int64), tf.cast(end, tf.int64)], tout,
+                             stateful=False)
+    out, i = {}, 0
+    for name, kind in kinds.items():
+        if kind == "string":
+            data, offsets, lengths = flat[i:i + 3]
+            data.set_shape([])
+            offsets.set_shape([None])
+            lengths.set_shape([None])
+            out[name] = tf.strings.substr(data, offsets, lengths)
+            i += 3
+        else:
+            flat[i].set_shape([None])
+            out[name] = flat[i]
+            i += 1
+    return out
+
+
+def parquet_dataset(ranges, batch_size: int | None = None, columns=None, schema_from=None,
+                    null_values: dict | None = None, num_parallel_reads=tf.data.AUTOTUNE,
+                    deterministic: bool = True, on_bad_record: str = "fail",
+                    drop_remainder: bool = False) -> tf.data.Dataset:
+    """Rows of Parquet ``ranges`` (row positions, as ``record_dataset``) as typed columns:
+    ``{column: tensor}``, one row per element, or per batch of ``batch_size`` rows
+    (``[batch]`` tensors; batches run across shards). No row is formatted as text.
+
+    ``columns``: the columns to read (default: all, in file order). Their types come from
+    the footer of ``schema_from`` (a Parquet path or URL; default: the first range's file
+    when ``ranges`` is a list) or ``schema_from`` may be ``{column: kind}`` directly.
+    Integers reach the graph as int64 (uint64 as uint64), floats as float32 (float64 as
+    float64), bool as bool, strings and binaries as ``tf.string``; other types are an error
+    naming the column. A null becomes ``null_values.get(column, 0)`` (false, empty
+    string). ``on_bad_record``: as ``record_dataset``; a file where a column is missing or
+    of another type counts as bad input at the shard's start."""
+    if isinstance(schema_from, dict):
+        kinds = dict(schema_from)
+        if columns is not None:
+            kinds = {c: kinds[c] for c in columns}
+        unknown = {c: k for c, k in kinds.items() if k not in _KIND_DTYPES}
+        if unknown:
+            raise ValueError(f"parquet_dataset: unknown column kinds {unknown} (one of "
+                             f"{', '.join(_KIND_DTYPES)})")
+    else:
+        if schema_from is None:
+            if not (isinstance(ranges, collections.abc.Sequence) and ranges):
+                raise ValueError("parquet_dataset: give schema_from=<a Parquet file> (or "
+                                 "{column: kind}) when ranges is not a non-empty list: the "
+                                 "columns and their types are read from a file's footer")
+            schema_from = ranges[0][0]
+        kinds = parquet_kinds(os.fspath(schema_from), None if columns is None else list(columns))
+    if not kinds:
+        raise ValueError("parquet_dataset: no column to read")
+    ds = ranges_dataset(ranges)
+    ds = ds.map(lambda p, s, e: shard_columns(p, s, e, kinds, null_values, on_bad_record),
+                num_parallel_calls=num_parallel_reads, deterministic=deterministic)
+    if batch_size is None:
+        return ds.unbatch()
+    # rebatch: unbatch().batch() with one copy, not a dataset element per row
+    return ds.rebatch(int(batch_size), drop_remainder=drop_remainder)
+
+
+__all__ = ["record_dataset", "ranges_dataset", "shard_records", "parquet_dataset",
+           "shard_columns"]
