@@ -119,6 +119,37 @@ def test_s3_tf_data_reader(s3):
         ranges = [(s.path, s.start, s.end) for s in make_shards([path], 300)]
         assert len(ranges) >= 2
         assert list(record_dataset(ranges, fmt).as_numpy_iterator()) == expected[path], name
+    # Parquet as typed columns, from the same server
+    from deeprec_ext.data.tf_dataset import parquet_dataset
+    path = f"s3://{BUCKET}/tfdata/e.parquet"
+    ranges = [(s.path, s.start, s.end) for s in make_shards([path], 300)]
+    got = [int(i) for b in parquet_dataset(ranges, 64).as_numpy_iterator() for i in b["id"]]
+    assert [b"%d" % i for i in got] == expected[path]
+    rest = [int(i) for b in parquet_dataset([(path, 150, 200)], 64).as_numpy_iterator()
+            for i in b["id"]]
+    assert [b"%d" % i for i in rest] == expected[path][150:]
+
+
+def test_s3_ranges_without_the_size(s3):
+    """The tf.data reader does not ask a remote file's size (one ranged GET reads a shard
+    and its tail, a short read tells the end): a file ending exactly where that read ends,
+    without a newline, and a range starting at the end still read right."""
+    from deeprec_ext.data.ranges import text_body
+    from deeprec_ext.data.tf_dataset import record_dataset
+    size = 5 + fs._TAIL
+    s3.pipe(f"{BUCKET}/nosize/long.txt", b"x" * size)
+    s3.pipe(f"{BUCKET}/nosize/short.txt", b"ab\ncd\nef")
+    url = f"s3://{BUCKET}/nosize/"
+    assert text_body(url + "long.txt", 0, 5) == (b"x" * size, True)
+    assert text_body(url + "long.txt", 5, size) == (b"", False)
+    assert list(record_dataset([(url + "long.txt", 0, 5), (url + "long.txt", 5, size),
+                                (url + "short.txt", 0, 4), (url + "short.txt", 4, 8),
+                                (url + "short.txt", 8, 100)]).as_numpy_iterator()) == \
+        [b"x" * size, b"ab", b"cd", b"ef"]
+    with fs.RangeFile(url + "short.txt") as f:
+        assert f.pread(10, 6) == b"ef" and f.size == 8 and f.pread(4, 8) == b""
+    with fs.RangeFile(url + "short.txt") as f:
+        assert f.pread(4, 8) == b"" and f.size == 8
 
 
 def test_job_reads_s3_globs_every_record_once(s3, start_job, tmp_path):

@@ -105,7 +105,9 @@ def open_binary(path: str, sequential: bool = True):
 
 
 class RangeFile:
-    """``pread(n, pos)`` on a local or remote file; ``size`` known on open (or given)."""
+    """``pread(n, pos)`` on a local or remote file. A remote file's ``size`` is asked for
+    (one HEAD) only when needed: a ranged read shorter than asked ends at the end of the
+    file, so a shard read with its tail in one request needs no other request."""
 
     def __init__(self, path: str, size_hint: int | None = None):
         self.path = path
@@ -113,26 +115,56 @@ class RangeFile:
         self._block = (-1, b"")
         if self._remote:
             self._fs, _ = filesystem(path)
-            self.size = int(size_hint) if size_hint else int(self._fs.size(path))
+            self._size = int(size_hint) if size_hint else None
             self._fd = None
         else:
             self._fd = os.open(_local(path), os.O_RDONLY)
-            self.size = os.fstat(self._fd).st_size if size_hint is None else int(size_hint)
+            self._size = os.fstat(self._fd).st_size if size_hint is None else int(size_hint)
+
+    @property
+    def remote(self) -> bool:
+        return self._remote
+
+    @property
+    def size(self) -> int:
+        if self._size is None:
+            self._size = int(self._fs.size(self.path))
+        return self._size
+
+    def at_eof(self, pos: int) -> bool:
+        """Whether ``pos`` is known to be at or past the end (a remote file whose size is
+        not known yet: False)."""
+        return self._size is not None and pos >= self._size
 
     def pread(self, n: int, pos: int) -> bytes:
-        if n <= 0 or pos >= self.size:
+        """Up to ``n`` bytes at ``pos`` (fewer only at the end of the file)."""
+        if n <= 0 or (self._size is not None and pos >= self._size):
             return b""
         if not self._remote:
             return os.pread(self._fd, n, pos)
-        n = min(n, self.size - pos)
+        if self._size is not None:
+            n = min(n, self._size - pos)
         start, data = self._block
         if start <= pos and pos + n <= start + len(data):
             return data[pos - start:pos - start + n]
-        if n >= _BLOCK:
-            return self._fs.cat_file(self.path, start=pos, end=pos + n)
-        data = self._fs.cat_file(self.path, start=pos, end=min(pos + max(n, _TAIL), self.size))
-        self._block = (pos, data)
+        want = n if n >= _BLOCK else max(n, _TAIL)
+        data = self._get(pos, want)
+        if n < _BLOCK:
+            self._block = (pos, data)
         return data[:n]
+
+    def _get(self, pos: int, n: int) -> bytes:
+        end = pos + n if self._size is None else min(pos + n, self._size)
+        try:
+            data = self._fs.cat_file(self.path, start=pos, end=end)
+        except (OSError, ValueError):
+            # size unknown: a range starting at the end is refused (S3: InvalidRange)
+            if self._size is None and pos >= self.size:
+                return b""
+            raise
+        if len(data) < end - pos:  # a short ranged read stops at the end of the file
+            self._size = pos + len(data)
+        return data
 
     def close(self) -> None:
         if self._fd is not None:

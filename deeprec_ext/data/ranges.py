@@ -197,15 +197,25 @@ def _read_text(path: str, start: int, end: int, size: int | None = None):
 
 def _text_chunk(path: str, start: int, end: int, size: int | None):
     """(bytes from ``max(start - 1, 0)`` through the newline ending the record that
-    crosses ``end`` or the end of the file, their position, whether that is the end)."""
+    crosses ``end`` or the end of the file, their position, whether that is the end).
+    A remote file is read with the first ``fs._TAIL`` bytes past ``end`` in the same
+    request (each request costs about as much client CPU as 1 MB of data), and its size
+    is not asked for (a short read tells the end)."""
     base = max(start - 1, 0)
+    if start >= end:
+        return None, base, True
     with fs.RangeFile(path, size) as f:
-        size = f.size
-        if base >= size or start >= end:
+        if f.at_eof(base):
             return None, base, True
-        data = f.pread(max(min(end, size) - base, 0), base)
-        parts, pos, eof = [data], base + len(data), base + len(data) >= size
-        if data and data[-1:] != b"\n":
+        want = end - base + (fs._TAIL if f.remote else 0)
+        data = f.pread(want, base)
+        if not data:
+            return None, base, True
+        pos = base + len(data)
+        eof = len(data) < want or f.at_eof(pos)
+        parts = [data]
+        # the record crossing ``end`` ends at the first newline at or after index end-base-1
+        if data.find(b"\n", max(end - base - 1, 0)) < 0:
             while not eof:
                 more = f.pread(_EXTEND, pos)
                 if not more:
@@ -217,10 +227,10 @@ def _text_chunk(path: str, start: int, end: int, size: int | None):
                     break
                 parts.append(more)
                 pos += len(more)
-                eof = pos >= size
+                eof = len(more) < _EXTEND or f.at_eof(pos)
         if len(parts) > 1:
             data = b"".join(parts)
-    return data, base, eof or base + len(data) >= size
+    return data, base, eof
 
 
 def _crc32c_table() -> np.ndarray:
@@ -328,11 +338,13 @@ def _tfrecords(data: bytes, base: int, start: int, end: int, what: str, bad: lis
 def read_tfrecord_range(path: str, start: int, end: int, size: int | None = None,
                         bad: list | None = None):
     """Records of a TFRecord shard: ``[start, end)`` lie on record boundaries."""
+    if start >= end:
+        return [], np.zeros(0, np.int64)
     with fs.RangeFile(path, size) as f:
-        end = min(end, f.size)
-        if start >= end:
-            return [], np.zeros(0, np.int64)
-        data = f.pread(end - start, start)
+        data = f.pread(end - start, start)  # short at the end of the file: no size asked
+    end = start + len(data)
+    if start >= end:
+        return [], np.zeros(0, np.int64)
     return _tfrecords(data, start, start, end, path, bad)
 
 
@@ -346,11 +358,14 @@ def tfrecord_buffer(path: str, start: int, end: int, fmt: str = "tfrecord",
         offsets, lengths, _ = _frame_tfrecords(data, 0, start, min(end, len(data)), path, bad,
                                                why)
         return data, offsets, lengths
+    empty = np.zeros(0, np.int64)
+    if start >= end:
+        return b"", empty, empty
     with fs.RangeFile(path, size) as f:
-        end = min(end, f.size)
-        if start >= end:
-            return b"", np.zeros(0, np.int64), np.zeros(0, np.int64)
-        data = f.pread(end - start, start)
+        data = f.pread(end - start, start)  # short at the end of the file: no size asked
+    end = start + len(data)
+    if start >= end:
+        return b"", empty, empty
     offsets, lengths, _ = _frame_tfrecords(data, start, start, end, path, bad)
     return data, offsets, lengths
 
