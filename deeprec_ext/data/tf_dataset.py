@@ -29,7 +29,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from deeprec_ext.data.ranges import (NUMBER_KINDS, _guarded, gzip_text_body,
+from deeprec_ext.data.ranges import (NUMBER_KINDS, BadInput, _guarded, _report, gzip_text_body,
                                      parquet_columns, parquet_kinds, read_buffer, read_shard,
                                      text_body)
 
@@ -175,8 +175,15 @@ def _read_columns(kinds: dict, null_values: dict | None, skip: bool):
     def read(path, start, end):
         bad = [] if skip else None
         path = _as_str(path)
-        out = _guarded(lambda: parquet_columns(path, int(start), int(end), kinds, null_values),
-                       path, int(start), bad)
+
+        def columns():
+            try:
+                return parquet_columns(path, int(start), int(end), kinds, null_values)
+            except BadInput as exc:  # a column missing or of another type in this file
+                _report(bad, exc.path, exc.offset, exc.reason)
+                return None
+
+        out = _guarded(columns, path, int(start), bad)
         for b in bad or ():
             log.warning("bad input, skipped: %s: %s at row %d", b["path"], b["reason"],
                         b["offset"])

@@ -27,7 +27,7 @@ import os
 
 import tensorflow as tf
 
-from deeprec_ext.data.tf_dataset import record_dataset
+from deeprec_ext.data.tf_dataset import parquet_dataset, record_dataset
 
 NUM_DENSE = 13
 NUM_CAT = 26
@@ -119,6 +119,35 @@ def criteo_dataset_for_ranges(ranges, batch_size, vocab_size=None,
     """Parsed (features, label) batches of the lines of byte ranges."""
     return _batch_and_parse(line_dataset_for_ranges(ranges, **kwargs),
                             batch_size, vocab_size, drop_remainder)
+
+
+def parse_columns(cols, vocab_size=None):
+    """``parse_lines`` for typed columns (``parquet_dataset``): ``cols`` holds ``label``,
+    ``I1``..``I13`` (numbers) and ``C1``..``C26`` (strings) of a batch; a null is 0 or the
+    empty string there, as a missing field in a line, so both give the same features."""
+    label = tf.cast(cols["label"], tf.float32)
+    dense = tf.stack([tf.cast(cols[n], tf.float32) for n in DENSE_NAMES], axis=1)
+    dense = tf.math.log1p(tf.maximum(dense, 0.0))
+    cat_str = tf.stack([cols[n] for n in CAT_NAMES], axis=1)
+    prefixes = tf.broadcast_to(tf.constant(_CAT_PREFIXES), tf.shape(cat_str))
+    cat = tf.strings.to_hash_bucket_fast(
+        tf.strings.join([prefixes, cat_str]), HASH_BUCKETS)
+    if vocab_size is not None:
+        cat = tf.math.floormod(cat, tf.constant(int(vocab_size), tf.int64))
+    return {"dense": dense, "cat": cat}, label
+
+
+def criteo_parquet_dataset_for_ranges(ranges, batch_size, vocab_size=None,
+                                      drop_remainder=False, **kwargs):
+    """Parsed (features, label) batches of Parquet row ranges read as typed columns
+    (``label``, ``I1``..``I13``, ``C1``..``C26``): decoding the columns is the parse, no
+    row is formatted as a line. ``kwargs`` go to ``parquet_dataset`` (``schema_from``
+    when ``ranges`` is not a list, ``on_bad_record``, ...)."""
+    ds = parquet_dataset(ranges, batch_size, columns=("label",) + DENSE_NAMES + CAT_NAMES,
+                         drop_remainder=drop_remainder, **kwargs)
+    ds = ds.map(lambda cols: parse_columns(cols, vocab_size),
+                num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return ds.prefetch(tf.data.AUTOTUNE)
 
 
 def count_records(path, chunk_size=16 << 20) -> int:
