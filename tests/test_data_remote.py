@@ -219,3 +219,30 @@ def test_unlistable_url_is_a_config_error():
         cfg = parse_job({"data": {"files": [url]}})
         with pytest.raises(ConfigError, match=f"data.files: cannot list .*{why}"):
             cfg.data.resolved_files()
+
+
+def test_s3_parquet_later_shards_are_one_request(s3, monkeypatch):
+    """A remote Parquet file's footer is kept after its first shard: each later shard is
+    one ranged GET (no HEAD, no footer read), and reads the same rows."""
+    from deeprec_ext.data import ranges
+    expected = _upload(s3, "pqreq", per=1000)
+    path = f"s3://{BUCKET}/pqreq/e.parquet"
+    ranges._PQ_META.pop(path, None)
+    calls = []
+    for name in ("cat_file", "size", "info", "open"):  # the requests a reader can make
+        orig = getattr(s3, name)
+
+        def counted(*a, _orig=orig, _name=name, **k):
+            calls.append(_name)
+            return _orig(*a, **k)
+        monkeypatch.setattr(s3, name, counted)
+    shards = make_shards([path], 1)  # one row group (100 rows) a shard
+    calls.clear()
+    got = []
+    for k, s in enumerate(shards):
+        before = len(calls)
+        got += read_shard(s.path, s.start, s.end, s.format)[0]
+        if k:
+            assert calls[before:] == ["cat_file"], (k, calls)
+    assert got == expected[path]
+    assert calls[:1] == ["size"] and len(shards) == 10

@@ -16,6 +16,7 @@ Everything the shard service does to a file is here: ``glob``, ``size``, and
 """
 from __future__ import annotations
 
+import io
 import os
 import threading
 
@@ -166,6 +167,10 @@ class RangeFile:
             self._size = pos + len(data)
         return data
 
+    def reader(self) -> "RangeReader":
+        """A seekable file object over this file (for pyarrow), reading with ``pread``."""
+        return RangeReader(self)
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
@@ -178,4 +183,41 @@ class RangeFile:
         self.close()
 
 
-__all__ = ["is_remote", "absolute", "filesystem", "glob", "size", "open_binary", "RangeFile"]
+class RangeReader(io.RawIOBase):
+    """A read-only, seekable file object over a ``RangeFile``: each ``read`` is one
+    ``pread`` (a remote one: one ranged GET, or served from the last small block), with
+    none of fsspec's per-file requests (its S3 files ask the object's details before
+    their first read)."""
+
+    def __init__(self, rf: RangeFile):
+        super().__init__()
+        self._rf, self._pos = rf, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: None}[whence]
+        self._pos = (self._rf.size if base is None else base) + offset
+        return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            n = self._rf.size - self._pos
+        data = self._rf.pread(n, self._pos)
+        self._pos += len(data)
+        return data
+
+    def readinto(self, buf) -> int:
+        data = self.read(len(buf))
+        buf[:len(data)] = data
+        return len(data)
+
+
+__all__ = ["RangeReader", "is_remote", "absolute", "filesystem", "glob", "size", "open_binary", "RangeFile"]

@@ -460,9 +460,18 @@ def parquet_table(path: str, start: int, end: int, columns: list[str] | None = N
     the rows are read (remote files: without read-ahead, see ``fs.open_binary``)."""
     import pyarrow.parquet as pq
 
-    with fs.open_binary(path, sequential=False) as f:
-        pf = pq.ParquetFile(f)
+    if fs.is_remote(path):
+        # one ranged GET per read, the footer kept after the file's first shard
+        known = _remote_parquet_meta(path)
+        rf = fs.RangeFile(path, known[0] if known else None)
+        f = rf.reader()
+    else:
+        known, rf, f = None, None, fs.open_binary(path, sequential=False)
+    with f:
+        pf = pq.ParquetFile(f, metadata=known[1] if known else None, pre_buffer=True)
         md = pf.metadata
+        if rf is not None and known is None:
+            _remote_parquet_meta(path, (rf.size, md))
         if columns is not None:
             missing = [c for c in columns if c not in md.schema.names]
             if missing:
@@ -479,6 +488,24 @@ def parquet_table(path: str, start: int, end: int, columns: list[str] | None = N
             return None
         table = pf.read_row_groups(groups, columns=columns)
     return table.slice(start - first_row, min(end, row) - start)
+
+
+_PQ_META: dict = {}
+_PQ_META_MAX = 256
+
+
+def _remote_parquet_meta(path: str, value=None):
+    """The (size, footer) of a remote Parquet file, kept per process after its first
+    shard: every later shard of the file is then one ranged GET (no HEAD, no footer
+    read; each request costs the S3 client about as much CPU as 1 MB of data). Data
+    files are not rewritten in place (a changed file is not read again, see the guide's
+    ``watch``), so the footer stays valid."""
+    if value is None:
+        return _PQ_META.get(path)
+    if len(_PQ_META) >= _PQ_META_MAX:
+        _PQ_META.pop(next(iter(_PQ_META)), None)
+    _PQ_META[path] = value
+    return value
 
 
 # typed columns: how each Arrow type reaches tf.data (``parquet_kinds``)
