@@ -47,6 +47,8 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
 FORMATS = ("text", "text.gz", "tfrecord", "parquet")
+# rate rows: the formats, plus Parquet read as text lines (the form a line parse_fn takes)
+PIPELINES = FORMATS + ("parquet.lines",)
 EXT = {"text": ".txt", "text.gz": ".txt.gz", "tfrecord": ".tfrecord", "parquet": ".parquet"}
 BUCKET = "bench-input"
 AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
@@ -244,6 +246,8 @@ def ours(fmt: str, ranges):
     from deeprec_ext.data.tf_dataset import parquet_dataset, record_dataset
     if fmt == "parquet":
         return lambda: column_count(parquet_dataset(ranges, 4096))
+    if fmt == "parquet.lines":
+        return lambda: parse_count(record_dataset(ranges, "parquet"))
     return lambda: parse_count(record_dataset(ranges, fmt))
 
 
@@ -255,7 +259,8 @@ def rates(data, where: str, shard_bytes: int, repeat: int, records: int, local,
     from aimaster.shards import make_shards
     rows = []
     for fmt in formats:
-        shards = make_shards(data[fmt], shard_bytes, fmt=fmt)
+        base = fmt.split(".lines")[0]
+        shards = make_shards(data[base], shard_bytes, fmt=base)
         ranges = [(s.path, s.start, s.end) for s in shards]
         run = ours(fmt, ranges)
         refs = references(fmt, where, local)
@@ -275,7 +280,7 @@ def rates(data, where: str, shard_bytes: int, repeat: int, records: int, local,
         medw = {k: statistics.median(v) for k, v in wall.items()}
         row = {"format": fmt, "where": where, "shards": len(shards), "records": records,
                "pipeline": "parquet_dataset (typed columns)" if fmt == "parquet"
-               else "record_dataset + line parse",
+               else "record_dataset + line parse",  # parquet.lines too
                "references": {role: name for role, name, _ in refs},
                "seconds": medw["ours"], "records_per_s": records / medw["ours"],
                "cpu_us_per_record": med["ours"] / records * 1e6,
@@ -451,7 +456,8 @@ def main() -> int:
     ap.add_argument("--no-s3", action="store_true")
     ap.add_argument("--rates-only", action="store_true",
                     help="input rates only (no read amplification, no time to first record)")
-    ap.add_argument("--formats", default=",".join(FORMATS), help="formats of the rate rows")
+    ap.add_argument("--formats", default=",".join(PIPELINES),
+                    help="rate rows: formats, and parquet.lines (Parquet as text lines)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "input.json"))
     ap.add_argument("--_reader", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -475,7 +481,7 @@ def main() -> int:
     res["records"] = records
     print(f"{records} records per format", flush=True)
     formats = tuple(f for f in a.formats.split(",") if f)
-    assert set(formats) <= set(FORMATS), formats
+    assert set(formats) <= set(PIPELINES), formats
 
     print("records/s (read + parse), median of %d:" % a.repeat, flush=True)
     res["rates"] = rates(data, "local", a.shard_bytes, a.repeat, records, data, formats)
