@@ -30,6 +30,7 @@ def _table(first: int, n: int):
         "b": pa.array([bytes([i % 128, 0]) for i in ids], pa.binary()),
         "ok": pa.array([i % 3 == 0 for i in ids]),
         "big": pa.array(ids.astype(np.uint64) + np.uint64(2**63), pa.uint64()),
+        "d": pa.array([f"k{i % 3}" for i in ids]).dictionary_encode(),
     })
 
 
@@ -39,7 +40,7 @@ def _expected(first: int, n: int) -> dict:
             "x": ids * 0.5, "f": ids.astype(np.float32) + 0.25,
             "s": [b"" if i % 7 == 0 else b"v%d\t\n" % i for i in ids],
             "b": [bytes([i % 128, 0]) for i in ids], "ok": ids % 3 == 0,
-            "big": ids.astype(np.uint64) + np.uint64(2**63)}
+            "big": ids.astype(np.uint64) + np.uint64(2**63), "d": [b"k%d" % (i % 3) for i in ids]}
 
 
 def _concat(batches) -> dict:
@@ -70,7 +71,8 @@ def test_typed_columns_every_row_once_for_every_shard_size(files):
     spec = ds.element_spec
     assert {k: v.dtype for k, v in spec.items()} == {
         "id": tf.int64, "small": tf.int64, "x": tf.float64, "f": tf.float32, "s": tf.string,
-        "b": tf.string, "ok": tf.bool, "big": tf.uint64}
+        "b": tf.string, "ok": tf.bool, "big": tf.uint64, "d": tf.string}
+    assert pa.types.is_dictionary(pq.read_table(files[0]).schema.field("d").type)
     want = _expected(0, 1000)
     for per_shard in (1, 3000, 10**9):
         shards = make_shards(files, per_shard)

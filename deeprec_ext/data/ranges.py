@@ -34,6 +34,7 @@ there. Each problem is appended to ``bad`` as ``{"path", "offset", "reason"}``.
 from __future__ import annotations
 
 import struct
+import threading
 import zlib
 
 import numpy as np
@@ -492,6 +493,7 @@ def parquet_table(path: str, start: int, end: int, columns: list[str] | None = N
 
 _PQ_META: dict = {}
 _PQ_META_MAX = 256
+_PQ_META_LOCK = threading.Lock()
 
 
 def _remote_parquet_meta(path: str, value=None):
@@ -500,12 +502,13 @@ def _remote_parquet_meta(path: str, value=None):
     read; each request costs the S3 client about as much CPU as 1 MB of data). Data
     files are not rewritten in place (a changed file is not read again, see the guide's
     ``watch``), so the footer stays valid."""
-    if value is None:
-        return _PQ_META.get(path)
-    if len(_PQ_META) >= _PQ_META_MAX:
-        _PQ_META.pop(next(iter(_PQ_META)), None)
-    _PQ_META[path] = value
-    return value
+    with _PQ_META_LOCK:  # shards are read by tf.data's parallel map threads
+        if value is None:
+            return _PQ_META.get(path)
+        if len(_PQ_META) >= _PQ_META_MAX:
+            _PQ_META.pop(next(iter(_PQ_META)), None)
+        _PQ_META[path] = value
+        return value
 
 
 # typed columns: how each Arrow type reaches tf.data (``parquet_kinds``)
@@ -561,6 +564,8 @@ def _string_buffer(arr) -> tuple[bytes, np.ndarray, np.ndarray]:
     """A string/binary Arrow array (nulls already filled) as one byte string plus per
     value its offset and length in it: no Python object per value."""
     import pyarrow as pa
+    if not len(arr):
+        return b"", np.zeros(0, np.int64), np.zeros(0, np.int64)
     large = pa.types.is_large_string(arr.type) or pa.types.is_large_binary(arr.type)
     _, offsets_buf, data_buf = arr.buffers()[:3]
     width = 8 if large else 4
