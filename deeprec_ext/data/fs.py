@@ -14,7 +14,7 @@ Everything the shard service does to a file is here: ``glob``, ``size``, and
 ``RangeFile.pread`` (one ranged GET for a remote file; a small read fetches at least
 64 KiB and later small reads inside it are served from it; the size is asked only when
 a short read has not told it). Each request costs the S3 client (s3fs on aiohttp) about
-as much CPU as 1 MB of data, hence few, large requests. ``RangeFile.reader()`` gives
+as much CPU as 2 MB of data, hence few, large requests. ``RangeFile.reader()`` gives
 pyarrow a file object on the same reads.
 """
 from __future__ import annotations
