@@ -85,23 +85,44 @@ def _format(path: str, configured: str) -> str:
     return fmt + ".gz" if gz else fmt
 
 
-def record_batches(files: list[str], batch_size: int, fmt: str = "auto") -> Iterator[list[bytes]]:
-    """Every record of ``files``, in order, in batches (the last one short)."""
-    buf: list[bytes] = []
+ROWS_END = 1 << 62
+
+
+def eval_files(patterns: list[str]) -> list[str]:
+    """The files of ``eval.files`` patterns, each pattern's matches sorted."""
     expanded = []
-    for pattern in files:  # patterns as in the job file (Kubernetes: expanded in the pod)
+    for pattern in patterns:  # patterns as in the job file (Kubernetes: expanded in the pod)
         matches = sorted(glob.glob(pattern))
         if not matches:
             raise FileNotFoundError(f"eval.files: {pattern!r} matches no file")
         expanded.extend(matches)
-    for path in expanded:
-        records, _ = read_shard(path, 0, os.path.getsize(path), _format(path, fmt),
-                                os.path.getsize(path))
+    return expanded
+
+
+def record_batches(files: list[str], batch_size: int, fmt: str = "auto",
+                   kinds: dict | None = None, null_values: dict | None = None) -> Iterator:
+    """Every record of ``files``, in order, in batches (the last one short): lists of
+    lines, or with ``kinds`` (``{column: kind}``) typed columns of Parquet files
+    (``deeprec_ext.data.columns.ColumnRows``)."""
+    from deeprec_ext.data.columns import ColumnRows
+    from deeprec_ext.data.ranges import BadInput, parquet_columns
+    buf = [] if kinds is None else ColumnRows(kinds)
+    for path in eval_files(files):
+        size = os.path.getsize(path)
+        # a Parquet range is rows, and a file can hold more rows than bytes
+        end = ROWS_END if _format(path, fmt) == "parquet" else size
+        if kinds is None:
+            records, _ = read_shard(path, 0, end, _format(path, fmt), size)
+        else:
+            if _format(path, fmt) != "parquet":
+                raise BadInput(path, 0, "the training script reads typed columns "
+                               "(shard_dataset(columns=...)), and this eval file is not Parquet")
+            records = ColumnRows(kinds, parquet_columns(path, 0, end, kinds, null_values))
         buf.extend(records)
         while len(buf) >= batch_size:
             yield buf[:batch_size]
             buf = buf[batch_size:]
-    if buf:
+    if len(buf):
         yield buf
 
 
@@ -122,8 +143,10 @@ class EvalLoop:
     """
 
     def __init__(self, ctx, score: Callable[[list[bytes]], tuple], refresh: Callable[[], None],
-                 spec: dict | None = None, from_logits: bool = False, poll_seconds: float = 0.5):
+                 spec: dict | None = None, from_logits: bool = False, poll_seconds: float = 0.5,
+                 kinds: dict | None = None, null_values: dict | None = None):
         self.ctx = ctx
+        self.kinds, self.null_values = kinds, null_values  # typed Parquet columns
         self.score = score
         self.refresh = refresh
         self.spec = spec if spec is not None else eval_spec()
@@ -139,7 +162,8 @@ class EvalLoop:
         self.refresh()
         labels, scores = [], []
         for records in record_batches(self.spec["files"], int(self.spec.get("batch_size", 4096)),
-                                      self.spec.get("format", "auto")):
+                                      self.spec.get("format", "auto"), self.kinds,
+                                      self.null_values):
             y, s = self.score(records)
             labels.append(np.asarray(y).ravel())
             scores.append(np.asarray(s).ravel())

@@ -380,13 +380,19 @@ class ShardReader:
     def __init__(self):
         self._key, self._value = None, None
 
-    def read(self, shard, bad: list | None = None) -> tuple[list[bytes], object]:
+    def read(self, shard, bad: list | None = None, kinds: dict | None = None,
+             null_values: dict | None = None) -> tuple[list[bytes], object]:
         """``(records, next_pos)`` of a ``master_pb2.Shard`` (or ``aimaster.shards.Shard``).
         Bad input raises ``BadInput``, or with ``bad`` (``on_bad_record: skip``) is left
-        out and listed there (``deeprec_ext.data.ranges.read_shard``)."""
+        out and listed there (``deeprec_ext.data.ranges.read_shard``). With ``kinds``
+        (``{column: kind}``) a Parquet shard's records are typed columns
+        (``deeprec_ext.data.columns.ColumnRows``)."""
         fmt = getattr(shard, "format", "") or "text"
-        key = (shard.path, shard.start, shard.end, fmt)
-        if key != self._key:
+        key = (shard.path, shard.start, shard.end, fmt, kinds is not None)
+        if key != self._key and kinds is not None:
+            self._value = _read_columns(shard, fmt, bad, kinds, null_values)
+            self._key = key
+        elif key != self._key:
             self._value = read_shard(shard.path, shard.start, shard.end, fmt,
                                      getattr(shard, "size", 0) or None, bad=bad,
                                      fields=getattr(shard, "fields", 0),
@@ -398,14 +404,36 @@ class ShardReader:
         self._key, self._value = None, None
 
 
-def _read_checked(ctx: "WorkerContext", reader: ShardReader, shard):
+def _read_columns(shard, fmt: str, bad: list | None, kinds: dict, null_values: dict | None):
+    from deeprec_ext.data.columns import ColumnRows
+    from deeprec_ext.data.ranges import _guarded, parquet_columns
+    if fmt != "parquet":
+        raise BadInput(shard.path, shard.start, f"shard_dataset(columns=...) reads Parquet "
+                       f"files only, and this file is read as {fmt!r} (data.format)")
+    start, end = int(shard.start), int(shard.end)
+
+    def read():
+        return parquet_columns(shard.path, start, end, kinds, null_values)
+    try:
+        flat = _guarded(read, shard.path, start, bad)
+    except BadInput as exc:  # a column missing or retyped in this file
+        if bad is None:
+            raise
+        bad.append(exc.as_dict())
+        flat = None
+    rows = ColumnRows(kinds, flat)
+    return rows, np.arange(start + 1, start + 1 + len(rows), dtype=np.int64)
+
+
+def _read_checked(ctx: "WorkerContext", reader: ShardReader, shard, kinds: dict | None = None,
+                  null_values: dict | None = None):
     """Read a shard under ``data.on_bad_record``: ``skip`` reports what was left out and
     returns the rest; ``fail`` (and a shard without the setting) reports the first
     problem, which fails the job, and raises it."""
     skip = shard.on_bad_record == "skip"
     bad: list | None = [] if skip else None
     try:
-        records, next_pos = reader.read(shard, bad)
+        records, next_pos = reader.read(shard, bad, kinds, null_values)
     except BadInput as exc:
         ctx.report_bad_input(shard.shard_id, [exc.as_dict()], fatal=True)
         raise
@@ -414,15 +442,19 @@ def _read_checked(ctx: "WorkerContext", reader: ShardReader, shard):
     return records, next_pos
 
 
-def shard_batches(ctx: "WorkerContext", batch_size: int, poll_seconds: float = 0.2):
-    """Batches (lists of lines) of the shards handed to this worker, in order.
+def shard_batches(ctx: "WorkerContext", batch_size: int, poll_seconds: float = 0.2,
+                  kinds: dict | None = None, null_values: dict | None = None, first=None):
+    """Batches (lists of lines) of the shards handed to this worker, in order. With
+    ``kinds`` (``{column: kind}``) batches of typed columns of Parquet shards
+    (``ColumnRows``); ``first``: a ``GetShardResponse`` already taken, used first.
 
     Flushes a short batch before waiting for more shards (a worker whose last records sat
     in an unfinished batch would otherwise wait for shards other workers hold while they
     wait for it) and stops taking shards once the worker is asked to leave.
     """
+    from deeprec_ext.data.columns import ColumnRows
     reader = ShardReader()
-    buf: list[bytes] = []
+    buf = [] if kinds is None else ColumnRows(kinds)
     cur = None  # (shard, next_pos, records): the shard whose records end ``buf``
 
     def emit(n):
@@ -453,10 +485,10 @@ def shard_batches(ctx: "WorkerContext", batch_size: int, poll_seconds: float = 0
 
     try:
         while not ctx.stop_requested.is_set():
-            resp = ctx.try_next_shard()
+            resp, first = (first, None) if first is not None else (ctx.try_next_shard(), None)
             if resp.status == master_pb2.GetShardResponse.SHARD:
                 s = resp.shard
-                records, next_pos = _read_checked(ctx, reader, s)
+                records, next_pos = _read_checked(ctx, reader, s, kinds, null_values)
                 reader.close()
                 buf.extend(records)
                 ctx.tracker.add(s.shard_id, len(records), s.start, next_pos)

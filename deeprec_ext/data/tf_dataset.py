@@ -205,12 +205,35 @@ def shard_columns(path, start, end, kinds: dict, null_values: dict | None = None
     (an unreadable file, a column missing or of another type in this file)."""
     if on_bad_record not in ("fail", "skip"):
         raise ValueError(f"on_bad_record must be 'fail' or 'skip', got {on_bad_record!r}")
-    tout = []
-    for kind in kinds.values():
-        tout += [tf.string, tf.int64, tf.int64] if kind == "string" else [_KIND_DTYPES[kind]]
     flat = tf.numpy_function(_read_columns(kinds, null_values, on_bad_record == "skip"),
-                             [path, tf.cast(start, tf.int64), tf.cast(end, tf.int64)], tout,
+                             [path, tf.cast(start, tf.int64), tf.cast(end, tf.int64)],
+                             column_types(kinds),
                              stateful=False)
+    return columns_from_flat(flat, kinds)
+
+
+def column_types(kinds: dict) -> list:
+    """The dtypes of ``kinds``' flat layout (``ranges.parquet_columns``): per string
+    column ``tf.string`` (its bytes), ``tf.int64`` (offsets), ``tf.int64`` (lengths)."""
+    out = []
+    for kind in kinds.values():
+        out += [tf.string, tf.int64, tf.int64] if kind == "string" else [_KIND_DTYPES[kind]]
+    return out
+
+
+def column_signature(kinds: dict) -> tuple:
+    """``column_types`` as ``TensorSpec``s (``Dataset.from_generator``)."""
+    out = []
+    for kind in kinds.values():
+        out += [tf.TensorSpec([], tf.string), tf.TensorSpec([None], tf.int64),
+                tf.TensorSpec([None], tf.int64)] if kind == "string" else \
+            [tf.TensorSpec([None], _KIND_DTYPES[kind])]
+    return tuple(out)
+
+
+def columns_from_flat(flat, kinds: dict) -> dict:
+    """``{column: 1-D tensor}`` from the flat layout: string values cut in-graph from
+    their column's one buffer (``tf.strings.substr``), no Python object per value."""
     out, i = {}, 0
     for name, kind in kinds.items():
         if kind == "string":
@@ -225,6 +248,27 @@ def shard_columns(path, start, end, kinds: dict, null_values: dict | None = None
             out[name] = flat[i]
             i += 1
     return out
+
+
+def column_kinds(columns, schema_from, who: str = "parquet_dataset") -> dict[str, str]:
+    """``{column: kind}`` of the ``columns`` to read (None: all), their kinds from the
+    footer of ``schema_from`` (a Parquet path or URL) or given as ``{column: kind}``."""
+    if isinstance(schema_from, dict):
+        kinds = dict(schema_from)
+        if columns is not None:
+            missing = [c for c in columns if c not in kinds]
+            if missing:
+                raise ValueError(f"{who}: no kind given for columns {missing} in schema_from")
+            kinds = {c: kinds[c] for c in columns}
+        unknown = {c: k for c, k in kinds.items() if k not in _KIND_DTYPES}
+        if unknown:
+            raise ValueError(f"{who}: unknown column kinds {unknown} (one of "
+                             f"{', '.join(_KIND_DTYPES)})")
+    else:
+        kinds = parquet_kinds(os.fspath(schema_from), None if columns is None else list(columns))
+    if not kinds:
+        raise ValueError(f"{who}: no column to read")
+    return kinds
 
 
 def parquet_dataset(ranges, batch_size: int | None = None, columns=None, schema_from=None,
@@ -243,24 +287,13 @@ def parquet_dataset(ranges, batch_size: int | None = None, columns=None, schema_
     naming the column. A null becomes ``null_values.get(column, 0)`` (false, empty
     string). ``on_bad_record``: as ``record_dataset``; a file where a column is missing or
     of another type counts as bad input at the shard's start."""
-    if isinstance(schema_from, dict):
-        kinds = dict(schema_from)
-        if columns is not None:
-            kinds = {c: kinds[c] for c in columns}
-        unknown = {c: k for c, k in kinds.items() if k not in _KIND_DTYPES}
-        if unknown:
-            raise ValueError(f"parquet_dataset: unknown column kinds {unknown} (one of "
-                             f"{', '.join(_KIND_DTYPES)})")
-    else:
-        if schema_from is None:
-            if not (isinstance(ranges, collections.abc.Sequence) and ranges):
-                raise ValueError("parquet_dataset: give schema_from=<a Parquet file> (or "
-                                 "{column: kind}) when ranges is not a non-empty list: the "
-                                 "columns and their types are read from a file's footer")
-            schema_from = ranges[0][0]
-        kinds = parquet_kinds(os.fspath(schema_from), None if columns is None else list(columns))
-    if not kinds:
-        raise ValueError("parquet_dataset: no column to read")
+    if schema_from is None:
+        if not (isinstance(ranges, collections.abc.Sequence) and ranges):
+            raise ValueError("parquet_dataset: give schema_from=<a Parquet file> (or "
+                             "{column: kind}) when ranges is not a non-empty list: the "
+                             "columns and their types are read from a file's footer")
+        schema_from = ranges[0][0]
+    kinds = column_kinds(columns, schema_from, "parquet_dataset")
     ds = ranges_dataset(ranges)
     ds = ds.map(lambda p, s, e: shard_columns(p, s, e, kinds, null_values, on_bad_record),
                 num_parallel_calls=num_parallel_reads, deterministic=deterministic)
@@ -271,4 +304,4 @@ def parquet_dataset(ranges, batch_size: int | None = None, columns=None, schema_
 
 
 __all__ = ["record_dataset", "ranges_dataset", "shard_records", "parquet_dataset",
-           "shard_columns"]
+           "shard_columns", "column_kinds", "column_signature", "columns_from_flat"]

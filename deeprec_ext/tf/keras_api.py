@@ -315,7 +315,8 @@ def run_keras_evaluator(model, vars_of) -> list[dict]:
         if "dense" not in state:
             if not model.built or not vars_of(model):  # a subclassed model: build it first
                 spec = eval_spec()
-                first = next(record_batches(spec["files"], 1, spec.get("format", "auto")), None)
+                first = next(record_batches(spec["files"], 1, spec.get("format", "auto"), kinds,
+                                            EVAL_INPUT.get("null_values")), None)
                 if first is not None:
                     score(first)
             dense_vars = vars_of(model)
@@ -325,9 +326,16 @@ def run_keras_evaluator(model, vars_of) -> list[dict]:
         for v, value in zip(state["vars"], state["dense"].pull()):
             v.assign(value)
 
+    kinds = EVAL_INPUT.get("kinds")
+
     def score(records):
-        batch = tf.constant(np.array(records, dtype=object), tf.string)
+        if kinds is not None:  # typed Parquet columns (shard_dataset(columns=...))
+            from deeprec_ext.data.tf_dataset import columns_from_flat
+            batch = columns_from_flat([tf.constant(x) for x in records.flat()], kinds)
+        else:
+            batch = tf.constant(np.array(records, dtype=object), tf.string)
         parsed = parse_fn(batch) if parse_fn is not None else batch
         features, labels = parsed[0], parsed[1]
         return np.asarray(labels), model(features, training=False).numpy()
-    return EvalLoop(ctx, score, refresh, from_logits=_from_logits(model)).run()
+    return EvalLoop(ctx, score, refresh, from_logits=_from_logits(model), kinds=kinds,
+                    null_values=EVAL_INPUT.get("null_values")).run()

@@ -259,9 +259,17 @@ class TF1Evaluator:
         log.info("evaluator: scoring %s %s against labels %s (found by: %s)",
                  "logits" if self.from_logits else "probabilities", self.scores.name,
                  self.labels.name, found["how"])
+        self.kinds, self.null_values = EVAL_INPUT.get("kinds"), EVAL_INPUT.get("null_values")
         with v1.name_scope("deeprec_eval_input"):
-            self.records = v1.placeholder(tf.string, [None], name="records")
-            parsed = self.parse_fn(self.records) if self.parse_fn is not None else self.records
+            if self.kinds is not None:  # typed Parquet columns: one placeholder per flat part
+                from deeprec_ext.data.tf_dataset import column_types, columns_from_flat
+                self.records = [v1.placeholder(t, [] if t == tf.string else [None])
+                                for t in column_types(self.kinds)]
+                batch = columns_from_flat(list(self.records), self.kinds)
+            else:
+                self.records = v1.placeholder(tf.string, [None], name="records")
+                batch = self.records
+            parsed = self.parse_fn(batch) if self.parse_fn is not None else batch
         self.parsed = tf.nest.flatten(parsed)
         if [t.dtype for t in self.parsed] != [s.dtype for s in flat]:
             raise EvalTensorsError("parse_fn gave other types on eval records than in "
@@ -283,7 +291,11 @@ class TF1Evaluator:
                 session.run(self.assign, feed_dict=dict(zip(self.placeholders, dense.pull())))
 
         def score(records):
-            values = session.run(self.parsed, {self.records: np.array(records, dtype=object)})
+            if self.kinds is not None:
+                feed = dict(zip(self.records, records.flat()))
+            else:
+                feed = {self.records: np.array(records, dtype=object)}
+            values = session.run(self.parsed, feed)
             y, s = session.run([self.labels, self.scores], dict(zip(self.feeds, values)))
             y, s = np.asarray(y).ravel(), np.asarray(s).ravel()
             if y.size != s.size:
@@ -292,9 +304,11 @@ class TF1Evaluator:
                     f"{self.scores.name} ({s.size}) differ in size on one batch. "
                     f"Add one line before the session: {ONE_LINE}")
             return y, s
-        loop = EvalLoop(ctx, score, refresh, from_logits=self.from_logits)
+        loop = EvalLoop(ctx, score, refresh, from_logits=self.from_logits, kinds=self.kinds,
+                        null_values=self.null_values)
         # a graph whose labels and scores do not pair up fails here, not round after round
-        first = next(record_batches(loop.spec["files"], 16, loop.spec.get("format", "auto")), None)
+        first = next(record_batches(loop.spec["files"], 16, loop.spec.get("format", "auto"),
+                                    self.kinds, self.null_values), None)
         if first is not None:
             score(first)
         return loop.run()

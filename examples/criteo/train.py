@@ -24,7 +24,8 @@ import tensorflow as tf  # noqa: E402
 
 import deeprec_ext.tf as dtf  # noqa: E402
 from examples.criteo.model import build_deepfm, build_deepfm_tf1  # noqa: E402
-from examples.criteo.reader import criteo_dataset, parse_lines  # noqa: E402
+from examples.criteo.reader import (CAT_NAMES, DENSE_NAMES, criteo_dataset,  # noqa: E402
+                                    parse_columns, parse_lines)
 
 log = logging.getLogger("train")
 
@@ -74,9 +75,18 @@ def predict_keras(model, test_file: str, batch_size: int) -> tuple[np.ndarray, n
     return np.concatenate(labels), np.concatenate(scores)
 
 
+def training_input(args):
+    """The job's shards: lines parsed by ``parse_lines``, or with ``--parquet-columns``
+    Parquet shards read as typed columns and parsed by ``parse_columns``."""
+    if args.parquet_columns:
+        return dtf.shard_dataset(args.batch_size, parse_fn=parse_columns,
+                                 columns=["label", *DENSE_NAMES, *CAT_NAMES])
+    return dtf.shard_dataset(args.batch_size, parse_fn=parse_lines)
+
+
 def run_keras(args, ctx) -> dict:
     model = build_keras(args.lr, args.dim, args.storage_dtype)
-    ds = dtf.shard_dataset(args.batch_size, parse_fn=parse_lines)
+    ds = training_input(args)
     callback = dtf.ElasticCallback(overlap={"": False, "fresh": True, "stale": "stale"}[args.overlap])
     if args.predictions_before_out and args.test and ctx.rank == 0:
         # the model as the job starts (e.g. warm-started): shared weights, nothing trained
@@ -110,7 +120,7 @@ def run_tf1(args, ctx) -> dict:
         return dtf.embedding_lookup(name, ids, d, initializer=init, optimizer=opt,
                                     storage_dtype=args.storage_dtype)
 
-    ds = dtf.shard_dataset(args.batch_size, parse_fn=parse_lines)
+    ds = training_input(args)
     features, label = v1.data.make_one_shot_iterator(ds).get_next()
     logits = build_deepfm_tf1(features, lookup, dim=args.dim)
     loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(
@@ -134,6 +144,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("keras", "tf1"), default="keras")
     p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--parquet-columns", action="store_true",
+                   help="data files are Parquet (label, I1..I13, C1..C26): read typed columns")
     p.add_argument("--dim", type=int, default=8)
     p.add_argument("--lr", type=float, default=0.001)
     p.add_argument("--test", default="", help="test file; worker 0 reports its AUC")
