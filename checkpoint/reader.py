@@ -482,6 +482,8 @@ class _StoreSink:
         if t.row_width != info["row_width"]:
             raise CheckpointError(f"table '{name}': row width {t.row_width} != "
                                   f"{info['row_width']} in the checkpoint")
+        if hasattr(t, "end_load"):  # a table with rows loads them in place, not in bulk
+            t.end_load()
 
     def drop(self, name):
         if name in self.store:
@@ -491,10 +493,16 @@ class _StoreSink:
         self.store.get(name).delete(keys, log_tombstone=False)
 
     def rows(self, name, keys, rows):
+        """``rows``: one array, or a list of arrays (the chunks of one batch, not joined)."""
         table = self.store.get(name)
+        if isinstance(rows, list) and (self.reset_optimizer
+                                       or rows[0].shape[1] != table.row_width + 1
+                                       or not hasattr(table, "load_rows")):
+            rows = rows[0] if len(rows) == 1 else np.concatenate(rows)
         if self.reset_optimizer:  # values only: the optimizer slots start from their initial state
             table.insert(keys, np.ascontiguousarray(rows[:, :table.dim]))
-        elif rows.shape[1] == table.row_width + 1 and hasattr(table, "load_rows"):
+        elif isinstance(rows, list) or (rows.shape[1] == table.row_width + 1
+                                        and hasattr(table, "load_rows")):
             table.load_rows(keys, rows)  # checksummed rows with counts: the bulk path
         else:
             table.import_rows(keys, rows)
@@ -514,6 +522,8 @@ class _CallbackSink:
         self.fn("delete", name, keys, None, None)
 
     def rows(self, name, keys, rows):
+        if isinstance(rows, list):
+            rows = rows[0] if len(rows) == 1 else np.concatenate(rows)
         self.fn("rows", name, keys, rows, None)
 
 
@@ -801,12 +811,12 @@ def _apply(plan: _Plan, chain, sink, slot_mask):
                 batch: dict[str, list] = {}  # rows per table, imported _IMPORT_ROWS at a time
 
                 def flush(table):
+                    # the rows of the chunks go on as a list: a store copies each part
+                    # into its arena, no joined copy of the batch first
                     parts = batch.pop(table, [])
-                    if len(parts) == 1:
-                        sink.rows(table, *parts[0])
-                    elif parts:
-                        sink.rows(table, np.concatenate([p[0] for p in parts]),
-                                  np.concatenate([p[1] for p in parts]))
+                    if parts:
+                        sink.rows(table, parts[0][0] if len(parts) == 1 else
+                                  np.concatenate([p[0] for p in parts]), [p[1] for p in parts])
 
                 def finish(job):
                     e, fut = job
