@@ -885,6 +885,28 @@ def test_chunks_are_stored_raw_where_zstd_does_not_pay(tmp_path):
         restore(tmp_path / "never", EmbeddingStore())
 
 
+def test_zstd_probe_backs_off_once_a_table_agrees_and_notices_a_change():
+    """The per-file zstd probe: every chunk until 4 in a row agree, then one in 8; a
+    change of answer is picked up at the next probe and probing is dense again."""
+    from checkpoint.writer import PROBE_EVERY, PROBE_STREAK, _Probe
+    truth = [False] * 40 + [True] * 40
+    calls = []
+
+    def pays(i):
+        calls.append(i)
+        return truth[i]
+
+    p = _Probe(pays)
+    got = [p.pays(i) for i in range(len(truth))]
+    assert calls[:PROBE_STREAK] == list(range(PROBE_STREAK))
+    assert calls[PROBE_STREAK] == PROBE_STREAK - 1 + PROBE_EVERY  # then one in 8
+    assert len(calls) < len(truth) // 2
+    first_true = next(i for i in calls if truth[i])
+    assert first_true < 40 + PROBE_EVERY  # the change is seen within one period
+    assert all(got[i] for i in range(first_true, len(truth)))
+    assert not any(got[:40])
+
+
 def test_format_2_checkpoints_still_verify_and_restore(tmp_path):
     """A checkpoint in the previous layout (format 2: every chunk a zstd frame, sorted by
     slot, sha256 per file) is verified to the byte and restored by this reader, also
