@@ -908,6 +908,7 @@ def test_bulk_load_rows_superseded_copies_and_the_table_afterwards():
     opt = {"name": "adagrad", "learning_rate": 0.1}
     a = EmbeddingTable("a", 4, optimizer=opt)
     b = EmbeddingTable("b", 4, optimizer=opt, initial_capacity=6000)
+    small = EmbeddingTable("small", 4, optimizer=opt)  # made small: the load outgrows it
     batches = []
     for step in range(4):
         keys = rng.integers(0, 4000, 1500).astype(np.int64)  # duplicates within and across
@@ -919,6 +920,9 @@ def test_bulk_load_rows_superseded_copies_and_the_table_afterwards():
         # as a restore hands them over: the chunks of a batch as a list, not joined
         b.load_rows(keys, [rows[:700], rows[700:]])
         assert b._bulk_mark is not None  # every batch took the bulk path
+        if step < 2:  # no superseded rows yet: the index is rebuilt bigger, in bulk
+            small.load_rows(np.unique(keys) + 10**6 * step, rows[:np.unique(keys).size])
+            assert small._bulk_mark is not None
     distinct = len(set(np.concatenate([k for k, _ in batches]).tolist()))
     assert len(b) == distinct and b._nfree == 4 * 1500 - distinct
 
@@ -930,6 +934,9 @@ def test_bulk_load_rows_superseded_copies_and_the_table_afterwards():
         np.testing.assert_array_equal(rx[ox].view(np.uint32), ry[oy].view(np.uint32))
 
     same(a, b)
+    ks = np.concatenate([np.unique(batches[0][0]), np.unique(batches[1][0]) + 10**6])
+    assert len(small) == ks.size and small._index.capacity > 2 * 1024
+    assert (small._index.find(ks) == np.arange(ks.size)).all()
     probe = np.concatenate([batches[0][0][:100], np.arange(5000, 5100, dtype=np.int64)])
     np.testing.assert_array_equal(a.lookup(probe), b.lookup(probe))  # 100 new keys too
     g = rng.normal(size=(probe.size, 4)).astype(np.float32)

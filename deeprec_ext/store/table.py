@@ -1162,7 +1162,18 @@ class EmbeddingTable:
             self._index.size_for(max(n, self._arena.shape[0]))
         elif self._bulk_mark != (self._hwm, self.sequence.value):
             return False
-        return self._index.can_place_rows(n)
+        if self._index.can_place_rows(n):
+            return True
+        if self._nfree or self._index.num_deleted or self._index.growing:
+            return False
+        # the load outgrew the index (a table made small, then restored into): every key
+        # in it came from this load, on rows [0, hwm) with none superseded (no free
+        # rows), so a bigger index is built in bulk from them, sized geometrically
+        idx = HashIndex(16, self._current_row_keys)
+        idx.size_for(max(2 * (self._hwm + n), self._arena.shape[0]))
+        idx.place_rows(self._row_key[:self._hwm], 0)
+        self._index = idx
+        return idx.can_place_rows(n)
 
     def _bulk_load(self, keys: np.ndarray, parts: list) -> int:
         """Rows ``parts`` to new consecutive arena rows, keys placed in bulk."""
