@@ -1155,7 +1155,7 @@ class EmbeddingTable:
         """Under the lock: may ``n`` rows be bulk-loaded (see :meth:`load_rows`)?"""
         if self._seg is not None:
             return False
-        if self._hwm == 0 and len(self._index) == 0:
+        if self._hwm == 0 and len(self._index) == 0 and not self._index.growing:
             # first batch into an empty table: size the index for the rows the arena was
             # made for (a restore creates the table at its checkpoint's row count), at the
             # load a rehash would target, so the load never grows it on the way
