@@ -28,8 +28,9 @@ raw and stored length, crc32 of the stored bytes, crc32 of the header) and the p
 exactly the arena row, then the row's update count; format 2, marked ``"counts": true``
 in the manifest's table info. Format-1 checkpoints, without the count column, are still
 read). The payload is one zstd frame (with its own xxh64 content checksum) where zstd
-pays -- the writer compresses a sample of each chunk (1/16) and compresses the chunk
-only if the sample shrank by >= 25% -- and is stored as is otherwise (header flag RAW,
+pays -- the writer compresses a sample of a chunk (1/16) and compresses the chunk
+only if the sample shrank by >= 25%; once four chunks of a file agree, only one chunk in
+eight is probed and the others follow it -- and is stored as is otherwise (header flag RAW,
 format 3): trained float rows shrink by ~10% at zstd level 1 for about five times the
 write time, while constant slots, zeros or sequential ids shrink far more and compress at
 GB/s. An END chunk closes each file. Format 3 drops the per-file sha256: the chunk index
@@ -60,9 +61,10 @@ table. A full checkpoint scans the arena in row order (``EmbeddingTable.scan_liv
 slice by slot outside the lock and deals it into the 16 slot ranges; no global sort and
 no random gather over the table. An incremental reads a plan of the changed rows from
 the change log, sorted by slot (``EmbeddingTable.plan_export``: 8 bytes per row), then
-the rows (``gather_planned``, 8k rows per lock hold). Chunks are encoded (sample,
-compress or crc32) on a small thread pool while the next is read, and written with one
-writev each; the disk write-back starts every 32 MB (``sync_file_range``) so that the
+the rows (``gather_planned``, 8k rows per lock hold). Chunks that pay are compressed
+on a small thread pool while the next is read; one I/O thread per file checksums the
+stored ones and writes every chunk, in order, with one writev each, beside the thread
+that scans and sorts; the disk write-back starts every 32 MB (``sync_file_range``) so that the
 closing fsync overlaps the export. Peak extra memory is the pending chunks and the
 slices they come from (tens of MB), and lookups and pushes are served between the lock
 holds. A row rewritten after it was read is in the checkpoint with its older value and
@@ -85,9 +87,11 @@ Restore applies, for each checkpoint of the chain in order: dropped tables, then
 tombstones (all writers), then rows. A key deleted and re-inserted between two
 checkpoints is therefore present. Tables are created from the manifest configs.
 Restore writes rows with ``load_rows`` (``import_rows`` without the finiteness pass, for
-checksummed rows: bit-exact value + optimizer slots + count; keys found or placed in one
-hash probing pass, new rows copied as one slice), 64k rows per call, and
-deletes with ``log_tombstone=False``. Afterwards ``RestoreInfo.sequence`` is the
+checksummed rows: bit-exact value + optimizer slots + count), 64k rows per call, the
+chunks of a call copied into the arena as they were read; into an empty table the rows
+go to consecutive arena rows and their keys are placed in bulk (``HashIndex.place_rows``:
+a key loaded twice keeps its later copy), into a table with rows each key is found or
+placed in one probing pass and overwritten in place. Deletes use ``log_tombstone=False``. Afterwards ``RestoreInfo.sequence`` is the
 store's counter, the ``since_seq`` for an incremental on top of the restored
 checkpoint (or write a new full one).
 
@@ -104,7 +108,11 @@ A checkpoint that fails is skipped with a ``logging.warning`` naming the file an
 the problem, and the newest remaining restorable checkpoint is used (its chain
 possibly ends earlier). Wrong values are never loaded. While applying, each chunk is
 re-read, its crc32 re-checked, and its zstd content checksum verified on
-decompression. Several PS restoring one job must agree on the checkpoint, so a
+decompression. Into a store whose tables of the chain are all new or empty (job start,
+warm start) the first pass is skipped: each chunk is read once and checked as it is
+applied, and a failed check drops (or empties) those tables before the next
+restorable checkpoint is tried -- the same outcome, one read of each byte instead of
+two. Several PS restoring one job must agree on the checkpoint, so a
 coordinator picks it (``list_chains``) and passes ``upto=id, exact=True``.
 
 Retention

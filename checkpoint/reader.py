@@ -482,6 +482,8 @@ class _StoreSink:
         if t.row_width != info["row_width"]:
             raise CheckpointError(f"table '{name}': row width {t.row_width} != "
                                   f"{info['row_width']} in the checkpoint")
+        if hasattr(t, "end_load"):  # a table with rows loads them in place, not in bulk
+            t.end_load()
 
     def drop(self, name):
         if name in self.store:
@@ -491,10 +493,16 @@ class _StoreSink:
         self.store.get(name).delete(keys, log_tombstone=False)
 
     def rows(self, name, keys, rows):
+        """``rows``: one array, or a list of arrays (the chunks of one batch, not joined)."""
         table = self.store.get(name)
+        if isinstance(rows, list) and (self.reset_optimizer
+                                       or rows[0].shape[1] != table.row_width + 1
+                                       or not hasattr(table, "load_rows")):
+            rows = rows[0] if len(rows) == 1 else np.concatenate(rows)
         if self.reset_optimizer:  # values only: the optimizer slots start from their initial state
             table.insert(keys, np.ascontiguousarray(rows[:, :table.dim]))
-        elif rows.shape[1] == table.row_width + 1 and hasattr(table, "load_rows"):
+        elif isinstance(rows, list) or (rows.shape[1] == table.row_width + 1
+                                        and hasattr(table, "load_rows")):
             table.load_rows(keys, rows)  # checksummed rows with counts: the bulk path
         else:
             table.import_rows(keys, rows)
@@ -514,6 +522,8 @@ class _CallbackSink:
         self.fn("delete", name, keys, None, None)
 
     def rows(self, name, keys, rows):
+        if isinstance(rows, list):
+            rows = rows[0] if len(rows) == 1 else np.concatenate(rows)
         self.fn("rows", name, keys, rows, None)
 
 
@@ -658,6 +668,12 @@ def restore(root, store_or_callback, slot_mask: np.ndarray | None = None,
     again and its crc32 and zstd content checksum re-checked; a failure then raises
     CheckpointError (the target is partially restored). Raises NoValidCheckpoint if
     nothing is restorable.
+
+    Exception, for speed (a job start, a warm start): with ``verify="chunks"`` and a store
+    whose tables of the chain are all absent or empty, each chunk is read once and
+    checked (header, crc32, zstd checksum) as it is applied; at a failed check the tables
+    are dropped (emptied, if they existed) and the next restorable checkpoint is tried,
+    with the same outcome as above.
     """
     t0 = time.perf_counter()
     if verify not in _LEVELS:
@@ -713,10 +729,26 @@ def restore(root, store_or_callback, slot_mask: np.ndarray | None = None,
                         err.ckpt = c
                         raise err
             plan = _Plan(chain, slot_mask, tables, retarget)
-            if verify != "manifest":
+            # into new or empty tables the chunks are checked as they are applied (each
+            # byte read once, not twice); a failed check drops what was applied
+            fresh = _fresh_targets(sink, chain, plan) if verify == "chunks" else None
+            if verify != "manifest" and fresh is None:
                 _prevalidate(plan)
         except CheckpointError as err:
             c = getattr(err, "ckpt", head)
+            if str(err) not in c.problems:
+                c.problems.append(str(err))
+            warn_new()
+            continue
+        if fresh is None:
+            break
+        try:
+            applied = _apply(plan, chain, sink, slot_mask)
+        except CheckpointError as err:
+            _undo(sink.store, fresh)
+            c = getattr(err, "ckpt", None)
+            if c is None:  # not a bad chunk (e.g. a table the store cannot create)
+                raise
             if str(err) not in c.problems:
                 c.problems.append(str(err))
             warn_new()
@@ -730,7 +762,7 @@ def restore(root, store_or_callback, slot_mask: np.ndarray | None = None,
                     ", ".join(c.name for c in newer))
     else:
         log.info("restoring %s (chain %s)", head.name, " -> ".join(str(c.id) for c in chain))
-    tables, dense, nbytes = _apply(plan, chain, sink, slot_mask)
+    tables, dense, nbytes = _apply(plan, chain, sink, slot_mask) if fresh is None else applied
     seq = None
     if isinstance(sink, _StoreSink):
         seq = int(sink.store.sequence.value)
@@ -747,11 +779,48 @@ def restore(root, store_or_callback, slot_mask: np.ndarray | None = None,
                        bytes_read=nbytes, seconds=time.perf_counter() - t0, sequence=seq)
 
 
+def _fresh_targets(sink, chain, plan) -> dict | None:
+    """For a store target whose tables of ``chain`` are all absent or empty: ``{name: True
+    if it exists}`` (what :func:`_undo` needs to take an applied restore back), else None
+    (a callback, or a table with rows: nothing may be applied before every check)."""
+    if not isinstance(sink, _StoreSink):
+        return None
+    store = sink.store
+    names = set(plan.final_tables)
+    for c in chain:
+        names |= set(c.manifest["tables"]) | set(c.manifest.get("dropped_tables", []))
+    fresh = {}
+    for name in names:
+        if name in store:
+            t = store.get(name)
+            if len(t) or t.segment_rows:
+                return None
+            fresh[name] = True
+        else:
+            fresh[name] = False
+    return fresh
+
+
+def _undo(store, fresh: dict) -> None:
+    """Take back a restore applied into the new or empty tables ``fresh``."""
+    for name, existed in fresh.items():
+        if name not in store:
+            continue
+        if existed:
+            store.get(name).clear()
+        else:
+            store.drop_table(name)
+
+
 def _load_chunks(path: Path, e: dict, group: list, manifest: dict, w: int, slot_mask,
                  where_f: str) -> list:
     """:func:`_load_chunk` for each ``(chunk index, name, partial)`` of ``group``."""
     fd = os.open(path, os.O_RDONLY)
     try:
+        # the file's size and END chunk (checked before by _prevalidate, except on a
+        # one-pass restore into new tables; a few microseconds per 8 MB task)
+        _opened_file_width(fd, e, manifest, where_f)
+        _check_end(fd, e, where_f)
         return [_load_chunk(fd, e, ci, name, manifest, w, slot_mask, partial, where_f)
                 for ci, name, partial in group]
     finally:
@@ -801,16 +870,25 @@ def _apply(plan: _Plan, chain, sink, slot_mask):
                 batch: dict[str, list] = {}  # rows per table, imported _IMPORT_ROWS at a time
 
                 def flush(table):
+                    # the rows of the chunks go on as a list: a store copies each part
+                    # into its arena, no joined copy of the batch first
                     parts = batch.pop(table, [])
-                    if len(parts) == 1:
-                        sink.rows(table, *parts[0])
-                    elif parts:
-                        sink.rows(table, np.concatenate([p[0] for p in parts]),
-                                  np.concatenate([p[1] for p in parts]))
+                    if parts:
+                        sink.rows(table, parts[0][0] if len(parts) == 1 else
+                                  np.concatenate([p[0] for p in parts]), [p[1] for p in parts])
 
-                def finish(job):
+                def finish(job, c=c):
                     e, fut = job
-                    for res in fut.result():
+                    try:
+                        got = fut.result()
+                    except CheckpointError as err:
+                        err.ckpt = c
+                        raise
+                    except OSError as err:
+                        new = CheckpointError(f"{c.name}/{e['path']}: {err}")
+                        new.ckpt = c
+                        raise new from None
+                    for res in got:
                         finish_one(e, *res)
 
                 def finish_one(e, h, keys, rows, n):

@@ -334,6 +334,60 @@ def test_corrupt_full_falls_back_to_previous_chain(two_chains, how, caplog):
     assert any("ckpt-00000004-incr" in m for m in msgs), msgs  # orphaned by its parent
 
 
+def _flip_last_chunk(root, ckpt_dir, table="emb"):
+    path, e = data_file(root, ckpt_dir, table)
+    _flip_payload_byte(path, {"chunks": e["chunks"][-1:]}, table)
+
+
+def test_restore_into_new_tables_checks_as_it_applies_and_takes_back_a_bad_one(two_chains,
+                                                                               monkeypatch):
+    """Into new or empty tables a restore reads each chunk once, checking it as it is
+    applied. A bad LAST chunk (every other row applied by then) drops what was applied,
+    empties a table that existed empty, leaves a table outside the chain alone, and the
+    older chain comes out exactly: every row of it, none of the bad checkpoint's."""
+    root, snaps = two_chains
+    _flip_last_chunk(root, "ckpt-00000003-full")
+    s = EmbeddingStore()
+    s.create_table("emb", 8, initializer={"name": "normal", "stddev": 0.05},
+                   optimizer={"name": "adagrad", "learning_rate": 0.05})  # empty
+    other = s.create_table("other", 2)
+    other.insert(np.arange(10), np.ones((10, 2), np.float32))
+    import checkpoint.reader as reader
+    undone, undo = [], reader._undo
+    monkeypatch.setattr(reader, "_undo", lambda store, fresh: (undone.append(dict(fresh)),
+                                                               undo(store, fresh)))
+    info = restore(root, s)
+    assert info.chain == [1, 2] and any("ckpt-00000003-full" in p for p in info.skipped)
+    assert undone == [{"emb": True, "user/emb:0": False, "dense/w": False}]  # applied, then
+    got = snap(s)
+    assert got.pop("other")[0].tolist() == list(range(10))
+    assert_same(snaps[2], got)
+    assert sum(len(t) for n, t in s.tables().items() if n != "other") == \
+        sum(k.size for k, _ in snaps[2].values())
+
+
+def test_restore_into_a_table_with_rows_checks_everything_first(two_chains, monkeypatch):
+    """A target table with rows cannot be taken back: every chunk is checked before
+    anything is applied, so the bad checkpoint leaves no trace and the rows the table had
+    survive next to the older chain's."""
+    root, snaps = two_chains
+    _flip_last_chunk(root, "ckpt-00000003-full")
+    s = EmbeddingStore()
+    t = s.create_table("emb", 8, initializer={"name": "normal", "stddev": 0.05},
+                       optimizer={"name": "adagrad", "learning_rate": 0.05})
+    mine = np.array([11, 12], np.int64)
+    t.insert(mine, np.full((2, 8), 3.0, np.float32))
+    import checkpoint.reader as reader
+    applied = []
+    monkeypatch.setattr(reader, "_undo", lambda *a: applied.append(a))
+    info = restore(root, s)
+    assert info.chain == [1, 2] and not applied  # nothing to take back
+    keys, _, _ = s.get("emb").export_rows()
+    want = snaps[2]["emb"][0]
+    assert sorted(keys.tolist()) == sorted(set(want.tolist()) | {11, 12})
+    np.testing.assert_array_equal(s.get("emb").lookup(mine, insert_missing=False), 3.0)
+
+
 def test_list_chains_and_restore_variants(two_chains, caplog):
     root, snaps = two_chains
     assert [c.ids for c in list_chains(root)] == [[3, 4], [1, 2]]
@@ -829,6 +883,28 @@ def test_chunks_are_stored_raw_where_zstd_does_not_pay(tmp_path):
     assert not verify(tmp_path / "never")["ok"]
     with pytest.raises(NoValidCheckpoint):
         restore(tmp_path / "never", EmbeddingStore())
+
+
+def test_zstd_probe_backs_off_once_a_table_agrees_and_notices_a_change():
+    """The per-file zstd probe: every chunk until 4 in a row agree, then one in 8; a
+    change of answer is picked up at the next probe and probing is dense again."""
+    from checkpoint.writer import PROBE_EVERY, PROBE_STREAK, _Probe
+    truth = [False] * 40 + [True] * 40
+    calls = []
+
+    def pays(i):
+        calls.append(i)
+        return truth[i]
+
+    p = _Probe(pays)
+    got = [p.pays(i) for i in range(len(truth))]
+    assert calls[:PROBE_STREAK] == list(range(PROBE_STREAK))
+    assert calls[PROBE_STREAK] == PROBE_STREAK - 1 + PROBE_EVERY  # then one in 8
+    assert len(calls) < len(truth) // 2
+    first_true = next(i for i in calls if truth[i])
+    assert first_true < 40 + PROBE_EVERY  # the change is seen within one period
+    assert all(got[i] for i in range(first_true, len(truth)))
+    assert not any(got[:40])
 
 
 def test_format_2_checkpoints_still_verify_and_restore(tmp_path):

@@ -829,6 +829,152 @@ def test_load_rows_is_import_rows_without_the_checks():
     np.testing.assert_array_equal(ra[oa].view(np.uint32), rb[ob].view(np.uint32))
 
 
+def _keys_homed_at(idx: HashIndex, homes, n: int, start: int = 0) -> np.ndarray:
+    """``n`` int64 keys whose probe home in ``idx`` is one of ``homes``."""
+    cand = np.arange(start, start + 200_000, dtype=np.int64)
+    return cand[np.isin(idx._home(cand), homes)][:n]
+
+
+def test_place_rows_matches_a_dict_and_the_index_stays_right():
+    """HashIndex.place_rows (bulk loads): every key maps to the row of its LATEST copy
+    (duplicates within a batch and across batches), superseded rows are returned, and the
+    index then serves finds, inserts and removals like one built key by key -- also with
+    chains that wrap around the end of the table."""
+    rng = np.random.default_rng(31)
+    for trial in range(150):
+        rk = np.zeros(4096, np.int64)
+        idx = HashIndex(16, lambda: rk)
+        idx.size_for(int(rng.integers(1, 400)))
+        ref, dead_ref, row = {}, set(), 0
+        for step in range(4):
+            if trial % 3 == 0:  # crowd the last positions: chains wrap to position 0
+                mask = idx.capacity - 1
+                pool = _keys_homed_at(idx, [mask - 1, mask], 40, start=1000 * trial)
+                keys = rng.choice(pool, int(rng.integers(1, 30)))
+            elif trial % 3 == 1:  # many duplicates
+                keys = rng.integers(-20, 20, int(rng.integers(0, 60)))
+            else:
+                keys = rng.integers(-2**63, 2**63 - 1, int(rng.integers(0, 120)))
+            keys = keys.astype(np.int64)
+            if not idx.can_place_rows(keys.size):
+                break
+            rk[row:row + keys.size] = keys
+            dead = idx.place_rows(keys, row)
+            for i, k in enumerate(keys.tolist()):
+                if k in ref:
+                    dead_ref.add(ref[k])
+                ref[k] = row + i
+            row += keys.size
+            assert sorted(dead.tolist()) == sorted(dead_ref)
+            dead_ref = set()
+            assert len(idx) == len(ref)
+            probe = np.array(list(ref) + [2**62 + 7, -5_000_000], np.int64)
+            assert idx.find(probe).tolist() == [ref.get(k, -1) for k in probe.tolist()]
+        if trial % 3 == 0:
+            assert (idx._tab[:4] > 0).any()  # some chain did wrap around
+        # the index is an ordinary one afterwards: insert, remove, find again
+        more = np.arange(10**6, 10**6 + 50, dtype=np.int64)
+
+        def alloc(m, base=[row]):
+            base[0] += m
+            return np.arange(base[0] - m, base[0])
+
+        got, _, _ = idx.insert_new(more, alloc)
+        ref.update(zip(more.tolist(), got.tolist()))
+        gone = np.array(list(ref)[::3], np.int64)
+        assert (idx.remove(gone) == [ref.pop(k) for k in gone.tolist()]).all()
+        probe = np.concatenate([np.array(list(ref), np.int64), gone])
+        assert idx.find(probe).tolist() == [ref.get(k, -1) for k in probe.tolist()]
+        assert sorted(idx.keys().tolist()) == sorted(ref)
+
+
+def test_place_rows_refuses_an_index_it_cannot_fill_in_bulk():
+    idx = HashIndex(64)
+    idx.insert(np.arange(5, dtype=np.int64), np.arange(5))
+    idx.remove(np.array([1], np.int64))
+    assert not idx.can_place_rows(1)  # a deleted position: keys may sit behind it
+    with pytest.raises(RuntimeError, match="no deleted positions"):
+        idx.place_rows(np.array([9], np.int64), 10)
+    with pytest.raises(RuntimeError, match="empty index"):
+        idx.size_for(100)
+
+
+def test_bulk_load_rows_superseded_copies_and_the_table_afterwards():
+    """load_rows into an empty table (the bulk path): a key loaded twice, in one batch or
+    in a later one, keeps its LAST copy (value, slots, count) and the earlier row is
+    freed; then lookups, pushes, inserts and deletes work as on any table, and every row
+    is counted exactly once by an export."""
+    rng = np.random.default_rng(23)
+    opt = {"name": "adagrad", "learning_rate": 0.1}
+    a = EmbeddingTable("a", 4, optimizer=opt)
+    b = EmbeddingTable("b", 4, optimizer=opt, initial_capacity=6000)
+    small = EmbeddingTable("small", 4, optimizer=opt)  # made small: the load outgrows it
+    batches = []
+    for step in range(4):
+        keys = rng.integers(0, 4000, 1500).astype(np.int64)  # duplicates within and across
+        rows = rng.normal(size=(keys.size, a.row_width + 1)).astype(np.float32)
+        rows[:, 4:] = np.abs(rows[:, 4:])  # Adagrad accumulators are positive
+        rows[:, -1] = rng.integers(0, 100, keys.size)
+        batches.append((keys, rows))
+        a.import_rows(keys, rows)
+        # as a restore hands them over: the chunks of a batch as a list, not joined
+        b.load_rows(keys, [rows[:700], rows[700:]])
+        assert b._bulk_mark is not None  # every batch took the bulk path
+        if step < 2:  # no superseded rows yet: the index is rebuilt bigger, in bulk
+            small.load_rows(np.unique(keys) + 10**6 * step, rows[:np.unique(keys).size])
+            assert small._bulk_mark is not None
+    distinct = len(set(np.concatenate([k for k, _ in batches]).tolist()))
+    assert len(b) == distinct and b._nfree == 4 * 1500 - distinct
+
+    def same(x, y):
+        kx, rx, _ = x.export_rows(with_counts=True)
+        ky, ry, _ = y.export_rows(with_counts=True)
+        ox, oy = np.argsort(kx), np.argsort(ky)
+        np.testing.assert_array_equal(kx[ox], ky[oy])  # each key once
+        np.testing.assert_array_equal(rx[ox].view(np.uint32), ry[oy].view(np.uint32))
+
+    same(a, b)
+    ks = np.concatenate([np.unique(batches[0][0]), np.unique(batches[1][0]) + 10**6])
+    assert len(small) == ks.size and small._index.capacity > 2 * 1024
+    assert (small._index.find(ks) == np.arange(ks.size)).all()
+    probe = np.concatenate([batches[0][0][:100], np.arange(5000, 5100, dtype=np.int64)])
+    np.testing.assert_array_equal(a.lookup(probe), b.lookup(probe))  # 100 new keys too
+    g = rng.normal(size=(probe.size, 4)).astype(np.float32)
+    a.apply_gradients(probe, g)
+    b.apply_gradients(probe, g)
+    gone = batches[1][0][:300]
+    assert a.delete(gone) == b.delete(gone)
+    fresh = np.arange(9000, 12000, dtype=np.int64)  # reuses the freed rows, grows the index
+    a.lookup(fresh)
+    b.lookup(fresh)
+    same(a, b)
+    assert b.lookup(gone, insert_missing=False).shape == (300, 4)
+    assert (b._index.find(gone) < 0).all()
+
+
+def test_load_rows_into_a_table_with_rows_overwrites_in_place():
+    """A load into a table that had rows before (or a load after end_load) is not a bulk
+    load: present keys are overwritten in their rows, nothing is freed."""
+    t = EmbeddingTable("t", 4)
+    keys = np.arange(100, dtype=np.int64)
+    t.lookup(keys)  # rows from training, not from a load
+    before = t._index.find(keys)
+    rows = np.ones((100, t.row_width + 1), np.float32)
+    t.load_rows(keys, rows)
+    assert t._bulk_mark is None and t._nfree == 0
+    np.testing.assert_array_equal(t._index.find(keys), before)
+    u = EmbeddingTable("u", 4)
+    u.load_rows(keys, rows)  # empty: bulk
+    assert u._bulk_mark is not None
+    r1 = u._index.find(keys)
+    u.end_load()
+    u.load_rows(keys, 2 * rows)
+    np.testing.assert_array_equal(u._index.find(keys), r1)  # in place
+    assert u._nfree == 0 and (u.lookup(keys, False) == 2).all()
+    u.load_rows(keys[:10], 3 * rows[:10])  # still not a bulk load: no rows freed
+    assert u._nfree == 0 and u._bulk_mark is None
+
+
 def test_push_duplicates_use_row_seq_as_scratch_and_restamp_it():
     """Duplicate detection borrows row_seq (no per-row scratch array): after pushes and
     imports with duplicates every row carries the batch's sequence number again, and an

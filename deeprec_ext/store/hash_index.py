@@ -476,6 +476,94 @@ class HashIndex:
         rows -= 1
         return rows, new_keys, new_rows
 
+    def can_place_rows(self, n: int) -> bool:
+        """:meth:`place_rows` of ``n`` more keys is possible: no deleted positions, no
+        growth under way, and room for them at load <= 1/2 without a rehash."""
+        return (self._deleted == 0 and self._prev is None
+                and 2 * (self._size + n) <= self.capacity)
+
+    def size_for(self, n: int) -> None:
+        """Re-allocate an EMPTY index for ``n`` keys at load <= 3/8 (the load a rehash
+        targets), so a bulk load of ``n`` keys never grows it on the way."""
+        if self._size or self._prev is not None:
+            raise RuntimeError("size_for() needs an empty index")
+        cap = max(self.capacity, _MIN_CAPACITY)
+        while 8 * n > 3 * cap:
+            cap *= 2
+        if cap != self.capacity or self._deleted:
+            self._alloc(cap)
+
+    def place_rows(self, keys, first_row: int) -> np.ndarray:
+        """Bulk insert for loads (restores): ``keys`` [n] are the keys of the consecutive
+        rows ``first_row .. first_row + n - 1``, whose row -> key entries the caller has
+        already written. A key already in the index, or repeated in ``keys``, is a
+        superseded copy: the index keeps its highest row, i.e. the latest copy in load
+        order. Returns the superseded rows (int64, for the caller to free).
+
+        Unlike :meth:`find_or_insert` no claim codes, claimant sort or row allocation: a
+        position's code is the row itself, so each probing round is a gather, a scatter
+        and a read-back over the keys still walking. A key meeting a full position
+        compares its key (a duplicate) or steps on; a key losing an empty position to
+        another claimant stays and compares with the winner next round. Needs
+        :meth:`can_place_rows` (the caller checks, no growth happens here)."""
+        keys = _as_keys(keys)
+        n = keys.size
+        if n == 0:
+            return np.empty(0, dtype=np.int64)
+        if not self.can_place_rows(n):
+            raise RuntimeError("place_rows() needs no deleted positions, no growth under way "
+                               "and room for the keys")
+        if int(first_row) < 0 or int(first_row) + n - 1 > MAX_ROWS:
+            raise OverflowError(f"row ids must be in [0, {MAX_ROWS}]")
+        tab, mask, rk = self._tab, self._mask, self._row_keys()
+        p = self._home(keys)
+        code = np.arange(int(first_row) + 1, int(first_row) + n + 1, dtype=np.int32)
+        kq = keys
+        placed = 0
+        dup_pos = []  # positions where copies of one key met
+        dup_codes = []  # every code involved there (the highest stays)
+        while p.size:
+            st = tab.take(p)
+            full = st > 0  # no deleted positions and no claim codes here: > 0 or empty
+            adv = full  # full positions: step on unless the key is the same (below)
+            fi = np.flatnonzero(full)
+            if fi.size:
+                same = rk.take(st.take(fi).astype(np.int64) - 1) == kq.take(fi)
+                if same.any():
+                    hits = fi[same]
+                    hp, hc = p.take(hits), code.take(hits)
+                    dup_pos.append(hp)
+                    dup_codes += [st.take(hits), hc]
+                    np.maximum.at(tab, hp, hc)  # the latest copy (highest row) wins
+                    adv = full.copy()
+                    adv[hits] = False
+            if fi.size == p.size:
+                stay = adv
+            else:
+                fe = np.flatnonzero(~full)
+                cp, cc = p.take(fe), code.take(fe)
+                tab[cp] = cc  # one claimant per empty position survives
+                won = tab.take(cp) == cc
+                nw = int(np.count_nonzero(won))
+                placed += nw
+                stay = adv.copy()
+                if nw != fe.size:  # losers compare with the winner next round
+                    stay[fe[~won]] = True
+            p += adv
+            p &= mask
+            if not stay.all():
+                sel = np.flatnonzero(stay)
+                p, code, kq = p.take(sel), code.take(sel), kq.take(sel)
+        self._size += placed
+        if not dup_pos:
+            return np.empty(0, dtype=np.int64)
+        pos = np.concatenate(dup_pos)
+        codes = np.unique(np.concatenate(dup_codes))
+        kept = tab.take(pos)
+        dead = codes[~np.isin(codes, kept)].astype(np.int64)
+        dead -= 1
+        return dead
+
     def remove(self, keys) -> np.ndarray:
         """Remove keys; returns the removed row per input key (-1 where absent)."""
         keys = _as_keys(keys)

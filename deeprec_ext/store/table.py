@@ -403,6 +403,7 @@ class EmbeddingTable:
         self.policy_counters = {"admitted": 0, "rejected": 0, "evicted": 0, "dropped": 0}
         self._set_policies()
         self._hwm = 0  # rows [0, hwm) have been handed out at least once
+        self._bulk_mark = None  # (hwm, sequence) after a bulk load_rows batch
         self._free = np.empty(0, dtype=np.int64)  # stack of free row ids
         self._nfree = 0
         # change log and tombstone log (off for copies nobody exports from: replicas)
@@ -1088,26 +1089,38 @@ class EmbeddingTable:
         return self._upsert(keys, np.ascontiguousarray(rows[:, :self._width]), full_rows=True,
                             only_if_absent=False, counts=counts)
 
-    def load_rows(self, keys: np.ndarray, rows: np.ndarray) -> int:
+    def load_rows(self, keys: np.ndarray, rows) -> int:
         """Bulk :meth:`import_rows` for restores: int64 ``keys`` [n] and float32 ``rows``
         [n, row_width + 1] (update count last), from a checksummed checkpoint, so the
-        finiteness check of ``import_rows`` is skipped. Keys are found or placed in one
-        probing pass (``HashIndex.find_or_insert``), and a batch of distinct new keys
-        landing on consecutive arena rows (a fresh or growing table) is copied with one
-        slice assignment instead of a scatter. Same effect as ``import_rows`` otherwise
-        (one new sequence number, present keys overwritten, last duplicate wins)."""
+        finiteness check of ``import_rows`` is skipped. ``rows`` may also be a list of
+        such arrays (consecutive parts of the batch, e.g. the chunks a restore read; ``keys``
+        are theirs, concatenated): each part is copied into the arena as is, never joined.
+        Same effect as ``import_rows`` otherwise (one new sequence number, present keys
+        overwritten, the last of duplicate keys wins).
+
+        Into an empty table, and then for every further batch of the same load (nothing
+        else wrote to the store in between, :meth:`end_load` not called), rows go to
+        consecutive new arena rows and the index places their keys in bulk
+        (``HashIndex.place_rows``): a key already loaded is a superseded copy, whose old
+        row is freed. Into a table that had rows before, keys are found or placed in one
+        probing pass (``HashIndex.find_or_insert``) and present keys overwritten in place."""
         keys = _check_keys(keys)
-        rows = np.asarray(rows)
-        if rows.dtype != np.float32 or rows.shape != (keys.size, self._width + 1):
-            return self.import_rows(keys, rows)
+        parts = list(rows) if isinstance(rows, (list, tuple)) else [np.asarray(rows)]
+        width = self._width
+        if (sum(p.shape[0] for p in parts) != keys.size
+                or any(p.dtype != np.float32 or p.ndim != 2 or p.shape[1] != width + 1
+                       for p in parts)):
+            return self.import_rows(keys, parts[0] if len(parts) == 1 else np.concatenate(parts))
         n = int(keys.size)
         if n == 0:
             return 0
-        width = self._width
-        counts = np.clip(rows[:, width], 0, 2**32 - 1).astype(np.uint32)
         with self._lock:
             if self._width != width:
                 raise ValueError(f"table '{self.name}' was reconfigured during a load")
+            if self._bulk_ok(n):
+                return self._bulk_load(keys, parts)
+            rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            counts = np.clip(rows[:, width], 0, 2**32 - 1).astype(np.uint32)
             seq = self.sequence.next()
             # one probing pass finds the present keys and places the new ones
             got, new_keys, new_rows = self._index.find_or_insert(keys, self._allocate)
@@ -1131,6 +1144,60 @@ class EmbeddingTable:
                 self._row_step[got] = self._clock
             self._log_write(seq, got)
             return seq
+
+    def end_load(self) -> None:
+        """End a bulk load: the next :meth:`load_rows` treats the table as one that had
+        rows before (find-or-insert, overwrite in place) unless it is empty."""
+        with self._lock:
+            self._bulk_mark = None
+
+    def _bulk_ok(self, n: int) -> bool:
+        """Under the lock: may ``n`` rows be bulk-loaded (see :meth:`load_rows`)?"""
+        if self._seg is not None:
+            return False
+        if self._hwm == 0 and len(self._index) == 0 and not self._index.growing:
+            # first batch into an empty table: size the index for the rows the arena was
+            # made for (a restore creates the table at its checkpoint's row count), at the
+            # load a rehash would target, so the load never grows it on the way
+            self._index.size_for(max(n, self._arena.shape[0]))
+        elif self._bulk_mark != (self._hwm, self.sequence.value):
+            return False
+        if self._index.can_place_rows(n):
+            return True
+        if self._nfree or self._index.num_deleted or self._index.growing:
+            return False
+        # the load outgrew the index (a table made small, then restored into): every key
+        # in it came from this load, on rows [0, hwm) with none superseded (no free
+        # rows), so a bigger index is built in bulk from them, sized geometrically
+        idx = HashIndex(16, self._current_row_keys)
+        idx.size_for(max(2 * (self._hwm + n), self._arena.shape[0]))
+        idx.place_rows(self._row_key[:self._hwm], 0)
+        self._index = idx
+        return idx.can_place_rows(n)
+
+    def _bulk_load(self, keys: np.ndarray, parts: list) -> int:
+        """Rows ``parts`` to new consecutive arena rows, keys placed in bulk."""
+        n, width = int(keys.size), self._width
+        seq = self.sequence.next()
+        r0 = self._hwm
+        self._grow_arena(r0 + n)
+        self._hwm = r0 + n
+        self._row_key[r0:r0 + n] = keys  # the index reads keys from here
+        dead = self._index.place_rows(keys, r0)
+        at = r0
+        for p in parts:  # straight from the read buffers into the arena
+            m = p.shape[0]
+            self._write_slice(at, p[:, :width])
+            self._row_count[at:at + m] = np.clip(p[:, width], 0, 2**32 - 1)
+            at += m
+        self._row_seq[r0:r0 + n] = seq
+        if self._row_step is not None:  # a restored row starts a fresh lease
+            self._row_step[r0:r0 + n] = self._clock
+        if dead.size:  # earlier copies of keys loaded again (the later copy won)
+            self._release(dead)
+        self._log_write(seq, np.arange(r0, r0 + n, dtype=np.int64))
+        self._bulk_mark = (self._hwm, self.sequence.value)
+        return seq
 
     def _upsert(self, keys, data, full_rows: bool, only_if_absent: bool, counts=None) -> int:
         if keys.size == 0:
