@@ -637,3 +637,8 @@ def test_status_lines_name_what_happened():
         "shard 3 of worker-1 split at 100: the rest (shard 9) to worker-0"
     assert "81%" in _straggler_line({"kind": "hot_slot", "slot": 5, "ps": "ps-1",
                                      "lookup_share": 0.81})
+    assert _straggler_line({"kind": "straggler_spare", "state": "started", "id": "ps-1",
+                            "ids": ["ps-2"]}) == "straggler ps-1 suspected: ps-2 started to replace it"
+    assert _straggler_line({"kind": "straggler_spare", "state": "retired", "ids": ["ps-2"],
+                            "reason": "ps-1 is well again"}) == \
+        "spare ps-2 retired (ps-1 is well again)"
