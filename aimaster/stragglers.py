@@ -17,10 +17,12 @@ nothing). Observations without enough evidence (too few requests) change nothing
 Mitigation, each an operation of the control plane (``JobMaster`` queues it; the same live
 migration as a scale, so no update is lost) or a shard-service change, each an event:
 
-- slow PS: re-place slots by capacity (``straggler_rebalance``: each PS's share of bytes
-  and lookups proportional to its measured service rate), then, when it is still slow a
-  window later or slower than ``replace_below`` x the median, ``straggler_replace``: a new
-  PS, the slow one's slots moved to the fleet live, the slow one retired;
+- slow PS: below ``replace_below`` x the other PS' service rate, ``straggler_replace`` at
+  once: a new PS, the slow one's slots moved to the fleet live, the slow one retired;
+  otherwise first a re-placement by capacity (``straggler_rebalance``: each PS's share of
+  bytes and lookups proportional to its measured service rate), and the replacement when
+  it is still slow a window later. The new PS is started when the PS is first suspected
+  (``straggler_spare``) and retired if no replacement takes it;
 - idle worker while another holds a shard (the tail of the data, or a slow worker): the
   holder is asked to split its shard at the record it reached; the rest goes to the idle
   worker (``shard_split``, aimaster/shards.py). Never a fast worker's shard for a slower
