@@ -301,6 +301,11 @@ def _straggler_line(e: dict) -> str:
                 f"{e.get('capacity')}")
     if k == "straggler_replace":
         return f"straggler {e.get('slow')} replaced by {e.get('new')} ({e.get('reason')})"
+    if k == "straggler_spare":
+        ids = ", ".join(e.get("ids") or []) or "none"
+        if e.get("state") == "started":
+            return f"straggler {e.get('id')} suspected: {ids} started to replace it"
+        return f"spare {ids} retired ({e.get('reason')})"
     if k == "shard_split":
         return (f"shard {e.get('shard')} of {e.get('worker')} split at {e.get('at')}: "
                 f"the rest (shard {e.get('new_shard')}) to {e.get('to')}")

@@ -235,9 +235,11 @@ class StragglersConfig(_Section):
                           "1/k of the median worker's. Above 1.", gt=0)
     interval_seconds: Number = _num(1.0, "One observation (the stats members send with their "
                                          "heartbeats) per interval.", gt=0)
-    window_seconds: Number = _num(5.0, "A member must be slow (or well again) for this long "
-                                       "before it is marked (or cleared): one GC pause does "
-                                       "nothing. At least `interval_seconds` and "
+    window_seconds: Number = _num(5.0, "Each verdict pools this span; a member must be slow "
+                                       "(or well again) for this long before it is marked (or "
+                                       "cleared): one GC pause does nothing. A PS is marked "
+                                       "after half of it (its verdicts already pool a window). "
+                                       "At least `interval_seconds` and "
                                        "`master.heartbeat_seconds`.", gt=0)
     min_requests: StrictInt = Field(20, ge=1, description=(
         "Data-plane requests a PS must serve in an interval for its latency to count."))
@@ -249,10 +251,12 @@ class StragglersConfig(_Section):
         "owns about half the load)."))
     replace: StrictBool = Field(True, description=(
         "Slow PS still slow one window after re-placement, or below `replace_below`: "
-        "start a new PS, move its slots live, retire it."))
-    replace_below: Number = _num(0.2, "Replace at once a PS whose service rate (a worker "
-                                      "whose records/s) is below this x the median (below "
-                                      "1/k).", gt=0)
+        "start a new PS, move its slots live, retire it (the new PS is started as soon "
+        "as the PS is suspected, and retired if it is not needed)."))
+    replace_below: Number = _num(0.2, "Replace at once, without re-placement first, a PS "
+                                      "whose service rate is below this x the median of the "
+                                      "other PS' (a worker whose records/s is below this x "
+                                      "the median). Below 1/k.", gt=0)
     min_weight: Number = _num(0.1, "Smallest capacity weight re-placement gives a PS.",
                               gt=0, le=1)
     split_shards: StrictBool = Field(True, description=(

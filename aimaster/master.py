@@ -913,6 +913,8 @@ class JobMaster:
                 raise OperationRefused(str(exc)) from exc
             event.update(moved_rows=result.moved_rows, moved_bytes=result.moved_bytes,
                          fence_ms=round(result.fence_ms, 3), epoch=result.routing.epoch)
+            if capacity is not None:
+                event["phases_ms"] = result.phases_ms
         event["duration_ms"] = round((self.clock() - start) * 1000, 3)
         return self._record(event, started_at)
 
@@ -934,6 +936,42 @@ class JobMaster:
         self._require_running()
         return self._run_op(OpKind.RESCALE, lambda cancel: self._replace_op(ps_id, detail, timeout),
                             key="straggler", timeout=timeout + 60)
+
+    def prestart_ps(self, slow: str) -> list[str]:
+        """Start the PS that would replace ``slow`` now, before any replacement is decided
+        (a suspected straggler): its process start is then off the replacement's path.
+        Outside the operation queue on purpose (it runs beside a re-placement); a later
+        ``replace_ps`` asks the scaler for the same count, which starts nothing more, and
+        takes it. Returns the node ids started (none when one runs already)."""
+        self._require_running()
+        routing = self.routing
+        if routing is None or slow not in routing.ps_ids:
+            raise OperationRefused(f"{slow} owns no slots")
+        refusal = self.scaler.retire_refusal(slow)
+        if refusal:
+            raise OperationRefused(f"{slow} cannot be retired ({refusal})")
+        total = len(routing.ps_ids) + 1
+        started = self.on_main(lambda: self.scaler.start_replacement("ps", slow, total))
+        return list(started.started)
+
+    def retire_spare_ps(self, spare_ids: list[str], detail: dict,
+                        timeout: float = 120.0) -> dict:
+        """Let pre-started PS go that no replacement took (``prestart_ps``): the count goes
+        back, so no PS that owns slots leaves. Queued as an operation (never beside a
+        scale or a replacement). Returns the event (kind ``straggler_spare``)."""
+        self._require_running()
+
+        def op(cancel):
+            ids = set(self.routing.ps_ids)
+            idle = [i for i in spare_ids if i not in ids]  # a spare a scale took stays
+            for i in idle:
+                self.registry.mark(i, MemberState.LEFT)  # told to stop with its next heartbeat
+            if idle:
+                self.on_main(lambda: self.scaler.apply(ScalePlan(
+                    ps=self._count_keeping("ps", sorted(ids)))))
+            event = {"kind": "straggler_spare", "state": "retired", "ids": idle, **detail}
+            return self._record(event, time.time())
+        return self._run_op(OpKind.RESCALE, op, key="straggler", timeout=timeout)
 
     def _start_ps(self, total: int, old_ids: list[str], deadline: float,
                   replacing: str | None = None) -> list:
@@ -984,9 +1022,11 @@ class JobMaster:
         start, started_at = self.clock(), time.time()
         deadline = start + timeout
         n = len(old_ids)
-        # a replacement the cluster cannot place (Pending) must not hold the queue long
+        # a replacement the cluster cannot place (Pending) must not hold the queue long;
+        # one pre-started while the PS was suspected (prestart_ps) is taken as it is
         new = self._start_ps(n + 1, old_ids, min(deadline, start + self.config.ps_start_timeout),
                              replacing=slow)[0]
+        new_ready = self.clock()
         new_ids = [i for i in old_ids if i != slow] + [new.id]
         try:
             result = self._move_slots(old, old_ids, new_ids)
@@ -1001,7 +1041,10 @@ class JobMaster:
         event = {"kind": "straggler_replace", "slow": slow, "new": new.id,
                  "moved_slots": result.moved_slots, "moved_rows": result.moved_rows,
                  "moved_bytes": result.moved_bytes, "fence_ms": round(result.fence_ms, 3),
-                 "epoch": result.routing.epoch, **detail}
+                 "epoch": result.routing.epoch,
+                 # waiting for the new PS (about 0 when it was pre-started), then the move
+                 "new_ps_wait_ms": round((new_ready - start) * 1000, 3),
+                 "phases_ms": result.phases_ms, **detail}
         event["duration_ms"] = round((self.clock() - start) * 1000, 3)
         return self._record(event, started_at)
 

@@ -35,6 +35,9 @@ class MigrationResult:
     rounds: int = 0
     fence_ms: float = 0.0
     drops: dict = field(default_factory=dict)
+    # where the time went: snapshot, catchup (all rounds), fence (the SetRouting calls),
+    # last_delta, publish; what a move waits on (a slow source shows in each)
+    phases_ms: dict = field(default_factory=dict)
 
 
 # Gazer: what the migration in progress (or the last one) is doing, read by the monitor.
@@ -96,32 +99,48 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
 
     old_ids = list(old.ps_ids)
     fenced = False
-    with ThreadPoolExecutor(max_workers=max(1, min(8, len(pairs)))) as pool:
+    phases = result.phases_ms
+    clock = [time.monotonic()]
+
+    def lap(phase: str) -> None:
+        now = time.monotonic()
+        phases[phase] = round(phases.get(phase, 0.0) + (now - clock[0]) * 1000, 3)
+        clock[0] = now
+
+    # one thread per pair, and one per old PS for the fence
+    with ThreadPoolExecutor(max_workers=max(1, min(8, max(len(pairs), len(old_ids))))) as pool:
         try:
             # 1. snapshot while serving, 2. catch-up rounds until the deltas are small
             list(pool.map(lambda p: ship(p, True), pairs))
             result.rounds = 1
+            lap("snapshot")
             for _ in range(max_catchup_rounds):
                 _progress(phase="catchup", pairs_done=0)
                 sent = list(pool.map(lambda p: ship(p, False), pairs))
                 result.rounds += 1
                 if max(sent, default=0) <= small_delta_rows:
                     break
-            # 3. fence: every old PS keeps only what it keeps in the new layout
+            lap("catchup")
+            # 3. fence: every old PS keeps only what it keeps in the new layout. All at
+            # once: one after the other, each waited for the slowest PS's answer in turn
+            # while every moving slot was already fenced on the PS before it
             fence_start = time.monotonic()
             fenced = True
             _progress(phase="fence", pairs_done=0)
-            for ps in old_ids:
-                fleet.fence(address[ps], fence_epoch, old.num_slots,
-                            (old_owner_ids == ps) & (new_owner_ids == ps))
+            list(pool.map(lambda ps: fleet.fence(address[ps], fence_epoch, old.num_slots,
+                                                 (old_owner_ids == ps) & (new_owner_ids == ps)),
+                          old_ids))
+            lap("fence")
             # 4. last delta: nothing can write the fenced slots any more; the new owners
             # also learn which pushes were applied (a push resent to them is not re-applied)
             list(pool.map(lambda p: ship(p, False, last=True), pairs))
             result.rounds += 1
+            lap("last_delta")
             # 5. hand over: every PS learns the new layout (and ring) at the next epoch,
             # then the clients
             _progress(phase="handover")
             publish(new_routing)
+            lap("publish")
             result.fence_ms = (time.monotonic() - fence_start) * 1000
         except Exception as exc:
             _progress(active=False, phase="failed")

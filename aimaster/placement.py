@@ -41,20 +41,25 @@ def imbalance(owner: np.ndarray, values: np.ndarray, n: int) -> float:
     return float(per.max() / mean) if mean > 0 else 1.0
 
 
-def capacity_weights(service_ms: dict[str, float], ps_ids: list[str],
-                     min_weight: float = 0.1) -> list[float]:
-    """Each PS's capacity relative to the median PS, from its measured data-plane service
-    time: a PS that serves at half the median speed weighs 0.5 (at most 1, at least
-    ``min_weight``; a PS without a measurement weighs 1)."""
-    known = [v for v in service_ms.values() if v > 0]
-    if not known:
-        return [1.0] * len(ps_ids)
-    med = float(np.median(known))
+def service_rates(service_ms: dict[str, float], ps_ids: list[str]) -> list[float]:
+    """Each PS's service rate relative to the median of the *other* PS, from its measured
+    data-plane service time (a PS taking twice the others' time: 0.5; unbounded above; a
+    PS without a measurement, or with no measured peer: 1). Against a median that
+    includes the PS itself, one slow PS of two could never measure below 0.5."""
     out = []
     for p in ps_ids:
         v = service_ms.get(p, 0.0)
-        out.append(1.0 if v <= 0 else float(min(1.0, max(min_weight, med / v))))
+        others = [x for q, x in service_ms.items() if q != p and q in ps_ids and x > 0]
+        out.append(1.0 if v <= 0 or not others else float(np.median(others)) / v)
     return out
+
+
+def capacity_weights(service_ms: dict[str, float], ps_ids: list[str],
+                     min_weight: float = 0.1) -> list[float]:
+    """Each PS's capacity weight for placement: its service rate relative to the median
+    of the other PS (``service_rates``), at most 1 and at least ``min_weight``: a PS that
+    serves at half the others' speed weighs 0.5."""
+    return [float(min(1.0, max(min_weight, r))) for r in service_rates(service_ms, ps_ids)]
 
 
 def balance(slot_owner: np.ndarray, old_ps: list[str], new_ps: list[str], loads: np.ndarray,

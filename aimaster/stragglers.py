@@ -17,10 +17,12 @@ nothing). Observations without enough evidence (too few requests) change nothing
 Mitigation, each an operation of the control plane (``JobMaster`` queues it; the same live
 migration as a scale, so no update is lost) or a shard-service change, each an event:
 
-- slow PS: re-place slots by capacity (``straggler_rebalance``: each PS's share of bytes
-  and lookups proportional to its measured service rate), then, when it is still slow a
-  window later or slower than ``replace_below`` x the median, ``straggler_replace``: a new
-  PS, the slow one's slots moved to the fleet live, the slow one retired;
+- slow PS: below ``replace_below`` x the other PS' service rate, ``straggler_replace`` at
+  once: a new PS, the slow one's slots moved to the fleet live, the slow one retired;
+  otherwise first a re-placement by capacity (``straggler_rebalance``: each PS's share of
+  bytes and lookups proportional to its measured service rate), and the replacement when
+  it is still slow a window later. The new PS is started when the PS is first suspected
+  (``straggler_spare``) and retired if no replacement takes it;
 - idle worker while another holds a shard (the tail of the data, or a slow worker): the
   holder is asked to split its shard at the record it reached; the rest goes to the idle
   worker (``shard_split``, aimaster/shards.py). Never a fast worker's shard for a slower
@@ -38,7 +40,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from aimaster.errors import Busy, OperationRefused
-from aimaster.placement import capacity_weights
+from aimaster.placement import capacity_weights, service_rates
 from aimaster.plugins import MasterPlugin
 from aimaster.view import JobPhase
 from deeprec_ext.proto import gazer_pb2
@@ -56,11 +58,13 @@ PROBES = 5  # per PS and observation, spread over the interval
 
 
 class Hysteresis:
-    """Per member: marked once ``bad`` held for ``window`` seconds, cleared once it did not
-    for ``window`` seconds. ``None`` (no evidence) changes nothing."""
+    """Per member: marked once ``bad`` held for ``mark_after`` seconds (default
+    ``window``), cleared once it did not for ``window`` seconds. ``None`` (no evidence)
+    changes nothing."""
 
-    def __init__(self, window: float):
+    def __init__(self, window: float, mark_after: float | None = None):
         self.window = window
+        self.mark_after = window if mark_after is None else mark_after
         self.marked: dict[str, float] = {}        # member -> when it was marked
         self._bad_since: dict[str, float] = {}
         self._good_since: dict[str, float] = {}
@@ -72,7 +76,7 @@ class Hysteresis:
         if bad:
             self._good_since.pop(member, None)
             since = self._bad_since.setdefault(member, now)
-            if member not in self.marked and now - since >= self.window:
+            if member not in self.marked and now - since >= self.mark_after:
                 self.marked[member] = now
                 return "detected"
         else:
@@ -82,6 +86,10 @@ class Hysteresis:
                 del self.marked[member]
                 return "cleared"
         return None
+
+    def bad_since(self, member: str) -> float | None:
+        """Since when ``member`` has been slow without a break (None: it is not)."""
+        return self._bad_since.get(member)
 
     def forget(self, member: str) -> None:
         for d in (self.marked, self._bad_since, self._good_since):
@@ -97,6 +105,7 @@ class PsWindow:
     cpu: float            # cores used
     probe_ms: float = 0.0  # median time to answer the AIMaster's probes (0: not probed)
     mean_ms: float = 0.0   # mean service time: the inverse of its service rate
+    probe_mean_ms: float = 0.0  # the probes' mean, the largest tenth left out
 
 
 def ps_verdicts(windows: dict[str, PsWindow], k: float, min_requests: int,
@@ -124,7 +133,8 @@ def ps_verdicts(windows: dict[str, PsWindow], k: float, min_requests: int,
         if w.probe_ms > 0 and probed:
             medp = max(float(np.median(probed)), PROBE_FLOOR_MS)
             probe_ratio = w.probe_ms / medp
-            detail.update(probe_ms=round(w.probe_ms, 3), median_probe_ms=round(medp, 3))
+            detail.update(probe_ms=round(w.probe_ms, 3), median_probe_ms=round(medp, 3),
+                          probe_mean_ms=round(w.probe_mean_ms, 3))
         if w.requests < min_requests or not timed:
             if probe_ratio:
                 # too few requests to time (a PS slow enough serves few: clients wait on
@@ -186,17 +196,28 @@ class StragglerPlugin(MasterPlugin):
         # pools a whole window (a p99 of one heartbeat's 25 requests is their maximum)
         self._ps_reports: dict[str, deque] = {}
         self._ps_probes: dict[str, deque] = {}
-        self._ps_p50: dict[str, deque] = {}
+        self._ps_service: dict[str, deque] = {}
         self._worker_samples: dict[str, deque] = {}
-        self.ps_marks = Hysteresis(float(self.cfg.window_seconds))
+        # a PS verdict pools a whole window, and its probe median turns only once half of
+        # that window was slow: half a window more of slow verdicts makes a window of
+        # slowness (one stall moves neither the median nor, among hundreds of requests,
+        # the p99). A worker's records/s is a mean over the window: it keeps a whole one
+        self.ps_marks = Hysteresis(float(self.cfg.window_seconds),
+                                   max(float(self.cfg.window_seconds) / 2,
+                                       float(self.cfg.interval_seconds)))
         self.worker_marks = Hysteresis(float(self.cfg.window_seconds))
         self._details: dict[str, dict] = {}
         self._reweighted: dict[str, float] = {}   # PS -> when its share was cut
         self._noop_at: dict[str, float] = {}      # PS -> when a re-placement moved nothing
         self._replaced: set[str] = set()
+        # PS suspected slow -> (PS pre-started to replace it, when); the last slow verdict
+        self._spares: dict[str, tuple[list[str], float]] = {}
+        self._last_bad: dict[str, float] = {}
+        self._prestarting: set[str] = set()
         self._hot_reported: set[int] = set()
         self._rates: dict[str, float] = {}        # worker -> records/s over the window
         self.actions: list[dict] = []             # what was done, for tests and logs
+        self._rng = np.random.default_rng()
 
     # -- hooks ---------------------------------------------------------------------------
     def on_heartbeat(self, master, request) -> None:
@@ -235,6 +256,10 @@ class StragglerPlugin(MasterPlugin):
     # -- the loop ------------------------------------------------------------------------
     def _loop(self, master) -> None:
         interval = float(self.cfg.interval_seconds)
+        # an interval between observations, the probes' time (about half an interval) on
+        # top: with one observation per interval a worker whose records/s sits near 1/k
+        # had more chances per window to measure above it once and start its window again
+        # (marked 17.5 s after it slowed instead of 12.6-12.9 s, one run)
         while not self._stop.wait(interval) and master.phase == JobPhase.RUNNING:
             try:
                 self.step(master, time.monotonic())
@@ -285,18 +310,27 @@ class StragglerPlugin(MasterPlugin):
                 while pq and now - pq[0][0] > window:
                     pq.popleft()
                 if p in windows:
-                    windows[p].probe_ms = float(np.median([v for _, v in pq]))
+                    vals = np.sort([v for _, v in pq])
+                    windows[p].probe_ms = float(np.median(vals))
+                    windows[p].probe_mean_ms = float(vals[:max(1, int(0.9 * vals.size))].mean())
         if len(windows) < 2:
             return
         verdicts = ps_verdicts(windows, float(self.cfg.k), self.cfg.min_requests,
                                float(self.cfg.cpu_saturated))
         log.debug("stragglers: PS %s", {p: (b, d) for p, (b, d) in verdicts.items()})
         for ps, (bad, detail) in verdicts.items():
-            # its service rate: the mean (a stop inside some requests counts in full),
-            # or the probes' wait when that is longer
-            service = max(detail.get("mean_ms", 0.0), detail.get("probe_ms", 0.0))
+            if bad:
+                self._last_bad[ps] = now
+            # its service time: the mean of its requests (a stop inside some of them counts
+            # in full), or the probes' mean wait when that is longer. The mean, not the
+            # median the verdict uses: what clients wait on average is what sets their
+            # speed, and a median of probes turns only once half the window was slow,
+            # while the mean follows at once (the verdict, robust, decides whether; this,
+            # how much). Not below the probes' floor: loopback jitter is no capacity
+            probe = detail.get("probe_mean_ms", 0.0)
+            service = max(detail.get("mean_ms", 0.0), max(probe, PROBE_FLOOR_MS) if probe else 0.0)
             if service:
-                self._ps_p50.setdefault(ps, deque(maxlen=64)).append((now, service))
+                self._ps_service.setdefault(ps, deque(maxlen=64)).append((now, service))
             change = self.ps_marks.update(ps, now, bad)
             if bad:
                 self._details[ps] = detail
@@ -310,30 +344,86 @@ class StragglerPlugin(MasterPlugin):
                 self._details.pop(ps, None)
             elif ps in self.ps_marks.marked and bad:  # still slow in the newest window
                 self._act_on_ps(master, ps, now, first=False)
+            if bad:
+                self._maybe_prestart(master, ps, now)
+        self._tend_spares(master, owners, now)
+
+    # a spare PS: started while a PS is only suspected, so that its replacement does not
+    # wait for a process to start; retired when no replacement took it
+    def _maybe_prestart(self, master, ps: str, now: float) -> None:
+        """A PS slow at two observations in a row (one interval), or marked: start the
+        PS that would replace it."""
+        since = self.ps_marks.bad_since(ps)
+        if (not self.cfg.replace or self.cfg.dry_run or ps in self._spares
+                or ps in self._replaced or since is None
+                or (now - since < float(self.cfg.interval_seconds)
+                    and ps not in self.ps_marks.marked)):
+            return
+        self._spares[ps] = ([], now)
+        self._prestarting.add(ps)
+        threading.Thread(target=self._prestart, args=(master, ps, now), daemon=True,
+                         name="stragglers-prestart").start()
+
+    def _prestart(self, master, ps: str, now: float) -> None:
+        try:
+            ids = master.prestart_ps(ps)
+        except Exception as exc:  # noqa: BLE001 - the replacement starts its own PS then
+            log.info("stragglers: no spare PS for %s (%s)", ps, exc)
+            ids = []
+        self._spares[ps] = (ids, now)  # before it may be tended
+        self._prestarting.discard(ps)
+        if ids:
+            master.straggler_event("straggler_spare", state="started", ids=ids, id=ps)
+
+    def _tend_spares(self, master, owners: set, now: float) -> None:
+        """Forget the spare of a PS that was replaced (the replacement took it) or is well
+        again (no slow verdict for a window while unmarked: retired)."""
+        routing = master.routing
+        for ps, (ids, _) in list(self._spares.items()):
+            if ps in self._prestarting:
+                continue
+            gone = ps not in owners
+            calm = (ps not in self.ps_marks.marked
+                    and now - self._last_bad.get(ps, -np.inf) >= self.cfg.window_seconds)
+            if not (gone or calm):
+                continue
+            idle = [i for i in ids if routing is None or i not in routing.ps_ids]
+            if not idle:
+                self._spares.pop(ps, None)
+            elif (not self.cfg.dry_run and
+                  (self._actor is None or not self._actor.is_alive())):
+                self._spares.pop(ps, None)
+                self._start(master, "retire_spare", ps,
+                            {"reason": f"{ps} was replaced" if gone else f"{ps} is well again",
+                             "spare_ids": idle})
 
     def _probe(self, master, routing) -> dict[str, list[float]]:
         """Probe times per PS: PROBES trivial requests to every PS, spread over about half
         an interval (a PS stopped part of the time answers some of them late)."""
         times: dict[str, list[float]] = {p: [] for p in routing.ps_ids}
+        # at random moments, each a random time after the previous probe came back: probes
+        # at fixed times fell in step with a periodic stall (a CPU quota's 100 ms period,
+        # a stop/continue duty cycle), and a probe due while one waited went out just as
+        # the PS resumed; either way they found a PS stopped 70% of the time running
         gap = float(self.cfg.interval_seconds) / 2 / PROBES
         for _ in range(PROBES):
+            if self._stop.wait(self._rng.uniform(0.0, 2 * gap)):
+                break
             for p, address in zip(routing.ps_ids, routing.ps_addresses):
                 try:
                     times[p].append(master.ps_probe_ms(address, timeout=2.0))
                 except Exception:  # noqa: BLE001 - no answer in 2 s: as slow as that
                     times[p].append(2000.0)
-            if self._stop.wait(gap):
-                break
         return times
 
     def _service_ms(self, now: float) -> dict[str, float]:
-        """Each PS's service time (mean, or its probes' wait) over the window: the inverse
-        of its service rate."""
+        """Each PS's service time (mean, or its probes' wait), the newest measured within
+        the window: the inverse of its service rate. Each is pooled over a window already;
+        averaging them again made the rate lag a second window behind."""
         out = {}
-        for ps, q in self._ps_p50.items():
-            vals = [v for t, v in q if now - t <= self.cfg.window_seconds]
-            if vals:
-                out[ps] = max(float(np.mean(vals)), FLOOR_MS)
+        for ps, q in self._ps_service.items():
+            if q and now - q[-1][0] <= self.cfg.window_seconds:
+                out[ps] = max(float(q[-1][1]), FLOOR_MS)
         return out
 
     def _act_on_ps(self, master, ps: str, now: float, first: bool) -> None:
@@ -344,9 +434,10 @@ class StragglerPlugin(MasterPlugin):
             return
         service = self._service_ms(now)
         ids = list(routing.ps_ids)
-        weights = dict(zip(ids, capacity_weights({p: service.get(p, 0.0) for p in ids}, ids,
-                                                 float(self.cfg.min_weight))))
-        rate = weights.get(ps, 1.0)
+        measured = {p: service.get(p, 0.0) for p in ids}
+        weights = dict(zip(ids, capacity_weights(measured, ids, float(self.cfg.min_weight))))
+        # unclamped (min_weight bounds the placement, not the verdict)
+        rate = dict(zip(ids, service_rates(measured, ids))).get(ps, 1.0)
         detail = {"slow": ps, "service_rate": round(rate, 3)}
         if self.cfg.replace and (rate < self.cfg.replace_below or (
                 ps in self._reweighted and now - self._reweighted[ps] >= self.cfg.window_seconds)):
@@ -378,12 +469,16 @@ class StragglerPlugin(MasterPlugin):
                 else:  # nothing moved: its share was not cut, try again a window later
                     self._reweighted.pop(ps, None)
                     self._noop_at[ps] = time.monotonic()
+            elif action == "retire_spare":
+                event = master.retire_spare_ps(detail["spare_ids"], {"id": ps,
+                                                                     "reason": detail["reason"]})
             elif action == "replace_worker":
                 event = master.replace_worker(ps, dict(detail))
                 # nor is its replacement replaced in turn: slow too, it points at the host
                 self._replaced.add(event.get("new", ""))
             else:
-                event = master.replace_ps(ps, {"reason": detail.get("reason", "")})
+                event = master.replace_ps(ps, {k: detail[k] for k in ("reason", "service_rate")
+                                               if k in detail})
             ok = True
         except OperationRefused as exc:
             event, ok = {"reason": str(exc)}, False

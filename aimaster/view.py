@@ -145,6 +145,12 @@ class JobView:
     def replace_worker(self, worker_id: str, detail: dict, timeout: float = 600.0) -> dict:
         return self._m.replace_worker(worker_id, detail, timeout)
 
+    def prestart_ps(self, slow: str) -> list[str]:
+        return self._m.prestart_ps(slow)
+
+    def retire_spare_ps(self, spare_ids: list[str], detail: dict) -> dict:
+        return self._m.retire_spare_ps(spare_ids, detail)
+
     def slot_stats(self):
         """(bytes, lookups) per slot of the current routing, or None."""
         routing = self._m.routing

@@ -2,6 +2,7 @@
 section's refusals of contradictory thresholds."""
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -110,6 +111,125 @@ def test_capacity_weighted_placement_gives_a_half_speed_ps_half_the_load():
     assert imbalance(new, lookups, 3) > 1.1
     with pytest.raises(ValueError, match="capacity"):
         balance(owner, ids, ids, loads, 0.05, [1, 0, 1])
+
+
+def test_a_ps_is_weighed_against_the_others_not_against_itself():
+    # two PS, one 10x slower: against a median that included itself it weighed 0.55 and
+    # never reached replace_below; against the other PS it is the 0.1 it is
+    from aimaster.placement import service_rates
+    ids = ["ps-0", "ps-1"]
+    assert service_rates({"ps-0": 2.0, "ps-1": 20.0}, ids) == pytest.approx([10.0, 0.1])
+    assert capacity_weights({"ps-0": 2.0, "ps-1": 20.0}, ids, 0.05) == pytest.approx([1.0, 0.1])
+    assert service_rates({"ps-0": 2.0}, ids) == [1.0, 1.0]   # nothing to compare with
+    three = ["ps-0", "ps-1", "ps-2"]
+    assert service_rates({"ps-0": 1.0, "ps-1": 3.0, "ps-2": 8.0}, three)[2] == pytest.approx(0.25)
+
+
+def test_a_ps_is_marked_after_half_a_window_of_slow_verdicts():
+    # each verdict pools a whole window: half a window more makes a window of slowness
+    h = Hysteresis(window=6.0, mark_after=3.0)
+    assert [h.update("ps-1", t, True) for t in (0, 1, 2)] == [None] * 3
+    assert h.update("ps-1", 3, True) == "detected"
+    assert [h.update("ps-1", t, False) for t in (4, 6, 9)] == [None] * 3   # cleared: a window
+    assert h.update("ps-1", 10, False) == "cleared"
+    assert h.bad_since("ps-1") is None
+
+
+def test_probes_at_random_moments_see_a_periodic_stall():
+    """A PS stopped 70 ms of every 100 ms (a duty cycle, a CPU quota's period): probes
+    spaced evenly by the period all found it running; at random moments about 70% of
+    them wait, and the median shows it."""
+    from aimaster.config import parse_job
+    from aimaster.stragglers import StragglerPlugin
+    from deeprec_ext.client.routing import RoutingTable
+
+    t0 = time.monotonic()
+
+    class Stalling:
+        def ps_probe_ms(self, address, timeout=2.0):
+            phase = (time.monotonic() - t0) % 0.1
+            wait = 0.07 - phase if address == "slow" and phase < 0.07 else 0.0
+            time.sleep(wait)
+            return wait * 1000 + 0.5
+
+    plugin = StragglerPlugin(parse_job({"stragglers": {"enabled": True}}))
+    routing = RoutingTable(1, 8, ("ps-0", "ps-1"), ("fast", "slow"), np.zeros(8, np.int32))
+    times = {"ps-0": [], "ps-1": []}
+    for _ in range(8):
+        for p, v in plugin._probe(Stalling(), routing).items():
+            times[p] += v
+    slow = np.asarray(times["ps-1"])
+    assert slow.size == 40 and max(times["ps-0"]) < 1
+    # 70% expected (sd 7%); probes at fixed times, or sent as soon as one came back,
+    # found it stopped 10-20% of the time
+    assert (slow > 1).mean() > 0.45 and slow.mean() > 10, slow.round(1)
+
+
+def test_a_spare_ps_is_started_on_suspicion_and_retired_when_not_needed():
+    """Slow at two observations in a row: a PS is pre-started for its replacement. Well
+    again for a window while unmarked: the spare is retired; replaced (the spare took its
+    place): forgotten. Not with replace off or in a dry run."""
+    from aimaster.config import parse_job
+    from aimaster.stragglers import StragglerPlugin
+    from deeprec_ext.client.routing import RoutingTable
+
+    class FakeJob:
+        def __init__(self):
+            self.calls = []
+            self.routing = RoutingTable(1, 8, ("ps-0", "ps-1"), ("a", "b"),
+                                        np.zeros(8, np.int32))
+
+        def prestart_ps(self, slow):
+            self.calls.append(("prestart", slow))
+            return ["ps-2"]
+
+        def retire_spare_ps(self, ids, detail):
+            self.calls.append(("retire", tuple(ids), detail["reason"]))
+            return {}
+
+        def straggler_event(self, kind, **fields):
+            self.calls.append((kind, fields.get("state")))
+
+    def plugin(**over):
+        return StragglerPlugin(parse_job({"stragglers": {"enabled": True, "window_seconds": 6,
+                                                         **over}}))  # marked after 3 s
+
+    def observe(p, job, now, bad, owners=("ps-0", "ps-1")):
+        p._last_bad.update({"ps-1": now} if bad else {})
+        p.ps_marks.update("ps-1", now, bad)
+        if bad:
+            p._maybe_prestart(job, "ps-1", now)
+        for t in threading.enumerate():
+            if t.name == "stragglers-prestart":
+                t.join(5)
+        p._tend_spares(job, set(owners), now)
+        if p._actor is not None:
+            p._actor.join(5)
+
+    p, job = plugin(), FakeJob()
+    observe(p, job, 0.0, True)
+    assert job.calls == []                                  # one slow verdict: nothing
+    observe(p, job, 1.0, True)
+    assert job.calls == [("prestart", "ps-1"), ("straggler_spare", "started")]
+    observe(p, job, 2.0, True)
+    assert len(job.calls) == 2                              # once
+    for t in (3.0, 7.0):
+        observe(p, job, t, False)
+    assert len(job.calls) == 2 and not p.ps_marks.marked     # well, not for a window yet
+    observe(p, job, 8.0, False)
+    assert job.calls[-1] == ("retire", ("ps-2",), "ps-1 is well again")
+    # replaced: the spare is the new PS, nothing to retire
+    p, job = plugin(), FakeJob()
+    observe(p, job, 0.0, True)
+    observe(p, job, 1.0, True)
+    job.routing = RoutingTable(2, 8, ("ps-0", "ps-2"), ("a", "c"), np.zeros(8, np.int32))
+    observe(p, job, 2.0, None, owners=("ps-0", "ps-2"))
+    assert [c[0] for c in job.calls] == ["prestart", "straggler_spare"] and not p._spares
+    for off in ({"replace": False}, {"dry_run": True}):
+        p, job = plugin(**off), FakeJob()
+        for t in (0.0, 1.0, 2.0):
+            observe(p, job, t, True)
+        assert job.calls == []
 
 
 # -- real processes -----------------------------------------------------------------------------
@@ -346,8 +466,10 @@ def test_a_moment_of_slowness_or_the_off_switch_moves_nothing(start_job, tmp_pat
 
 
 def test_a_ps_still_slow_after_re_placement_is_replaced_with_exact_counts(start_job):
+    # replace_below far under its service rate (~0.1): re-placed first, replaced a window
+    # later
     job, client = _ps_job(start_job, {"enabled": True, "window_seconds": 3, "k": 5,
-                                      "replace_below": 0.1})
+                                      "replace_below": 0.01})
     n = 20000
     pushers, other = _pushers(job, client, n)
     try:
@@ -362,10 +484,71 @@ def test_a_ps_still_slow_after_re_placement_is_replaced_with_exact_counts(start_
         _exact(client, pushers, n)
         other.close()
     assert rep["slow"] == "ps-1" and rep["new"] not in ("ps-0", "ps-1") and rep["moved_slots"] > 0
+    assert rep["reason"] == "still slow a window after re-placement", rep
     placement = job.status()["placement"]["ps"]
     assert "ps-1" not in placement and rep["new"] in placement
     wait_for(lambda: not any(m["id"] == "ps-1" and m["state"] == "running"
                              for m in job.status()["members"]), 30, "ps-1 to leave")
+    client.close()
+
+
+def test_a_ps_far_below_the_others_is_replaced_at_once_by_its_spare_with_exact_counts(
+        start_job):
+    # 20% of a core: its probes wait ~30 ms against ~2 ms, a service rate near 0.1, below
+    # replace_below: no re-placement first. The PS that replaces it was started while it
+    # was only suspected (slow at two observations), before it was marked
+    job, client = _ps_job(start_job, {"enabled": True, "window_seconds": 4, "k": 4,
+                                      "replace_below": 0.2})
+    n = 20000
+    pushers, other = _pushers(job, client, n)
+    try:
+        wait_for(lambda: sum(len(p.acked) for p in pushers) > 100, 60, "pushes")
+        ps1 = next(m["pid"] for m in job.state()["members"] if m["id"] == "ps-1")
+        with Throttle(ps1, share=0.2, period=0.1).start() as _:
+            rep = wait_for(lambda: _kinds(job, "straggler_replace"), 90, "the replacement")[0]
+        progress = sum(len(p.acked) for p in pushers)
+        wait_for(lambda: sum(len(p.acked) for p in pushers) > progress + 50, 60,
+                 "pushes after the replacement")
+    finally:
+        _exact(client, pushers, n)
+        other.close()
+    events = job.status()["events"]
+    spare = [e for e in events if e["kind"] == "straggler_spare"]
+    detected = [e for e in events if e["kind"] == "straggler_detected"]
+    assert rep["slow"] == "ps-1" and rep["reason"] == "below replace_below", rep
+    assert rep["service_rate"] < 0.2 and rep["moved_slots"] > 0, rep
+    assert not [e for e in events if e["kind"] == "straggler_rebalance"]
+    assert [(e["state"], e["id"]) for e in spare] == [("started", "ps-1")], spare
+    assert rep["new"] == spare[0]["ids"][0] and spare[0]["time"] <= detected[0]["time"], \
+        (spare, detected, rep)
+    assert set(job.status()["placement"]["ps"]) == {"ps-0", rep["new"]}
+    client.close()
+
+
+def test_a_spare_ps_nobody_needed_is_retired_with_exact_counts(start_job):
+    # marked, never replaced (no re-placement, far from replace_below), then well again:
+    # the PS pre-started for it goes and the count is back to two
+    job, client = _ps_job(start_job, {"enabled": True, "window_seconds": 3, "k": 4,
+                                      "replace_below": 0.01, "reweight": False})
+    n = 20000
+    pushers, other = _pushers(job, client, n)
+    try:
+        wait_for(lambda: sum(len(p.acked) for p in pushers) > 100, 60, "pushes")
+        ps1 = next(m["pid"] for m in job.state()["members"] if m["id"] == "ps-1")
+        with Throttle(ps1, share=0.2, period=0.1).start() as _:
+            started = wait_for(lambda: [e for e in _kinds(job, "straggler_spare")
+                                        if e["state"] == "started"], 90, "a spare")[0]
+        retired = wait_for(lambda: [e for e in _kinds(job, "straggler_spare")
+                                    if e["state"] == "retired"], 60, "the spare retired")[0]
+        spare = started["ids"][0]
+        wait_for(lambda: not any(m["id"] == spare and m["state"] == "running"
+                                 for m in job.status()["members"]), 30, f"{spare} to leave")
+    finally:
+        _exact(client, pushers, n)
+        other.close()
+    assert retired["ids"] == [spare] and retired["reason"] == "ps-1 is well again", retired
+    assert not _kinds(job, "straggler_replace", "straggler_rebalance")
+    assert set(job.status()["placement"]["ps"]) == {"ps-0", "ps-1"}
     client.close()
 
 
@@ -454,3 +637,8 @@ def test_status_lines_name_what_happened():
         "shard 3 of worker-1 split at 100: the rest (shard 9) to worker-0"
     assert "81%" in _straggler_line({"kind": "hot_slot", "slot": 5, "ps": "ps-1",
                                      "lookup_share": 0.81})
+    assert _straggler_line({"kind": "straggler_spare", "state": "started", "id": "ps-1",
+                            "ids": ["ps-2"]}) == "straggler ps-1 suspected: ps-2 started to replace it"
+    assert _straggler_line({"kind": "straggler_spare", "state": "retired", "ids": ["ps-2"],
+                            "reason": "ps-1 is well again"}) == \
+        "spare ps-2 retired (ps-1 is well again)"
