@@ -42,6 +42,7 @@ import numpy as np
 
 from deeprec_ext import codec, table_spec
 from deeprec_ext.grpc_util import insecure_channel
+from deeprec_ext.hashing import DEFAULT_NUM_SLOTS
 from deeprec_ext.proto import ps_pb2, ps_pb2_grpc
 from deeprec_ext.ps import validation
 from deeprec_ext.ps.gate import ReadWriteGate
@@ -515,6 +516,7 @@ class ReplicaSet:
         self._streams: dict[str, int] = {}   # streams of an origin being received
         self._gen: dict[str, int] = {}       # fences full copies in flight
         self._broken: dict[str, str] = {}    # origin -> why its last full copy broke off
+        self.num_slots = DEFAULT_NUM_SLOTS   # the job's routing slots (SetRouting)
 
     # -- receiving ---------------------------------------------------------------------
     def apply(self, batches, kind: str = "", base: int = -1) -> int:
@@ -549,7 +551,9 @@ class ReplicaSet:
             self._broken.pop(origin, None)
             if not keep_old:  # a new peer relationship: an older copy here is stale
                 self.copies.pop(origin, None)
-        staging = EmbeddingStore(track_changes=False)
+        # each row's routing slot is noted as it arrives (one hash per new key, here on
+        # the receiving thread) so that promoting this copy hashes nothing
+        staging = EmbeddingStore(track_changes=False, track_slots=self.num_slots)
         ids: list[str] = []
         seq = n = 0
         try:
