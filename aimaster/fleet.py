@@ -131,28 +131,38 @@ class PsFleet:
     def publish(self, routing: RoutingTable, is_live: Callable[[str], bool]) -> list[str]:
         """Push ``routing`` to each of its PS: the slots it owns and its replication peer
         (the next PS in ring order). Returns the ids of PS that are dead (not an error: a
-        PS that died while this routing was built is left to its own recovery)."""
+        PS that died while this routing was built is left to its own recovery).
+
+        The calls go out together and are then waited for: one after the other, a
+        recovery's routing took a round trip per PS (each PS checks the epoch itself, so
+        the order in which they apply it does not matter)."""
         self.observe_epoch(routing.epoch)
         n = len(routing.ps_addresses)
         skipped = []
+        calls = []
         for p, address in enumerate(routing.ps_addresses):
             ps_id = routing.ps_ids[p]
             if not is_live(ps_id):
                 skipped.append(ps_id)
                 continue
+            calls.append((ps_id, self.stub(address).SetRouting.future(ps_pb2.SetRoutingRequest(
+                epoch=routing.epoch, num_slots=routing.num_slots,
+                owned_slots=(routing.slot_owner == p).astype(np.uint8).tobytes(), ps_id=ps_id,
+                replica_peer=self.control_address(routing.ps_addresses[(p + 1) % n])
+                if n > 1 else "",
+                replication_interval_ms=self.replication_interval_ms,
+                sync_replication=self.sync_replication), timeout=10, wait_for_ready=True)))
+        failed = None
+        for ps_id, call in calls:
             try:
-                self.stub(address).SetRouting(ps_pb2.SetRoutingRequest(
-                    epoch=routing.epoch, num_slots=routing.num_slots,
-                    owned_slots=(routing.slot_owner == p).astype(np.uint8).tobytes(), ps_id=ps_id,
-                    replica_peer=self.control_address(routing.ps_addresses[(p + 1) % n])
-                    if n > 1 else "",
-                    replication_interval_ms=self.replication_interval_ms,
-                    sync_replication=self.sync_replication), timeout=10, wait_for_ready=True)
-            except grpc.RpcError:
+                call.result()
+            except grpc.RpcError as exc:
                 if not is_live(ps_id):
                     skipped.append(ps_id)
-                    continue
-                raise
+                elif failed is None:
+                    failed = exc  # raised once every call has ended
+        if failed is not None:
+            raise failed
         return skipped
 
     def fence(self, address: str, epoch: int, num_slots: int, owned: np.ndarray) -> None:

@@ -69,6 +69,9 @@ __all__ = ["JobMaster", "JobPhase", "FINAL_PHASES", "Busy", "NotRunning", "Opera
 
 
 class JobMaster:
+    # after a recovery the replacement PS starts this much later (see _recover_ps_once)
+    REPLACEMENT_DELAY_SECONDS = 1.0
+
     def __init__(self, config: JobConfig, scaler_factory: Callable[[str, JobConfig], Scaler] | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.config = config
@@ -1249,7 +1252,12 @@ class JobMaster:
         log.info("event recovery %s", event)
         self._save()
         self._stop_node(dead)
-        self._submit_replacement(dead)
+        # the replacement PS's start (seconds of CPU: interpreter, imports) waits for the
+        # clients' first steps on the new routing; it restores capacity, not a copy
+        timer = threading.Timer(self.REPLACEMENT_DELAY_SECONDS, self._submit_replacement,
+                                args=(dead,))
+        timer.daemon = True
+        timer.start()
 
     def _promote(self, old: RoutingTable, ids: list[str], peer: str, dead: str, mask):
         """Promote ``peer``'s replica of ``dead``'s slots; None when it has no promotable

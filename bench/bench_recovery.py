@@ -386,6 +386,9 @@ def promote_comparison(ck_dir: str, mask, owner: np.ndarray, routing: dict,
     restore(ck_dir, peer, slot_mask=peer_mask, upto=full_id, exact=True)
     restore(ck_dir, replica, slot_mask=mask, upto=full_id, exact=True)
     rt, pt = replica.get(TABLE), peer.get(TABLE)
+    # a PS's replica notes each row's slot as the replication stream brings it (paid on
+    # arrival, untimed here); a restore does not, so the column is built once now
+    rt.track_slots(int(mask.size))
     own_rows = len(pt)
     t0 = time.perf_counter()
     n = pt.adopt_segment(rt, mask, int(mask.size))

@@ -156,6 +156,27 @@ def test_fleet_epochs_only_go_forward(two_ps):
     fleet2.close()
 
 
+def test_fleet_publishes_to_every_ps_at_once_and_reports_a_refusal_after_all_ended(two_ps):
+    """The routing goes to all PS together (a recovery waited one round trip per PS): a PS
+    that refuses it (here: it already holds a newer epoch) fails the publish, but only
+    once the others have it, and a PS that died meanwhile is skipped, not an error."""
+    fleet = PsFleet()
+    a, b = (s.address for s in two_ps)
+    owner = np.array([0, 1] * 8, np.int32)
+    fleet.fence(a, 5, 16, np.zeros(16, bool))  # ps-0 is ahead: it refuses epoch 2
+    routing = RoutingTable(2, 16, ("ps-0", "ps-1"), (a, b), owner)
+    with pytest.raises(grpc.RpcError) as info:
+        fleet.publish(routing, lambda ps_id: True)
+    assert wire.kind_of(info.value) == wire.ErrorKind.STALE_EPOCH
+    assert two_ps[1].servicer.routing.epoch == 2 and two_ps[1].servicer.routing.owned.sum() == 8
+    assert two_ps[0].servicer.routing.epoch == 5
+    # ps-0 died (as its refusal is examined): skipped, ps-1 gets the next epoch
+    routing = RoutingTable(6, 16, ("ps-0", "ps-1"), (a, b), owner)
+    assert fleet.publish(routing, lambda ps_id: ps_id != "ps-0") == ["ps-0"]
+    assert two_ps[1].servicer.routing.epoch == 6
+    fleet.close()
+
+
 def test_fleet_caches_one_channel_per_ps_and_closes_those_that_left(two_ps):
     fleet = PsFleet()
     a, b = (s.address for s in two_ps)

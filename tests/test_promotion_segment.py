@@ -268,7 +268,8 @@ def test_promote_rpc_adopts_without_copying_and_keeps_request_ids():
     ps.replicator.close()
 
 
-def test_a_replica_holding_rows_of_slots_its_origin_gave_away_promotes_only_its_slots():
+@pytest.mark.parametrize("track", [0, NUM_SLOTS], ids=["hashed", "slot-column"])
+def test_a_replica_holding_rows_of_slots_its_origin_gave_away_promotes_only_its_slots(track):
     """The dead PS moved slots S to this PS (a scale-out whose new PS is also its new ring
     peer) and died before the "moved" tombstones of the clean-up reached its replica: the
     replica still holds S's rows as they were before the move. Promoting it (for the dead
@@ -284,9 +285,11 @@ def test_a_replica_holding_rows_of_slots_its_origin_gave_away_promotes_only_its_
     sgd = ("zeros", {"name": "sgd", "learning_rate": 1.0})
     store = EmbeddingStore()
     peer = store.create_table("emb", DIM, *sgd)
-    replica = EmbeddingStore(track_changes=False).create_table("emb", DIM, *sgd)
+    replica = EmbeddingStore(track_changes=False, track_slots=track).create_table("emb", DIM, *sgd)
     one = -np.ones((1, DIM), np.float32)
     replica.apply_gradients(np.concatenate([kd, km]), np.repeat(one, kd.size + km.size, 0))
+    # with a slot column the stray rows are found by it, not by hashing the keys
+    assert (replica._slot_counts(NUM_SLOTS) is not None) == bool(track)
     peer.apply_gradients(np.concatenate([ko, km]), np.repeat(one, ko.size + km.size, 0))
     peer.apply_gradients(km, np.repeat(one, km.size, 0))  # S's rows moved on: 2 here, 1 there
     mark = store.sequence.value
@@ -314,3 +317,102 @@ def test_a_replica_holding_rows_of_slots_its_origin_gave_away_promotes_only_its_
     peer.merge_all(500)
     assert len(peer) == keys.size and peer.segment_rows == 0
     np.testing.assert_array_equal(peer.lookup(keys, insert_missing=False)[:, 0], got)
+
+
+def _batches(src, origin: str, keys=None, deleted=()):
+    """RowBatch messages of ``src``'s rows (all, or of ``keys``) as a primary ships them."""
+    from deeprec_ext import codec, table_spec
+    from deeprec_ext.proto import ps_pb2
+    k, r = src.export_keys(keys, with_counts=True) if keys is not None else \
+        src.export_rows(None, with_counts=True)[:2]
+    cfg = table_spec.of_table(src)
+    out = [ps_pb2.RowBatch(config=cfg, origin=origin, ids=codec.ids_to_bytes(k[i:i + 700]),
+                           rows=codec.floats_to_bytes(r[i:i + 700]))
+           for i in range(0, k.size, 700)]
+    out[0].deleted_ids = codec.ids_to_bytes(np.asarray(deleted, np.int64))
+    return out
+
+
+def test_replica_rows_note_their_slot_as_they_arrive_and_promotion_hashes_nothing():
+    """A copy built by the replication stream (full copy, then deltas that delete keys and
+    re-insert others into the freed rows) keeps each row's routing slot and exact per-slot
+    counts; promoting it drops the rows of slots the dead PS gave away by that column, and
+    the segment serves every other row exactly; the counts stay exact through the merge."""
+    from deeprec_ext.proto import ps_pb2
+    from deeprec_ext.ps.replication import ReplicaSet
+    rng = np.random.default_rng(11)
+    keys = np.unique(rng.integers(-2**63, 2**63 - 1, 9000, dtype=np.int64))
+    slots = slot_of(keys, NUM_SLOTS)
+    dead, moved = np.zeros(NUM_SLOTS, bool), np.zeros(NUM_SLOTS, bool)
+    dead[:40], moved[40:48] = True, True
+    origin = EmbeddingStore().create_table("emb", DIM, *CFG)
+    first, later = keys[: keys.size // 2], keys[keys.size // 2:]
+    origin.lookup(first[(dead | moved)[slot_of(first, NUM_SLOTS)]])
+    rs = ReplicaSet()
+    rs.num_slots = NUM_SLOTS
+    full = _batches(origin, "ps-1")
+    full.append(ps_pb2.RowBatch(origin="ps-1", origin_sequence=origin.sequence.value))
+    assert rs.apply(iter(full), "full-new") > 0
+    # deltas: deletions free rows, new keys (some of the moved slots) take them
+    gone = first[dead[slot_of(first, NUM_SLOTS)]][::3]
+    origin.delete(gone)
+    new = later[(dead | moved)[slot_of(later, NUM_SLOTS)]]
+    origin.apply_gradients(new, _grads(rng, new.size))
+    base = rs.copies["ps-1"].sequence
+    assert rs.apply(iter(_batches(origin, "ps-1", new, gone)), "delta", base) == new.size
+    replica = rs.copies["ps-1"].store.get("emb")
+    live_keys = replica.keys_in_slots(np.ones(NUM_SLOTS, bool))
+    held = np.bincount(slot_of(live_keys, NUM_SLOTS), minlength=NUM_SLOTS)
+    counts = replica._slot_counts(NUM_SLOTS)
+    assert counts is not None  # the column is complete: promotion needs no hash
+    np.testing.assert_array_equal(counts, held)
+    np.testing.assert_array_equal(replica.rows_per_slot(NUM_SLOTS), held)
+    # promote for the dead PS's slots only: the moved slots' rows are strays
+    expect_keys = live_keys[dead[slot_of(live_keys, NUM_SLOTS)]]
+    expect = origin.lookup(expect_keys, insert_missing=False)
+    peer = EmbeddingStore().create_table("emb", DIM, *CFG)
+    own = keys[~(dead | moved)[slots]]
+    peer.lookup(own)
+    copy = rs.take("ps-1")
+    assert peer.adopt_segment(copy.store.get("emb"), dead, NUM_SLOTS) == expect_keys.size
+    assert len(peer) == own.size + expect_keys.size
+    np.testing.assert_array_equal(peer.lookup(expect_keys, insert_missing=False), expect)
+    stray = live_keys[moved[slot_of(live_keys, NUM_SLOTS)]]
+    assert stray.size
+    assert peer.export_keys(stray)[0].size == 0  # not held: neither served nor exported
+    per_slot = peer.rows_per_slot(NUM_SLOTS)
+    assert per_slot[moved].sum() == 0 and per_slot.sum() == len(peer)
+    peer.merge_all(1000)
+    assert peer.segment_rows == 0 and len(peer) == own.size + expect_keys.size
+    np.testing.assert_array_equal(peer.lookup(expect_keys, insert_missing=False), expect)
+
+
+def test_a_slot_column_that_missed_rows_falls_back_to_hashing():
+    """Rows placed by a path that does not note slots (a bulk load) make the counts
+    disagree with the table: the promotion's pass then hashes the keys, and still drops
+    exactly the rows of other slots."""
+    rng = np.random.default_rng(12)
+    keys = np.unique(rng.integers(-2**63, 2**63 - 1, 4000, dtype=np.int64))
+    slots = slot_of(keys, NUM_SLOTS)
+    keep = np.zeros(NUM_SLOTS, bool)
+    keep[:50] = True
+    replica = EmbeddingStore(track_changes=False, track_slots=NUM_SLOTS).create_table(
+        "emb", DIM, *CFG)
+    replica.lookup(keys[:2000])
+    assert replica._slot_counts(NUM_SLOTS) is not None
+    assert replica._slot_counts(NUM_SLOTS * 2) is None  # another slot count: no column
+    rows = np.zeros((2000, replica.row_width + 1), np.float32)
+    replica.load_rows(keys[2000:], rows)
+    assert replica._slot_counts(NUM_SLOTS) is None
+    assert replica._drop_rows_outside(keep, NUM_SLOTS) == int((~keep[slots]).sum())
+    left = replica.keys_in_slots(np.ones(NUM_SLOTS, bool))
+    np.testing.assert_array_equal(np.sort(left), np.sort(keys[keep[slots]]))
+    # a column enabled on a table with rows hashes them once, then answers
+    other = EmbeddingStore(track_changes=False).create_table("emb", DIM, *CFG)
+    other.lookup(keys)
+    assert other.track_slots(NUM_SLOTS) and other._slot_counts(NUM_SLOTS) is not None
+    other.delete(keys[::2])
+    np.testing.assert_array_equal(other.rows_per_slot(NUM_SLOTS),
+                                  np.bincount(slots[1::2], minlength=NUM_SLOTS))
+    assert other._drop_rows_outside(keep, NUM_SLOTS) == int((~keep[slots[1::2]]).sum())
+    assert not other.track_slots(1 << 17)  # beyond uint16: no column

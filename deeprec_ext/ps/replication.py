@@ -42,6 +42,7 @@ import numpy as np
 
 from deeprec_ext import codec, table_spec
 from deeprec_ext.grpc_util import insecure_channel
+from deeprec_ext.hashing import DEFAULT_NUM_SLOTS
 from deeprec_ext.proto import ps_pb2, ps_pb2_grpc
 from deeprec_ext.ps import validation
 from deeprec_ext.ps.gate import ReadWriteGate
@@ -139,6 +140,10 @@ class _NeedsFull(Exception):
 class Replicator:
     """Primary side: ships this PS's changes to its peer."""
 
+    # the background full copy to a new peer that replaces another one starts this much
+    # later (see configure); synchronous pushes still send it at once when they need it
+    NEW_PEER_DELAY_SECONDS = 1.0
+
     def __init__(self, store: EmbeddingStore, configs: dict, applied: AppliedRequests | None = None,
                  gate: ApplyGate | None = None):
         self.store = store
@@ -177,6 +182,11 @@ class Replicator:
         self.interval = max(interval_ms, 1.0) / 1000.0
         self.sync = sync
         if peer != self.peer:
+            if self.peer and peer:
+                # a re-formed ring (a recovery, a scale event): the new peer needs a full
+                # copy of this PS, seconds of CPU on both. Started at once it ran during
+                # the clients' first steps on the new routing (a recovery's critical path)
+                self.defer(self.NEW_PEER_DELAY_SECONDS)
             self.peer = peer
             log.info("%s: replicating to %s", origin, peer or "(no peer)")
         self._wake.set()
@@ -409,7 +419,8 @@ class Replicator:
     def lag(self) -> dict:
         """Gazer: how far the peer's copy trails this PS (sequence numbers not yet shipped,
         time since the last shipment)."""
-        since = self._since
+        # a new peer (its full copy not started yet: deferred) holds nothing of this PS
+        since = self._since if self.peer == self._stub_peer else -1
         behind = self.store.sequence.value - since if since >= 0 else self.store.sequence.value
         return {"peer": self.peer, "behind_sequence": max(behind, 0) if self.peer else 0,
                 "since_ship_ms": (time.monotonic() - self.last_shipped) * 1000
@@ -515,6 +526,7 @@ class ReplicaSet:
         self._streams: dict[str, int] = {}   # streams of an origin being received
         self._gen: dict[str, int] = {}       # fences full copies in flight
         self._broken: dict[str, str] = {}    # origin -> why its last full copy broke off
+        self.num_slots = DEFAULT_NUM_SLOTS   # the job's routing slots (SetRouting)
 
     # -- receiving ---------------------------------------------------------------------
     def apply(self, batches, kind: str = "", base: int = -1) -> int:
@@ -549,7 +561,9 @@ class ReplicaSet:
             self._broken.pop(origin, None)
             if not keep_old:  # a new peer relationship: an older copy here is stale
                 self.copies.pop(origin, None)
-        staging = EmbeddingStore(track_changes=False)
+        # each row's routing slot is noted as it arrives (one hash per new key, here on
+        # the receiving thread) so that promoting this copy hashes nothing
+        staging = EmbeddingStore(track_changes=False, track_slots=self.num_slots)
         ids: list[str] = []
         seq = n = 0
         try:

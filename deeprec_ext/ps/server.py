@@ -367,6 +367,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                          f"routing epoch {request.epoch} is not newer than this PS's epoch "
                          f"{self.routing.epoch}", ((ROUTING_EPOCH_KEY, str(self.routing.epoch)),))
         self.store.set_routing_slots(request.num_slots)
+        self.replicas.num_slots = request.num_slots  # copies arriving note rows' slots
         if request.ps_id:
             self.ps_id = request.ps_id
             self.replicator.configure(request.ps_id, request.replica_peer,

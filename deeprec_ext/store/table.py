@@ -124,6 +124,20 @@ def _mapping_of(a: np.ndarray):
     return base if isinstance(base, mmap.mmap) else None
 
 
+def _huge_pages(mm: mmap.mmap) -> None:
+    """Ask for 2 MB pages in a reservation (Linux THP, ``enabled`` = always or madvise;
+    a no-op where there is none). A PS killed -9 is noticed only once the kernel has
+    freed its memory: 4 KB pages made that 60-190 ms for 600 MB on a busy host, most of
+    a recovery's detection, 2 MB pages 6-12 ms. Row arrays grow sequentially, so at most
+    one partly used 2 MB page per array."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            mm.madvise(advice)
+        except (OSError, ValueError):
+            pass
+
+
 def _grown(a: np.ndarray, new_rows: int, keep: int) -> np.ndarray:
     """``a`` (rows along axis 0) with room for ``new_rows`` rows, rows ``[:keep]`` kept and
     the rest zero: a view of the same reservation when it is big enough, else a new
@@ -139,6 +153,7 @@ def _grown(a: np.ndarray, new_rows: int, keep: int) -> np.ndarray:
         size = max(2 * new_rows * row_bytes, _RESERVE_BYTES)
         try:
             mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+            _huge_pages(mm)
             out = np.frombuffer(mm, dtype=a.dtype, count=new_rows * per_row).reshape((new_rows,) + tail)
         except (OSError, ValueError, OverflowError):  # strict overcommit, 32-bit: copy
             out = None
@@ -420,6 +435,12 @@ class EmbeddingTable:
         self._seg_cursor = 0  # background merge: segment rows below this were moved
         # the segment's row -> key array, kept after the merge for export plans made before
         self._seg_keys: np.ndarray | None = None
+        # replicas (track_slots): each row's routing slot, noted when a key gets its row,
+        # and the live rows per slot, so that a promotion finds rows of other slots by a
+        # count (usually none) or a column, not by hashing every key on its critical path
+        self._row_slot: np.ndarray | None = None
+        self._slot_live: np.ndarray | None = None  # int64 [_slot_ns]
+        self._slot_ns = 0
 
     # -- properties ---------------------------------------------------------------------
     @property
@@ -702,6 +723,8 @@ class EmbeddingTable:
         self._row_key = _grown(self._row_key, new_cap, hwm)
         if self._row_step is not None:
             self._row_step = _grown(self._row_step, new_cap, hwm)
+        if self._row_slot is not None:
+            self._row_slot = _grown(self._row_slot, new_cap, hwm)
         self._set_views()
 
     def _current_row_keys(self) -> np.ndarray:
@@ -797,6 +820,7 @@ class EmbeddingTable:
         self._nfree = need
         self._row_seq[rows] = 0
         self._row_count[rows] = 0
+        self._uncount_slots(rows)
 
     def _init_rows(self, rows: np.ndarray, keys: np.ndarray, seq: int) -> None:
         """Write fresh rows: initializer value + initial slots."""
@@ -816,6 +840,7 @@ class EmbeddingTable:
         if not seq_holder:
             seq_holder.append(self.sequence.next())
         got, new_keys, new_rows = self._index.insert_new(keys.take(miss), self._allocate)
+        self._note_slots(new_rows, new_keys)
         self._init_rows(new_rows, new_keys, seq_holder[0])
         if log:
             self._log_write(seq_holder[0], new_rows)
@@ -1234,6 +1259,7 @@ class EmbeddingTable:
             if miss.size:
                 got, new_keys, new_rows = self._index.insert_new(
                     keys.take(np.flatnonzero(rows < 0)), self._allocate)
+                self._note_slots(new_rows, new_keys)
                 rows[rows < 0] = got
             self._write_rows(rows, data, full_rows, counts, seq)
             return seq
@@ -1708,13 +1734,18 @@ class EmbeddingTable:
     def rows_per_slot(self, num_slots: int) -> np.ndarray:
         """int64 [num_slots]: live rows of each routing slot (placement input)."""
         with self._lock:
-            live = np.flatnonzero(self._row_seq[:self._hwm] > 0)
-            keys = self._row_key.take(live)
+            out = self._slot_counts(num_slots)  # a slot column answers without hashing
+            if out is None:
+                live = np.flatnonzero(self._row_seq[:self._hwm] > 0)
+                keys = self._row_key.take(live)
+            else:
+                out = out.copy()
             seg = self._seg
             extra = seg.rows_per_slot(num_slots) if seg is not None else None
             if extra is not None and num_slots == self._seg_ns:
                 extra *= self._seg_mask
-        out = np.bincount(slot_of(keys, num_slots), minlength=num_slots).astype(np.int64)
+        if out is None:
+            out = np.bincount(slot_of(keys, num_slots), minlength=num_slots).astype(np.int64)
         return out if extra is None else out + extra
 
     def clear(self) -> None:
@@ -1726,6 +1757,8 @@ class EmbeddingTable:
             self._row_count.fill(0)
             self._hwm = 0
             self._nfree = 0
+            if self._slot_live is not None:
+                self._slot_live.fill(0)
             floor = max(self._tomb_floor, self.sequence.value)
             self._tombstones, self._tomb_keys, self._tomb_floor = [], 0, floor
             self._moved_floor = max(self._moved_floor, floor)
@@ -1734,6 +1767,46 @@ class EmbeddingTable:
             self._seg = self._seg_mask = self._seg_keys = None
 
     # -- segments (promotion without a copy) --------------------------------------------
+    def track_slots(self, num_slots: int) -> bool:
+        """Keep each row's routing slot for ``num_slots`` slots (uint16: 2 bytes per row)
+        and the live rows per slot, noted as keys get their rows (a replica: the key's hash
+        is paid once as its row arrives, off any critical path). A promotion then finds the
+        rows outside its slots by a count, usually none, instead of hashing every key
+        (:meth:`_drop_rows_outside`). Rows already here are hashed now. Returns False (no
+        column) for more than 65536 slots."""
+        ns = int(num_slots)
+        if not 0 < ns <= 1 << 16:
+            return False
+        with self._lock:
+            live = np.flatnonzero(self._row_seq[:self._hwm] > 0)
+            slots = slot_of(self._row_key.take(live), ns)
+            col = np.zeros(self._row_seq.shape[0], dtype=np.uint16)
+            col[live] = slots
+            self._row_slot, self._slot_ns = col, ns
+            self._slot_live = np.bincount(slots, minlength=ns).astype(np.int64)
+        return True
+
+    def _note_slots(self, rows: np.ndarray, keys: np.ndarray) -> None:
+        """``keys`` (distinct) just got the new ``rows``: note their slots (under the lock)."""
+        if self._row_slot is not None and rows.size:
+            slots = slot_of(keys, self._slot_ns)
+            self._row_slot[rows] = slots
+            self._slot_live += np.bincount(slots, minlength=self._slot_ns)
+
+    def _uncount_slots(self, rows: np.ndarray) -> None:
+        """``rows`` (distinct, live until now) lose their keys (under the lock)."""
+        if self._slot_live is not None and rows.size:
+            self._slot_live -= np.bincount(self._row_slot.take(rows), minlength=self._slot_ns)
+
+    def _slot_counts(self, num_slots: int) -> np.ndarray | None:
+        """Live rows per slot from the slot column (under the lock), or None: no column,
+        another slot count, or a key placed by a path that does not note slots (bulk
+        loads), which the totals reveal: they then differ by the rows not noted."""
+        live = self._slot_live
+        if live is None or self._slot_ns != int(num_slots) or int(live.sum()) != len(self._index):
+            return None
+        return live
+
     def _seg_slots(self, slot_mask: np.ndarray) -> np.ndarray:
         """``slot_mask`` restricted to the segment's slots (when over the same slots)."""
         slot_mask = np.asarray(slot_mask, dtype=bool)
@@ -1825,25 +1898,37 @@ class EmbeddingTable:
     def _drop_rows_outside(self, slot_mask: np.ndarray, num_slots: int) -> int:
         """Remove the live rows whose key's routing slot is not set in ``slot_mask``
         (this table is a replica about to become a segment: it never allocates again, so
-        the rows are only unlinked, not put on the free list). Returns the rows removed."""
-        n = 0
+        the rows are only unlinked, not put on the free list). Returns the rows removed.
+
+        With a slot column (:meth:`track_slots`) for ``num_slots``, the per-slot counts
+        answer first: no live row outside the mask (the usual case) costs one look at
+        ``num_slots`` counts; else the column selects the rows. Without one, every live
+        key is hashed."""
         with self._lock:
+            counts = self._slot_counts(num_slots)
+            if counts is not None and not counts[~slot_mask].any():
+                return 0
             hwm = self._hwm
-            for start in range(0, hwm, self._SLOT_PASS_ROWS):
-                stop = min(hwm, start + self._SLOT_PASS_ROWS)
-                live = np.flatnonzero(self._row_seq[start:stop] > 0)
-                if not live.size:
-                    continue
-                live += start
-                keys = self._row_key.take(live)
-                out = np.flatnonzero(~slot_mask[slot_of(keys, num_slots)])
-                if out.size:
-                    rows = live.take(out)
-                    self._index.remove(keys.take(out))
-                    self._row_seq[rows] = 0
-                    self._row_count[rows] = 0
-                    n += int(out.size)
-        return n
+            if counts is not None:  # one pass over the column: a byte per row, no hash
+                out = ~slot_mask[self._row_slot[:hwm]]
+                out &= self._row_seq[:hwm] > 0
+                rows = np.flatnonzero(out)
+            else:
+                parts = []
+                for start in range(0, hwm, self._SLOT_PASS_ROWS):
+                    stop = min(hwm, start + self._SLOT_PASS_ROWS)
+                    live = np.flatnonzero(self._row_seq[start:stop] > 0)
+                    if live.size:
+                        live += start
+                        slots = slot_of(self._row_key.take(live), num_slots)
+                        parts.append(live[~slot_mask[slots]])
+                rows = np.concatenate(parts) if parts else np.empty(0, np.int64)
+            if rows.size:
+                self._index.remove(self._row_key.take(rows))
+                self._uncount_slots(rows)
+                self._row_seq[rows] = 0
+                self._row_count[rows] = 0
+            return int(rows.size)
 
     def merge_segment(self, max_rows: int = 1 << 14) -> int:
         """Move the next ``max_rows`` arena rows of the segment into this table, under one
@@ -1863,9 +1948,11 @@ class EmbeddingTable:
             if sel.size:
                 sel += c
                 keys = seg._row_key.take(sel)
-                ours = self._seg_mask[slot_of(keys, self._seg_ns)]
+                ours = self._seg_mask[seg._row_slot.take(sel) if seg._slot_ns == self._seg_ns
+                                      else slot_of(keys, self._seg_ns)]
                 if not ours.all():
                     seg._index.remove(keys[~ours])
+                    seg._uncount_slots(sel[~ours])
                     seg._row_seq[sel[~ours]] = 0
                     keep = np.flatnonzero(ours)
                     sel, keys = sel.take(keep), keys.take(keep)
@@ -1888,6 +1975,7 @@ class EmbeddingTable:
                 # a moved row's own number lists it (it is filtered by its row_seq)
                 self._log_write(self.sequence.value, rows)
                 seg._index.remove(keys)
+                seg._uncount_slots(sel)
                 seg._row_seq[sel] = 0  # not onto the free list: the segment never allocates
                 seg._row_count[sel] = 0
             self._seg_cursor = stop
@@ -1905,12 +1993,15 @@ class EmbeddingTable:
 class EmbeddingStore:
     """The tables of one PS, sharing one :class:`SequenceCounter`."""
 
-    def __init__(self, sequence: SequenceCounter | None = None, track_changes: bool = True):
+    def __init__(self, sequence: SequenceCounter | None = None, track_changes: bool = True,
+                 track_slots: int = 0):
         self.sequence = sequence if sequence is not None else SequenceCounter()
         self._tables: dict[str, EmbeddingTable] = {}
         self._lock = threading.Lock()
         # change and tombstone logs: off for copies nobody exports deltas from (replicas)
         self.track_changes = bool(track_changes)
+        # replicas: every table keeps its rows' routing slots for this many slots (0: no)
+        self.track_slots = int(track_slots)
         # consumer name -> sequence number it has read up to: the logs are trimmed to the
         # oldest of them (trim_logs). A consumer that fell too far behind the hard caps
         # gets LogTrimmed from tombstones_since and starts over with a full copy.
@@ -1934,6 +2025,8 @@ class EmbeddingStore:
                                        track_changes=self.track_changes,
                                        admission=admission, eviction=eviction, dtype=dtype)
                 table.routing_slots = self.routing_slots
+                if self.track_slots:
+                    table.track_slots(self.track_slots)
                 self._tables[name] = table
                 if table.admission is not None:
                     table.attach_candidates(self._candidates_of(name))
@@ -1987,6 +2080,8 @@ class EmbeddingStore:
             cand = EmbeddingTable(cname, dim, "zeros", "sgd", sequence=self.sequence,
                                   track_changes=self.track_changes)
             cand.routing_slots = self.routing_slots
+            if self.track_slots:
+                cand.track_slots(self.track_slots)
             self._tables[cname] = cand
         return cand
 
