@@ -351,7 +351,7 @@ def test_replica_rows_note_their_slot_as_they_arrive_and_promotion_hashes_nothin
     rs = ReplicaSet()
     rs.num_slots = NUM_SLOTS
     full = _batches(origin, "ps-1")
-    full.append(ps_pb2.RowBatch(origin="ps-1", origin_sequence=origin.sequence.value))
+    full.append(ps_pb2.RowBatch(origin="ps-1", origin_sequence=origin.sequence.value, end=True))
     assert rs.apply(iter(full), "full-new") > 0
     # deltas: deletions free rows, new keys (some of the moved slots) take them
     gone = first[dead[slot_of(first, NUM_SLOTS)]][::3]

@@ -178,7 +178,9 @@ def test_promote_of_a_replica_whose_resync_broke_is_a_typed_refusal(cluster):
     _create(a, "emb", 16, {"name": "normal", "stddev": 0.1, "seed": 5}, "adagrad")
     _fill(a, "emb", 600_000)
     a.route(ALL, b)
-    time.sleep(0.3)
+    # kill well before the copy of 600k rows can finish (it may not have begun: the
+    # test accepts both); a copy that completed would make the promote legitimate
+    time.sleep(0.05)
     a.kill()
     with pytest.raises(grpc.RpcError) as info:
         b.promote(a, ALL)
@@ -378,7 +380,7 @@ def test_replica_set_swaps_copies_whole_and_keeps_a_refreshed_copy_usable():
     rs = ReplicaSet()
     reset = ps_pb2.RowBatch(origin="a", reset=True)
     rs.apply([reset, _batch("a", keys=range(10), value=1.0, origin_sequence=5,
-                            applied_request_ids=["r1"])], "full-new")
+                            applied_request_ids=["r1"], end=True)], "full-new")
     # a delta from a base this copy does not have is refused (the origin sends a full copy)
     with pytest.raises(ReplicaRefused):
         rs.apply([_batch("a", keys=[1], value=9.0, origin_sequence=9)], "delta", base=7)
@@ -405,6 +407,26 @@ def test_replica_set_swaps_copies_whole_and_keeps_a_refreshed_copy_usable():
         rs.take("a", wait=0)
 
 
+def test_full_copy_that_stops_without_its_end_mark_is_not_promotable():
+    """An origin killed mid-copy can look to the receiver like a stream that ended
+    normally. Only the end mark makes a full copy complete: without it nothing partial
+    becomes promotable, and an earlier complete copy (a refresh) stays as it was."""
+    from deeprec_ext.ps.replication import ReplicaRefused, ReplicaSet, ReplicaUnavailable
+    rs = ReplicaSet()
+    reset = ps_pb2.RowBatch(origin="a", reset=True)
+    with pytest.raises(ReplicaRefused, match="end mark after 3 rows"):
+        rs.apply(iter([reset, _batch("a", keys=range(3), value=3.0, origin_sequence=4)]),
+                 "full-new")
+    with pytest.raises(ReplicaUnavailable, match="incomplete"):
+        rs.take("a", wait=0)
+    rs.apply([reset, _batch("a", keys=range(10), value=1.0, origin_sequence=5, end=True)],
+             "full-new")
+    with pytest.raises(ReplicaRefused):
+        rs.apply(iter([reset, _batch("a", keys=range(3), value=3.0)]), "full-refresh")
+    copy = rs.take("a", wait=0)
+    np.testing.assert_array_equal(copy.store["t"].lookup(np.arange(10), False)[:, 0], 1.0)
+
+
 def test_promote_waits_for_a_delta_being_applied():
     """A delta still being received when Promote arrives is applied first, whole."""
     import threading
@@ -412,7 +434,8 @@ def test_promote_waits_for_a_delta_being_applied():
     from deeprec_ext.ps.replication import ReplicaSet
     rs = ReplicaSet()
     rs.apply([ps_pb2.RowBatch(origin="a", reset=True), _batch("a", keys=range(10), value=1.0,
-                                                              origin_sequence=5)], "full-new")
+                                                              origin_sequence=5, end=True)],
+             "full-new")
     release = threading.Event()
 
     def slow():

@@ -369,7 +369,7 @@ class Replicator:
             for b in tail:
                 yield b
             yield ps_pb2.RowBatch(origin=self.origin, origin_sequence=watermark,
-                                  applied_request_ids=ids)
+                                  applied_request_ids=ids, end=True)
 
         self._known_tables = set(self.store.tables())  # the copy sends every config
         resp = self._stub.Replicate(stream(), timeout=max(timeout, FULL_TIMEOUT),
@@ -566,6 +566,7 @@ class ReplicaSet:
         staging = EmbeddingStore(track_changes=False, track_slots=self.num_slots)
         ids: list[str] = []
         seq = n = 0
+        ended = False
         try:
             for b in [first] if not first.reset else []:
                 n += _apply_batch(staging, b)
@@ -573,6 +574,13 @@ class ReplicaSet:
                 n += _apply_batch(staging, b)
                 ids.extend(b.applied_request_ids)
                 seq = max(seq, b.origin_sequence)
+                ended = ended or b.end
+            if not ended:
+                # an origin killed mid-copy can look like a stream that ended normally
+                # (gRPC may report the closed connection as the end of the requests):
+                # only the end mark makes a copy complete, else it would promote partial
+                raise ReplicaRefused(f"the full copy of {origin!r} stopped without its end "
+                                     f"mark after {n} rows")
         except BaseException as exc:
             with self._cond:
                 if self._gen.get(origin) == gen:
