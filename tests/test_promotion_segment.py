@@ -330,6 +330,7 @@ def _batches(src, origin: str, keys=None, deleted=()):
                            rows=codec.floats_to_bytes(r[i:i + 700]))
            for i in range(0, k.size, 700)]
     out[0].deleted_ids = codec.ids_to_bytes(np.asarray(deleted, np.int64))
+    out[-1].end = True
     return out
 
 

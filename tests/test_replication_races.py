@@ -383,11 +383,12 @@ def test_replica_set_swaps_copies_whole_and_keeps_a_refreshed_copy_usable():
                             applied_request_ids=["r1"], end=True)], "full-new")
     # a delta from a base this copy does not have is refused (the origin sends a full copy)
     with pytest.raises(ReplicaRefused):
-        rs.apply([_batch("a", keys=[1], value=9.0, origin_sequence=9)], "delta", base=7)
+        rs.apply([_batch("a", keys=[1], value=9.0, origin_sequence=9, end=True)], "delta", base=7)
     # a delta that breaks off changes nothing
     with pytest.raises(grpc.RpcError):
         rs.apply(_broken([_batch("a", keys=[1], value=2.0, origin_sequence=6),
-                          _batch("a", table="u", keys=[1], value=2.0)]), "delta", base=5)
+                          _batch("a", table="u", keys=[1], value=2.0, end=True)]), "delta",
+                 base=5)
     # a refresh that breaks off leaves the previous copy promotable, unchanged
     with pytest.raises(grpc.RpcError):
         rs.apply(_broken([reset, _batch("a", keys=range(3), value=3.0)]), "full-refresh")
@@ -396,7 +397,7 @@ def test_replica_set_swaps_copies_whole_and_keeps_a_refreshed_copy_usable():
     np.testing.assert_array_equal(copy.store["t"].lookup(np.arange(10), False)[:, 0], 1.0)
     # taken: a later delta of that origin is refused, promoting it again finds nothing
     with pytest.raises(ReplicaRefused):
-        rs.apply([_batch("a", keys=[1], value=9.0)], "delta", base=5)
+        rs.apply([_batch("a", keys=[1], value=9.0, end=True)], "delta", base=5)
     with pytest.raises(ReplicaUnavailable) as info:
         rs.take("a", wait=0)
     assert info.value.kind == "no_replica"
@@ -427,6 +428,23 @@ def test_full_copy_that_stops_without_its_end_mark_is_not_promotable():
     np.testing.assert_array_equal(copy.store["t"].lookup(np.arange(10), False)[:, 0], 1.0)
 
 
+def test_shipment_that_stops_without_its_end_mark_applies_nothing():
+    """A delta or a sync push's rows whose stream stops early (the origin killed) may look
+    ended to the peer: without the end mark none of it is applied, so the request ids on
+    its first batch never mark half a push as done."""
+    from deeprec_ext.ps.replication import ReplicaRefused, ReplicaSet
+    rs = ReplicaSet()
+    rs.apply([ps_pb2.RowBatch(origin="a", reset=True),
+              _batch("a", keys=range(10), value=1.0, origin_sequence=5, end=True)], "full-new")
+    for kind, base in (("delta", 5), ("rows", -1)):
+        with pytest.raises(ReplicaRefused, match="end mark"):
+            rs.apply(iter([_batch("a", keys=range(10), value=7.0, origin_sequence=6,
+                                  applied_request_ids=["p1"])]), kind, base)
+    copy = rs.take("a", wait=0)
+    assert list(copy.applied) == []
+    np.testing.assert_array_equal(copy.store["t"].lookup(np.arange(10), False)[:, 0], 1.0)
+
+
 def test_promote_waits_for_a_delta_being_applied():
     """A delta still being received when Promote arrives is applied first, whole."""
     import threading
@@ -442,7 +460,7 @@ def test_promote_waits_for_a_delta_being_applied():
         yield _batch("a", keys=range(10), value=2.0, origin_sequence=8)
         release.wait(10)
         yield _batch("a", table="u", keys=range(5), value=2.0, origin_sequence=8,
-                     applied_request_ids=["r2"])
+                     applied_request_ids=["r2"], end=True)
 
     th = threading.Thread(target=rs.apply, args=(slow(), "delta", 5))
     th.start()

@@ -320,6 +320,7 @@ class Replicator:
         for b in batches:
             b.origin_sequence = watermark
         batches[0].applied_request_ids.extend(ids)
+        batches[-1].end = True
         try:
             resp = self._stub.Replicate(iter(batches), timeout=timeout,
                                         metadata=self._meta("delta", since))
@@ -409,6 +410,7 @@ class Replicator:
                 batches = [ps_pb2.RowBatch(origin=self.origin)]
             if request_id:
                 batches[0].applied_request_ids.append(request_id)
+            batches[-1].end = True
             try:
                 self._stub.Replicate(iter(batches), timeout=60, metadata=self._meta("rows"))
             except grpc.RpcError as exc:
@@ -592,8 +594,13 @@ class ReplicaSet:
         return n
 
     def _apply_delta(self, origin: str, first, it, base: int | None) -> int:
-        # buffer the whole stream first: a delta is applied whole or not at all
+        # buffer the whole stream first: a delta is applied whole or not at all. Only its
+        # end mark says it is whole: a stream cut by the origin's death can look ended
+        # (the first batch carries the request ids, so half a push would count as done)
         batches = [first, *it]
+        if not batches[-1].end:
+            raise ReplicaRefused(f"a shipment of {origin!r} stopped without its end mark "
+                                 f"after {len(batches)} batches; nothing of it applied")
         with self._cond:
             copy = self.copies.get(origin)
         if copy is None:
