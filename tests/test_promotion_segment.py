@@ -417,3 +417,51 @@ def test_a_slot_column_that_missed_rows_falls_back_to_hashing():
                                   np.bincount(slots[1::2], minlength=NUM_SLOTS))
     assert other._drop_rows_outside(keep, NUM_SLOTS) == int((~keep[slots[1::2]]).sum())
     assert not other.track_slots(1 << 17)  # beyond uint16: no column
+
+
+def test_the_peers_own_stray_rows_of_promoted_slots_are_never_served_and_are_purged():
+    """The peer still holds rows of the dead PS's slots from an older ownership (a
+    migration's clean-up that never reached it). Keys the dead PS had deleted since must
+    not come back: a lookup treats them as absent (a fresh row), a read-only lookup finds
+    nothing, and the merge deletes the rest (with tombstones, for the peer's replica);
+    keys the dead PS still held are served from the segment, and win in the merge."""
+    rng = np.random.default_rng(7)
+    keys = np.unique(rng.integers(-2**63, 2**63 - 1, 12_000, dtype=np.int64))
+    dead = np.zeros(NUM_SLOTS, dtype=bool)
+    dead[::4] = True
+    in_dead = dead[slot_of(keys, NUM_SLOTS)]
+    peer = EmbeddingStore().create_table("emb", DIM, *CFG)
+    replica = EmbeddingStore(track_changes=False).create_table("emb", DIM, *CFG)
+    peer.lookup(keys)  # the peer once owned every slot: its dead slots' rows stay as strays
+    peer.apply_gradients(keys, _grads(rng, keys.size))
+    dead_keys = keys[in_dead]
+    deleted = dead_keys[::3]  # deleted on the dead PS after the move: not in its replica
+    held = np.setdiff1d(dead_keys, deleted)
+    replica.lookup(held)
+    replica.apply_gradients(held, _grads(rng, held.size))
+    want_held = replica.lookup(held, insert_missing=False)
+    seq_before = peer.sequence.value
+    assert peer.adopt_segment(replica, dead, NUM_SLOTS) == held.size
+    # served from the segment, not from the stray rows
+    np.testing.assert_array_equal(peer.lookup(held, insert_missing=False), want_held)
+    # the deleted keys: a read-only lookup finds nothing (the initializer's values, as
+    # on a PS that never saw them), and their stray rows are gone
+    never = EmbeddingStore().create_table("emb", DIM, *CFG)
+    probe = deleted[:50]
+    np.testing.assert_array_equal(peer.lookup(probe, insert_missing=False),
+                                  never.lookup(probe, insert_missing=False))
+    assert peer.export_keys(probe)[0].size == 0
+    # a training lookup gives them fresh rows
+    fresh = never.lookup(deleted[50:60])
+    np.testing.assert_array_equal(peer.lookup(deleted[50:60]), fresh)
+    # the merge deletes every other stray and keeps the segment's rows
+    peer.merge_all(max_rows=1000)
+    assert peer.segment_rows == 0
+    live = np.sort(peer.keys_in_slots(ALL))
+    expect = np.sort(np.concatenate([keys[~in_dead], held, deleted[50:60]]))
+    np.testing.assert_array_equal(live, expect)
+    np.testing.assert_array_equal(peer.lookup(held, insert_missing=False), want_held)
+    assert len(peer) == expect.size
+    # the purged keys are tombstones for the peer's replica and incremental checkpoints
+    # (the ten re-created later are listed too: tombstones first, then rows)
+    np.testing.assert_array_equal(peer.tombstones_since(seq_before), np.sort(deleted))

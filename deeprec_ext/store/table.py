@@ -77,6 +77,7 @@ Threading: one ``threading.RLock`` per table around every public method.
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import numbers
 import sys
@@ -100,6 +101,8 @@ _GATHER_ROWS_PER_HOLD = 1 << 13  # planned rows read per table-lock hold (about 
 _LOG_MIN_CAP = 1 << 16  # change-log entries / tombstone keys kept at least (hard cap floor)
 _SEG_CURSOR = 1 << 61   # export_slots cursor flags: in the segment, ...
 _MAIN_CURSOR = 1 << 60  # ... in this table's rows after the segment's
+
+log = logging.getLogger(__name__)
 
 
 # Arena growth without a copy: large per-row arrays live in an anonymous mapping that
@@ -433,6 +436,12 @@ class EmbeddingTable:
         self._seg_mask: np.ndarray | None = None  # bool [seg_ns]: the slots it serves
         self._seg_ns = 0
         self._seg_cursor = 0  # background merge: segment rows below this were moved
+        # this table's own rows of the segment's slots written before the adoption are
+        # strays (left by a clean-up that never reached this PS): rows below _purge_hwm
+        # are checked by the merge from _purge_cursor on, and a key of those slots that
+        # misses the segment never reads one (_split)
+        self._seg_seq = 0
+        self._purge_cursor = self._purge_hwm = 0
         # the segment's row -> key array, kept after the merge for export plans made before
         self._seg_keys: np.ndarray | None = None
         # replicas (track_slots): each row's routing slot, noted when a key gets its row,
@@ -1827,6 +1836,7 @@ class EmbeddingTable:
         srows = seg._index.find(keys.take(spos))
         hit = srows >= 0
         if not hit.all():
+            self._purge_strays(keys.take(spos[~hit]))
             sel = np.flatnonzero(hit)
             if sel.size == 0:
                 return None
@@ -1835,12 +1845,61 @@ class EmbeddingTable:
         main[spos] = False
         return spos, srows, np.flatnonzero(main)
 
+    def _purge_strays(self, keys: np.ndarray) -> int:
+        """Delete this table's rows of ``keys`` (keys of the segment's slots, distinct or
+        not) that were written before the adoption (under the lock): strays of an older
+        ownership of those slots whose clean-up never reached this PS. The dead PS had
+        deleted (or evicted) these keys, or moved them on, so serving them would bring
+        back stale rows; they are deleted with a tombstone, so this PS's replica and its
+        incremental checkpoints drop them too. Returns the rows deleted."""
+        rows = self._index.find(keys)
+        ok = rows >= 0
+        if not ok.any():
+            return 0
+        rows = rows[ok]
+        seqs = self._row_seq.take(rows)
+        stray = (seqs > 0) & (seqs < self._seg_seq)
+        if not stray.any():
+            return 0
+        rows = np.unique(rows[stray])
+        gone = self._row_key.take(rows)
+        self._index.remove(gone)
+        self._release(rows)
+        if self._track:
+            self._tombstones.append((self.sequence.next(), gone, False))
+            self._tomb_keys += int(gone.size)
+            self._cap_tombstones()
+        log.warning("table %s: deleted %d stray rows of promoted slots (left by a clean-up "
+                    "that never reached this PS)", self.name, gone.size)
+        return int(gone.size)
+
+    def _purge_step(self, max_rows: int) -> bool:
+        """Check the next ``max_rows`` of this table's rows from before the adoption for
+        strays of the segment's slots (under the lock). True once every row was checked."""
+        c = self._purge_cursor
+        stop = min(self._purge_hwm, c + max(int(max_rows), 1))
+        if c < stop:
+            seqs = self._row_seq[c:stop]
+            old = np.flatnonzero((seqs > 0) & (seqs < self._seg_seq))
+            if old.size:
+                old += c
+                keys = self._row_key.take(old)
+                mine = self._seg_mask[slot_of(keys, self._seg_ns)]
+                if mine.any():
+                    keys = keys[mine]
+                    # a key the segment holds is overwritten by the merge (its row wins)
+                    self._purge_strays(keys[self._seg._index.find(keys) < 0])
+        self._purge_cursor = stop
+        return stop >= self._purge_hwm
+
     def adopt_segment(self, other: EmbeddingTable, slot_mask: np.ndarray,
                       num_slots: int) -> int:
         """Serve the rows of ``other`` (a promoted replica's table, same config) for the
         routing slots set in ``slot_mask`` (bool [num_slots]) without copying them: it
-        becomes this table's segment. This table must hold no key of those slots (slot
-        ownership makes both key sets disjoint). Every method of this table sees the
+        becomes this table's segment. This table should hold no key of those slots (slot
+        ownership makes both key sets disjoint); rows it still holds from an older
+        ownership (a clean-up that never reached it) are strays: a key missing from the
+        segment never reads one, and the merge deletes them (:meth:`_purge_strays`). Every method of this table sees the
         segment's rows; new keys still go to this table; :meth:`merge_segment` moves the
         rows over in bounded steps.
 
@@ -1883,6 +1942,7 @@ class EmbeddingTable:
             other._tombstones, other._tomb_keys = [], 0  # deletions go to this table's log
             self._seg, self._seg_mask, self._seg_ns = other, slot_mask.copy(), int(num_slots)
             self._seg_cursor = 0
+            self._seg_seq, self._purge_cursor, self._purge_hwm = seq, 0, self._hwm
             self._seg_keys = other._row_key  # the segment never allocates: stable
             return len(other._index)
 
@@ -1979,10 +2039,11 @@ class EmbeddingTable:
                 seg._row_seq[sel] = 0  # not onto the free list: the segment never allocates
                 seg._row_count[sel] = 0
             self._seg_cursor = stop
-            if stop >= seg._hwm or not len(seg._index):
+            purged = self._purge_step(max_rows)
+            if (stop >= seg._hwm or not len(seg._index)) and purged:
                 self._seg = self._seg_mask = None  # _seg_keys stays for plans made before
                 return 0
-            return len(seg._index)
+            return max(len(seg._index), 1)
 
     def merge_all(self, max_rows: int = 1 << 14) -> None:
         """Merge the whole segment, releasing the lock between steps."""
