@@ -364,3 +364,15 @@ def test_tf_reader_cuts_parquet_and_tfrecord_from_one_buffer(tmp_path):
                                                    for h in heads]
     assert tf.strings.substr(tf.constant(b""), tf.zeros([0], tf.int64),
                              tf.zeros([0], tf.int64)).shape == [0]
+
+
+def test_a_range_to_the_end_of_the_file_reads_only_the_file(tmp_path):
+    """A range whose end means "to the end" (far past it, as 1 << 40) reads the file's
+    bytes, not a buffer of the range's size (that was a MemoryError)."""
+    from deeprec_ext.data.fs import RangeFile
+    from deeprec_ext.data.ranges import read_shard
+    path = _write(tmp_path / "a.txt", b"".join(b"%d\n" % i for i in range(100)))
+    records, _ = read_shard(path, 50, 1 << 40, "text")
+    assert records[0] == b"20" and records[-1] == b"99"  # "20" begins at byte 50
+    with RangeFile(path) as f:
+        assert len(f.pread(1 << 40, 0)) == f.size

@@ -144,10 +144,11 @@ class RangeFile:
         """Up to ``n`` bytes at ``pos`` (fewer only at the end of the file)."""
         if n <= 0 or (self._size is not None and pos >= self._size):
             return b""
+        if self._size is not None:
+            # a range "to the end" ends far past it (1 << 40): pread would allocate that
+            n = min(n, self._size - pos)
         if not self._remote:
             return os.pread(self._fd, n, pos)
-        if self._size is not None:
-            n = min(n, self._size - pos)
         start, data = self._block
         if start <= pos and pos + n <= start + len(data):
             return data[pos - start:pos - start + n]
