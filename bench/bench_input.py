@@ -67,12 +67,9 @@ def make_data(root: str, mb: int, files: int, row_group: int) -> dict[str, list[
     if os.path.exists(done):
         return out
     os.makedirs(d, exist_ok=True)
-    import pyarrow as pa
-    import pyarrow.csv as pcsv
-    import pyarrow.parquet as pq
     import tensorflow as tf
-    names = ["label"] + [f"I{i}" for i in range(1, 14)] + [f"C{i}" for i in range(1, 27)]
-    types = {n: (pa.string() if n.startswith("C") else pa.int64()) for n in names}
+
+    from examples.criteo.reader import tsv_to_parquet
     for i in range(files):
         txt = out["text"][i]
         make_file(txt, max(1, mb // files))
@@ -83,10 +80,7 @@ def make_data(root: str, mb: int, files: int, row_group: int) -> dict[str, list[
         with tf.io.TFRecordWriter(out["tfrecord"][i]) as w:
             for line in data.splitlines():
                 w.write(line)
-        table = pcsv.read_csv(txt, read_options=pcsv.ReadOptions(column_names=names),
-                              parse_options=pcsv.ParseOptions(delimiter="\t"),
-                              convert_options=pcsv.ConvertOptions(column_types=types))
-        pq.write_table(table, out["parquet"][i], row_group_size=row_group)
+        tsv_to_parquet(txt, out["parquet"][i], row_group_size=row_group, missing_as_null=False)
     open(done, "w").close()
     return out
 

@@ -5,6 +5,7 @@ learning rate 1, gradient -1). Rows whose name does not match are pushed to id -
 test sees any mix-up of columns or rows."""
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -26,6 +27,9 @@ def main() -> int:
         ids = np.where(ok, ids, -1).astype(np.int64)
         ctx.client.push("records", ids, -np.ones((ids.size, 1), np.float32))
         ctx.record_steps(1, ctx.tracker.advance(1))
+    hold = os.environ.get("COUNTING_HOLD_FILE")
+    while hold and not ctx.stop_requested.is_set() and not os.path.exists(hold):
+        time.sleep(0.1)  # keep the job (and its PS) up until the test read the counters
     ctx.close()
     return 0
 

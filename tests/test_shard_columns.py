@@ -98,7 +98,8 @@ def test_job_reads_typed_columns_every_row_once(start_job, tmp_path):
     job = start_job({
         "name": "columns", "ps": {"replicas": 1},
         "worker": {"replicas": 2, "command": ["{python}", str(ROOT / "tests" / "columns_worker.py")],
-                   "env": {"COUNTING_BATCH": "128", "PYTHONPATH": str(ROOT)}},
+                   "env": {"COUNTING_BATCH": "128", "PYTHONPATH": str(ROOT),
+                           "COUNTING_HOLD_FILE": str(tmp_path / "release")}},
         "data": {"files": files, "bytes_per_shard": 4000},
         "master": {"heartbeat_seconds": 0.5},
     })
@@ -108,6 +109,7 @@ def test_job_reads_typed_columns_every_row_once(start_job, tmp_path):
     got = client.lookup("records", np.arange(-1, n_files * per, dtype=np.int64),
                         insert_missing=False)[:, 0]
     client.close()
+    (tmp_path / "release").write_text("")
     assert job.wait(60) == 0, job.output()[-3000:]
     assert got[0] == 0, "rows whose name did not match their id"
     assert np.bincount(np.clip(got[1:].astype(np.int64), 0, 3), minlength=4).tolist() == \
@@ -116,36 +118,22 @@ def test_job_reads_typed_columns_every_row_once(start_job, tmp_path):
     assert len(shards) > n_files  # files were split into several shards
 
 
-def _criteo_parquet(txt: str, out: str, row_group_size: int = 2000) -> int:
-    import pyarrow.csv as pcsv
-    import pyarrow.parquet as pq
-
-    from examples.criteo import reader
-    names = ["label", *reader.DENSE_NAMES, *reader.CAT_NAMES]
-    types = {n: pa.string() if n.startswith("C") else pa.int64() for n in names}
-    table = pcsv.read_csv(txt, read_options=pcsv.ReadOptions(column_names=names),
-                          parse_options=pcsv.ParseOptions(delimiter="\t"),
-                          convert_options=pcsv.ConvertOptions(column_types=types,
-                                                              strings_can_be_null=True))
-    pq.write_table(table, out, row_group_size=row_group_size)
-    return table.num_rows
-
-
 @pytest.mark.parametrize("mode", ["keras", "tf1"])
 def test_job_trains_and_evaluates_on_parquet_columns(start_job, tmp_path, mode):
     """The Criteo example with ``--parquet-columns`` (Keras, and the TF1 loop): the worker trains on Parquet shards
     read as typed columns, and the evaluator (the same command) scores a Parquet eval
     file through the same parse; every training row is trained once."""
     from examples.criteo.generate import generate
+    from examples.criteo.reader import tsv_to_parquet
     data = generate(str(tmp_path / "txt"), rows=24_000, files=2, test_rows=3_000, seed=4)
     train = []
     rows = 0
     for k, txt in enumerate(data["train"]):
         out = str(tmp_path / f"train-{k}.parquet")
-        rows += _criteo_parquet(txt, out)
+        rows += tsv_to_parquet(txt, out, row_group_size=2000)
         train.append(out)
     ev = str(tmp_path / "eval.parquet")
-    eval_rows = _criteo_parquet(data["test"], ev)
+    eval_rows = tsv_to_parquet(data["test"], ev, row_group_size=2000)
     job = start_job({
         "name": "pqcols",
         "ps": {"replicas": 1},

@@ -465,17 +465,15 @@ def test_a_moment_of_slowness_or_the_off_switch_moves_nothing(start_job, tmp_pat
         job.stop()
 
 
-def test_a_ps_still_slow_after_re_placement_is_replaced_with_exact_counts(start_job):
-    # replace_below far under its service rate (~0.1): re-placed first, replaced a window
-    # later
-    job, client = _ps_job(start_job, {"enabled": True, "window_seconds": 3, "k": 5,
-                                      "replace_below": 0.01})
+def _replaced_while_pushing(job, client, share: float) -> dict:
+    """Throttle ps-1 to ``share`` of a core while two pushers count updates, until it is
+    replaced and pushes go on after; every update is checked exactly. The replace event."""
     n = 20000
     pushers, other = _pushers(job, client, n)
     try:
         wait_for(lambda: sum(len(p.acked) for p in pushers) > 100, 60, "pushes")
         ps1 = next(m["pid"] for m in job.state()["members"] if m["id"] == "ps-1")
-        with Throttle(ps1, share=0.3, period=0.1).start() as _:
+        with Throttle(ps1, share=share, period=0.1).start() as _:
             rep = wait_for(lambda: _kinds(job, "straggler_replace"), 90, "the replacement")[0]
         progress = sum(len(p.acked) for p in pushers)
         wait_for(lambda: sum(len(p.acked) for p in pushers) > progress + 50, 60,
@@ -483,6 +481,15 @@ def test_a_ps_still_slow_after_re_placement_is_replaced_with_exact_counts(start_
     finally:
         _exact(client, pushers, n)
         other.close()
+    return rep
+
+
+def test_a_ps_still_slow_after_re_placement_is_replaced_with_exact_counts(start_job):
+    # replace_below far under its service rate (~0.1): re-placed first, replaced a window
+    # later
+    job, client = _ps_job(start_job, {"enabled": True, "window_seconds": 3, "k": 5,
+                                      "replace_below": 0.01})
+    rep = _replaced_while_pushing(job, client, share=0.3)
     assert rep["slow"] == "ps-1" and rep["new"] not in ("ps-0", "ps-1") and rep["moved_slots"] > 0
     assert rep["reason"] == "still slow a window after re-placement", rep
     placement = job.status()["placement"]["ps"]
@@ -499,19 +506,7 @@ def test_a_ps_far_below_the_others_is_replaced_at_once_by_its_spare_with_exact_c
     # was only suspected (slow at two observations), before it was marked
     job, client = _ps_job(start_job, {"enabled": True, "window_seconds": 4, "k": 4,
                                       "replace_below": 0.2})
-    n = 20000
-    pushers, other = _pushers(job, client, n)
-    try:
-        wait_for(lambda: sum(len(p.acked) for p in pushers) > 100, 60, "pushes")
-        ps1 = next(m["pid"] for m in job.state()["members"] if m["id"] == "ps-1")
-        with Throttle(ps1, share=0.2, period=0.1).start() as _:
-            rep = wait_for(lambda: _kinds(job, "straggler_replace"), 90, "the replacement")[0]
-        progress = sum(len(p.acked) for p in pushers)
-        wait_for(lambda: sum(len(p.acked) for p in pushers) > progress + 50, 60,
-                 "pushes after the replacement")
-    finally:
-        _exact(client, pushers, n)
-        other.close()
+    rep = _replaced_while_pushing(job, client, share=0.2)
     events = job.status()["events"]
     spare = [e for e in events if e["kind"] == "straggler_spare"]
     detected = [e for e in events if e["kind"] == "straggler_detected"]

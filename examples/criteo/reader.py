@@ -121,6 +121,25 @@ def criteo_dataset_for_ranges(ranges, batch_size, vocab_size=None,
                             batch_size, vocab_size, drop_remainder)
 
 
+def tsv_to_parquet(txt: str, out: str, row_group_size: int = 20_000,
+                   missing_as_null: bool = True) -> int:
+    """Write the Criteo TSV file ``txt`` as Parquet ``out`` with the columns
+    ``parse_columns`` reads (``label``, ``I1``..``I13`` int64, ``C1``..``C26`` string;
+    missing fields null, or empty strings with ``missing_as_null=False``). Returns the
+    rows written."""
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+    import pyarrow.parquet as pq
+    names = ["label", *DENSE_NAMES, *CAT_NAMES]
+    types = {n: pa.string() if n in CAT_NAMES else pa.int64() for n in names}
+    table = pcsv.read_csv(txt, read_options=pcsv.ReadOptions(column_names=names),
+                          parse_options=pcsv.ParseOptions(delimiter="\t"),
+                          convert_options=pcsv.ConvertOptions(
+                              column_types=types, strings_can_be_null=missing_as_null))
+    pq.write_table(table, out, row_group_size=row_group_size)
+    return table.num_rows
+
+
 def parse_columns(cols, vocab_size=None):
     """``parse_lines`` for typed columns (``parquet_dataset``): ``cols`` holds ``label``,
     ``I1``..``I13`` (numbers) and ``C1``..``C26`` (strings) of a batch; a null is 0 or the
