@@ -153,3 +153,36 @@ def test_job_trains_and_evaluates_on_parquet_columns(start_job, tmp_path, mode):
     assert all(p["examples"] == eval_rows and 0.0 <= p["auc"] <= 1.0 and p["logloss"] > 0
                for p in points), points
     assert points[-1]["auc"] > 0.6, points  # it learned from the columns it read
+
+
+def test_a_shard_that_cannot_give_the_columns_is_bad_input_naming_the_file(tmp_path):
+    """Columns asked of a text shard: an error naming the file and the format. A Parquet
+    file without an asked column: named with the column, failing the shard, or under
+    ``on_bad_record: skip`` listed and read as no row (nothing else lost)."""
+    import types
+
+    import pyarrow.parquet as pq
+
+    from deeprec_ext.data.ranges import BadInput
+    from deeprec_ext.worker import ShardReader
+    txt = tmp_path / "a.txt"
+    txt.write_text("1\n2\n")
+    good, bad = tmp_path / "g.parquet", tmp_path / "b.parquet"
+    pq.write_table(pa.table({"id": [1, 2, 3], "name": ["n1", "n2", "n3"]}), good)
+    pq.write_table(pa.table({"id": [4, 5]}), bad)
+    kinds = {"id": "int64", "name": "string"}
+
+    def shard(path, fmt, end):
+        return types.SimpleNamespace(path=str(path), start=0, end=end, format=fmt)
+    with pytest.raises(BadInput, match=r"a\.txt.*'text'"):
+        ShardReader().read(shard(txt, "text", 4), None, kinds)
+    with pytest.raises(BadInput, match=r"b\.parquet.*'name'"):
+        ShardReader().read(shard(bad, "parquet", 2), None, kinds)
+    skipped: list = []
+    rows, next_pos = ShardReader().read(shard(bad, "parquet", 2), skipped, kinds)
+    assert len(rows) == 0 and next_pos.size == 0
+    assert skipped and skipped[0]["path"].endswith("b.parquet") and "name" in skipped[0]["reason"]
+    rows, next_pos = ShardReader().read(shard(good, "parquet", 3), [], kinds)
+    ids, data, offsets, lengths = rows.flat()
+    assert ids.tolist() == [1, 2, 3] and next_pos.tolist() == [1, 2, 3]
+    assert [bytes(data[o:o + n]) for o, n in zip(offsets, lengths)] == [b"n1", b"n2", b"n3"]
