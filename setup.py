@@ -38,6 +38,8 @@ setup(
         # (deeprec_ext/data/fs.py); s3fs is fsspec's S3 back end
         "fsspec>=2026.9.0,<2027",
         "s3fs>=2026.9.0,<2027",
+        # ranged reads of s3:// objects (the library under s3fs, without its asyncio layer)
+        "botocore>=1.43,<2",
         # TFRecord CRCs (masked crc32c) checked in C by the shard reader
         "google-crc32c>=1.9,<2",
     ],

@@ -18,8 +18,9 @@
 2. Read amplification (bytes read by all workers / bytes of the files) with 1, 2 and 4
    workers: shards dealt round-robin, every worker a fresh subprocess reading its shards
    with ``read_shard`` (the worker's path). Local files: ``/proc/self/io`` ``rchar``
-   delta around the reads of each format. S3: bytes returned by s3fs's ``_cat_file`` and
-   ``S3File._fetch_range`` (sockets are not counted by ``rchar``), wrapped in the worker.
+   delta around the reads of each format. S3: bytes returned by ``fs._s3_get`` (ranged
+   reads) and s3fs's ``_cat_file`` and ``S3File._fetch_range`` (sockets are not counted
+   by ``rchar``), wrapped in the worker.
 3. Time to the first record of a 4 MiB shard at the start and at the end of a big text
    file (2 GB by default; made by repeating the generated text: the records repeat).
 
@@ -319,6 +320,14 @@ def reader_main(spec: str) -> int:
             counted[0] += len(d)
             return d
         c.S3FileSystem._cat_file, c.S3File._fetch_range = cat, fetch
+        from deeprec_ext.data import fs as _fs
+        orig_get = _fs._s3_get  # ranged reads: botocore's client
+
+        def get(url, start, end):
+            d = orig_get(url, start, end)
+            counted[0] += len(d)
+            return d
+        _fs._s3_get = get
 
     def rchar() -> int:
         with open("/proc/self/io") as f:
@@ -364,7 +373,7 @@ def amplification(data, where: str, shard_bytes: int, workers=(1, 2, 4)) -> list
             busy = sum(1 for r in results if fmt in r)
             rows.append({"format": fmt, "where": where, "workers": w, "workers_with_shards": busy,
                          "bytes_read": read, "file_bytes": total, "amplification": read / total,
-                         "counted_by": "s3fs _cat_file/_fetch_range bytes" if remote
+                         "counted_by": "fs._s3_get + s3fs _cat_file/_fetch_range bytes" if remote
                          else "/proc/self/io rchar delta"})
             print(f"  {where:5s} {fmt:8s} W={w}: {read / total:.4f}", flush=True)
     return rows

@@ -223,7 +223,7 @@ def test_unlistable_url_is_a_config_error():
 
 def test_s3_parquet_later_shards_are_one_request(s3, monkeypatch):
     """A remote Parquet file's footer is kept after its first shard: each later shard is
-    one ranged GET (no HEAD, no footer read), and reads the same rows."""
+    one ranged GET (no HEAD, no footer read, no s3fs request), and reads the same rows."""
     from deeprec_ext.data import ranges
     expected = _upload(s3, "pqreq", per=1000)
     path = f"s3://{BUCKET}/pqreq/e.parquet"
@@ -236,6 +236,12 @@ def test_s3_parquet_later_shards_are_one_request(s3, monkeypatch):
             calls.append(_name)
             return _orig(*a, **k)
         monkeypatch.setattr(s3, name, counted)
+    orig_get = fs._s3_get  # ranged reads go through botocore's client, not s3fs
+
+    def get(*a, **k):
+        calls.append("get")
+        return orig_get(*a, **k)
+    monkeypatch.setattr(fs, "_s3_get", get)
     shards = make_shards([path], 1)  # one row group (100 rows) a shard
     calls.clear()
     got = []
@@ -243,6 +249,49 @@ def test_s3_parquet_later_shards_are_one_request(s3, monkeypatch):
         before = len(calls)
         got += read_shard(s.path, s.start, s.end, s.format)[0]
         if k:
-            assert calls[before:] == ["cat_file"], (k, calls)
+            assert calls[before:] == ["get"], (k, calls)
     assert got == expected[path]
     assert calls[:1] == ["size"] and len(shards) == 10
+
+
+def test_s3_read_errors_name_the_url_and_the_rest_is_read(s3, monkeypatch):
+    """Ranged reads (botocore's client): a missing object, credentials the server refuses
+    and an endpoint nobody listens on are errors naming the URL (``read_shard``: bad input
+    at the shard's start; ``tf.data``: the pipeline's error), and the good files are read
+    before and after."""
+    import moto.settings
+    import tensorflow as tf
+
+    from deeprec_ext.data.ranges import BadInput
+    from deeprec_ext.data.tf_dataset import record_dataset
+    good = f"s3://{BUCKET}/errors/good.txt"
+    s3.pipe(good[5:], b"1\n2\n3\n")
+    missing = f"s3://{BUCKET}/errors/missing.txt"
+    for fmt in ("text", "tfrecord", "parquet", "text.gz"):
+        with pytest.raises(BadInput, match=f"{missing}: unreadable .*no such object"):
+            read_shard(missing, 0, 100, fmt)
+    bad = []
+    assert read_shard(missing, 0, 100, "text", bad=bad)[0] == [] and \
+        bad[0]["path"] == missing and "no such object" in bad[0]["reason"]
+    with pytest.raises(tf.errors.OpError, match=f"{missing}: no such object"):
+        list(record_dataset([(good, 0, 6), (missing, 0, 100)]).as_numpy_iterator())
+    assert list(record_dataset([(good, 0, 6), (missing, 0, 100)], on_bad_record="skip")
+                .as_numpy_iterator()) == [b"1", b"2", b"3"]
+
+    # the server checks signatures against its IAM users: "testing" is none of them
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+    with pytest.raises(BadInput, match=f"{good}: unreadable .*access denied .*AWS_ACCESS_KEY_ID"):
+        read_shard(good, 0, 6, "text")
+    monkeypatch.undo()
+    assert read_shard(good, 0, 6, "text")[0] == [b"1", b"2", b"3"]
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    down = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    sock.close()  # nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL", down)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    with pytest.raises(BadInput, match=f"{good}: unreadable .*cannot read from S3 at {down}"):
+        read_shard(good, 0, 6, "text")
+    monkeypatch.undo()
+    assert read_shard(good, 0, 6, "text")[0] == [b"1", b"2", b"3"]

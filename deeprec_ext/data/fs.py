@@ -13,9 +13,14 @@ process.
 Everything the shard service does to a file is here: ``glob``, ``size``, and
 ``RangeFile.pread`` (one ranged GET for a remote file; a small read fetches at least
 64 KiB and later small reads inside it are served from it; the size is asked only when
-a short read has not told it). Each request costs the S3 client (s3fs on aiohttp) about
-as much CPU as 2 MB of data, hence few, large requests. ``RangeFile.reader()`` gives
-pyarrow a file object on the same reads.
+a short read has not told it). ``RangeFile.reader()`` gives pyarrow a file object on the
+same reads.
+
+The ranged reads of ``s3://`` objects (every shard's bytes: text, TFRecord, Parquet row
+groups, gzip streams) go through botocore's synchronous client, not s3fs: the same
+library under s3fs (same credentials chain, endpoint, region, addressing and retry
+settings), without its asyncio layer, which cost this process about 1.5x the CPU per
+request and per byte (docs/BENCHMARKS.md). Listing and sizes stay on fsspec.
 """
 from __future__ import annotations
 
@@ -27,8 +32,11 @@ _BLOCK = 1 << 20
 # small remote reads (the rest of the record that crosses a shard's end) fetch this much:
 # a whole block there made every remote text shard of 4 MiB read 18% more than its bytes
 _TAIL = 64 << 10
+# a gzip stream (one shard per file) is read in requests of this size
+_STREAM = 8 << 20
 _lock = threading.Lock()
 _filesystems: dict = {}
+_S3 = ("s3", "s3a")
 
 
 def is_remote(path: str) -> bool:
@@ -39,11 +47,76 @@ def _local(path: str) -> str:
     return path[len("file://"):] if path.startswith("file://") else path
 
 
+def _endpoint() -> str | None:
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+
+
 def _options(protocol: str) -> dict:
-    if protocol in ("s3", "s3a"):
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if protocol in _S3:
+        endpoint = _endpoint()
         return {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
     return {}
+
+
+_ENV_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+             "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE")
+
+
+def _s3_client():
+    """``(botocore S3 client, endpoint)`` for the current environment: one per endpoint and
+    set of AWS_* variables (a changed key or endpoint takes effect). Credentials, region
+    and profile come from botocore's usual chain, as for s3fs; retries in botocore's
+    ``standard`` mode (3 attempts) unless ``AWS_RETRY_MODE``/``AWS_MAX_ATTEMPTS`` say
+    otherwise."""
+    endpoint = _endpoint()
+    key = ("botocore", endpoint, tuple(os.environ.get(k) for k in _ENV_KEYS))
+    with _lock:
+        client = _filesystems.get(key)
+        if client is None:
+            import botocore.config
+            import botocore.session
+            retries = None if os.environ.get("AWS_RETRY_MODE") or \
+                os.environ.get("AWS_MAX_ATTEMPTS") else {"mode": "standard"}
+            # a pool per tf.data reading thread, so parallel shards do not wait on a socket
+            config = botocore.config.Config(retries=retries, max_pool_connections=32)
+            client = botocore.session.get_session().create_client(
+                "s3", endpoint_url=endpoint, config=config)
+            _filesystems[key] = client
+    return client, endpoint
+
+
+def _s3_get(url: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of an ``s3://`` object in one ranged GET (fewer at the end
+    of the object; none when ``start`` is at or past it). A missing object, refused
+    credentials or an unreachable endpoint is an ``OSError`` naming the URL."""
+    from botocore.exceptions import BotoCoreError, ClientError
+    bucket, _, key = url.split("://", 1)[1].partition("/")
+    client, endpoint = _s3_client()
+    try:
+        resp = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")
+        return resp["Body"].read()
+    except ClientError as exc:
+        err = exc.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        why = f"{code}: {err.get('Message') or exc}"
+        if code == "InvalidRange" or status == 416:  # the range starts at or past the end
+            return b""
+        if code in ("NoSuchKey", "NoSuchBucket", "NotFound", "404") or status == 404:
+            raise FileNotFoundError(f"{url}: no such object ({why})") from None
+        if status in (401, 403):
+            raise PermissionError(f"{url}: access denied ({why}); check AWS_ACCESS_KEY_ID, "
+                                  "AWS_SECRET_ACCESS_KEY (or the profile/role) and the "
+                                  "bucket's policy") from None
+        raise OSError(f"{url}: S3 refused the read ({why})") from None
+    except (BotoCoreError, OSError) as exc:  # endpoint down, timeout, cut transfer
+        raise OSError(f"{url}: cannot read from S3 at {endpoint or 'AWS'} "
+                      f"({type(exc).__name__}: {exc})") from None
+    except Exception as exc:  # urllib3's errors while streaming the body
+        if type(exc).__module__.startswith("urllib3"):
+            raise OSError(f"{url}: cannot read from S3 at {endpoint or 'AWS'} "
+                          f"({type(exc).__name__}: {exc})") from None
+        raise
 
 
 def filesystem(url: str):
@@ -102,6 +175,9 @@ def open_binary(path: str, sequential: bool = True):
     shards' bytes)."""
     if not is_remote(path):
         return open(_local(path), "rb")
+    if sequential and path.split("://", 1)[0] in _S3:
+        # ranged GETs of 8 MiB through the S3 client of ``RangeFile``
+        return io.BufferedReader(RangeFile(path).reader(), _STREAM)
     fs, _ = filesystem(path)
     if not sequential:
         return fs.open(path, "rb", block_size=_BLOCK, cache_type="none")
@@ -118,7 +194,8 @@ class RangeFile:
         self._remote = is_remote(path)
         self._block = (-1, b"")
         if self._remote:
-            self._fs, _ = filesystem(path)
+            self._fs, protocol = filesystem(path)
+            self._s3 = protocol in _S3
             self._size = int(size_hint) if size_hint else None
             self._fd = None
         else:
@@ -132,7 +209,13 @@ class RangeFile:
     @property
     def size(self) -> int:
         if self._size is None:
-            self._size = int(self._fs.size(self.path))
+            try:
+                self._size = int(self._fs.size(self.path))
+            except FileNotFoundError:  # fsspec names the key without its scheme
+                raise FileNotFoundError(f"{self.path}: no such object") from None
+            except OSError as exc:
+                raise OSError(f"{self.path}: cannot stat ({type(exc).__name__}: {exc})") \
+                    from None
         return self._size
 
     def at_eof(self, pos: int) -> bool:
@@ -160,6 +243,11 @@ class RangeFile:
 
     def _get(self, pos: int, n: int) -> bytes:
         end = pos + n if self._size is None else min(pos + n, self._size)
+        if self._s3:  # a range starting at the end reads nothing, no error
+            data = _s3_get(self.path, pos, end)
+            if len(data) < end - pos:
+                self._size = pos + len(data)
+            return data
         try:
             data = self._fs.cat_file(self.path, start=pos, end=end)
         except (OSError, ValueError):
