@@ -296,3 +296,38 @@ def test_tf_reader_gzip_text_is_split_in_graph_like_the_python_reader(tmp_path):
                 .as_numpy_iterator()) == python
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"cut.tsv.gz: truncated gzip"):
         list(record_dataset(ranges, "text.gz").as_numpy_iterator())
+
+
+@pytest.mark.parametrize("run", [4096, 1 << 20])
+def test_tfrecord_data_crcs_checked_over_the_whole_shard_find_every_bad_record(tmp_path, run,
+                                                                               monkeypatch):
+    """The data CRCs are checked by two C calls per run of records (``run`` bytes; 4096:
+    many runs); each corrupt record (a payload byte or a CRC byte, one or several
+    records, short and long payloads past the zero-CRC table) is still found and named,
+    and every other record is read."""
+    from deeprec_ext.data import ranges
+    monkeypatch.setattr(ranges, "_CRC_RUN", run)
+    rng = np.random.default_rng(7)
+    sizes = [0, 1, 4096, 4097, 70000] + rng.integers(0, 600, 295).tolist()
+    payloads = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    frames = [tfrecord_frame(p) for p in payloads]
+    offsets = np.cumsum([0] + [len(f) for f in frames])
+    clean = b"".join(frames)
+    path = tmp_path / "f.tfrecord"
+    path.write_bytes(clean)
+    assert _all(str(path), 10**6, []) == payloads
+    assert _all(str(path), 20000, []) == payloads
+    for trial in range(12):
+        data = bytearray(clean)
+        hit = sorted(rng.choice(len(payloads), size=1 + trial % 3, replace=False).tolist())
+        for k in hit:
+            # a payload byte, or a byte of the data CRC (an empty payload has only that)
+            span = sizes[k] + 4 if trial % 2 == 0 else 4
+            at = offsets[k + 1] - 4 - (sizes[k] if span > 4 else 0) + int(rng.integers(span))
+            data[at] ^= 1 << int(rng.integers(8))
+        path.write_bytes(bytes(data))
+        bad = []
+        got = _all(str(path), 10**6, bad)
+        assert got == [p for k, p in enumerate(payloads) if k not in hit], (trial, hit)
+        assert [b["offset"] for b in bad] == [int(offsets[k]) for k in hit], trial
+        assert {b["reason"] for b in bad} == {"corrupt TFRecord data (CRC mismatch)"}
