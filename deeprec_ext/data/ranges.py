@@ -200,8 +200,8 @@ def _text_chunk(path: str, start: int, end: int, size: int | None):
     """(bytes from ``max(start - 1, 0)`` through the newline ending the record that
     crosses ``end`` or the end of the file, their position, whether that is the end).
     A remote file is read with the first ``fs._TAIL`` bytes past ``end`` in the same
-    request (each request costs about as much client CPU as 2 MB of data), and its size
-    is not asked for (a short read tells the end)."""
+    request (each request costs the S3 client about as much CPU as 7 MB of data), and its
+    size is not asked for (a short read tells the end)."""
     base = max(start - 1, 0)
     if start >= end:
         return None, base, True
@@ -554,7 +554,7 @@ _PQ_META_LOCK = threading.Lock()
 def _remote_parquet_meta(path: str, value=None):
     """The (size, footer) of a remote Parquet file, kept per process after its first
     shard: every later shard of the file is then one ranged GET (no HEAD, no footer
-    read; each request costs the S3 client about as much CPU as 2 MB of data). Data
+    read; each request costs the S3 client about as much CPU as 7 MB of data). Data
     files are not rewritten in place (a changed file is not read again, see the guide's
     ``watch``), so the footer stays valid."""
     with _PQ_META_LOCK:  # shards are read by tf.data's parallel map threads
