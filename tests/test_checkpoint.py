@@ -586,11 +586,11 @@ def test_incremental_is_proportional_to_changed_rows(tmp_path):
 
 
 def test_checkpoint_layering():
-    """checkpoint/ imports only numpy, zstandard, stdlib, deeprec_ext.hashing/.store, and
-    deeprec_ext.data (its file-system layer, for roots on object stores; fsspec is loaded
-    only when a URL is used)."""
+    """checkpoint/ imports only numpy, zstandard, google_crc32c (format 4's checksum),
+    stdlib, deeprec_ext.hashing/.store, and deeprec_ext.data (its file-system layer, for
+    roots on object stores; fsspec is loaded only when a URL is used)."""
     import ast
-    allowed = {"numpy", "zstandard", "checkpoint", "deeprec_ext"}
+    allowed = {"numpy", "zstandard", "google_crc32c", "checkpoint", "deeprec_ext"}
     for f in (ROOT / "checkpoint").rglob("*.py"):
         for node in ast.walk(ast.parse(f.read_text())):
             mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
@@ -852,7 +852,7 @@ def test_chunks_are_stored_raw_where_zstd_does_not_pay(tmp_path):
     """compress="auto": trained float rows with random keys are stored as is (FLAG_RAW),
     constant rows with sequential keys are compressed; "always"/"never" force it. Every
     variant verifies (inspect) and restores bit-exactly."""
-    from checkpoint.format import FLAG_RAW
+    from checkpoint.format import FLAG_COUNTS, FLAG_RAW
     rng = np.random.default_rng(11)
     s = EmbeddingStore()
     t = s.create_table("emb", 16, optimizer={"name": "adagrad", "learning_rate": 0.05})
@@ -866,13 +866,15 @@ def test_chunks_are_stored_raw_where_zstd_does_not_pay(tmp_path):
         for tb in s.tables().values():
             w.write_table("ps-0", tb)
         m = w.commit()
-        assert m["version"] == 3 and all(e["sha256"] is None for e in m["files"])
+        assert m["version"] == 4 and all(e["sha256"] is None for e in m["files"])
         flags = {n: _chunk_flags(*data_file(root, "ckpt-00000001-full", n)) for n in s.tables()}
+        # format 4: every rows chunk of a table with counts holds them as a column apart
+        assert all(f & FLAG_COUNTS for fl in flags.values() for f in fl)
         if mode == "auto":
             assert all(f & FLAG_RAW for f in flags["emb"])
             assert not any(f & FLAG_RAW for f in flags["zeros"])
         else:
-            want = FLAG_RAW if mode == "never" else 0
+            want = (FLAG_RAW if mode == "never" else 0) | FLAG_COUNTS
             assert all(f == want for fl in flags.values() for f in fl)
         assert verify(root)["ok"]
         s2, _ = restored(root)
@@ -930,7 +932,7 @@ def test_format_2_checkpoints_still_verify_and_restore(tmp_path):
     assert_same(snap(s2), snap(s))
     mutate(s, rng)
     write(tmp_path, 2, s, "incr", parent=1, cuts=cuts)
-    assert load_manifest(tmp_path / "ckpt-00000002-incr")["version"] == 3
+    assert load_manifest(tmp_path / "ckpt-00000002-incr")["version"] == 4
     s3, info = restored(tmp_path)
     assert info.chain == [1, 2]
     assert_same(snap(s3), snap(s))
