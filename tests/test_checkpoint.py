@@ -1042,3 +1042,193 @@ def test_full_checkpoint_while_pushes_run_is_a_consistent_cut(tmp_path, monkeypa
     np.testing.assert_array_equal(r2.view(np.uint32), want.view(np.uint32))
     print(f"{during} pushes ran during the write; counts {c.min()}..{c.max()}")
     assert during > 0  # the pushes were not held up for the write
+
+
+# --------------------------------------------------------------------------- format 4
+def _spy_direct(monkeypatch):
+    """Count the chunks read straight into a table's arrays (format 4's restore path)."""
+    import checkpoint.reader as reader
+    got = {"direct": 0, "raw": 0, "emb": 0}
+    real = reader._read_into
+
+    def spy(fd, e, ci, name, manifest, w, where_f, *dest):
+        got["direct"] += 1
+        got["emb"] += name == "emb"
+        n = real(fd, e, ci, name, manifest, w, where_f, *dest)
+        from checkpoint.format import FLAG_COUNTS, FLAG_RAW, decode_header
+        head = decode_header(reader.os.pread(fd, 4096, e["chunks"][ci][0]), "t")
+        got["raw"] += head["flags"] == FLAG_RAW | FLAG_COUNTS
+        return n
+
+    monkeypatch.setattr(reader, "_read_into", spy)
+    return got
+
+
+def test_format_4_reads_chunks_straight_into_the_table_and_round_trips(tmp_path, monkeypatch):
+    """Format 4: rows chunks hold keys, rows and uint32 counts as the store does, with a
+    crc32c; a restore into a new store reads each one straight into the reserved arena
+    rows (no decode) and gets every key, row, optimizer slot and count back bit-exactly,
+    also through a chain with deletions, re-inserts and dense arrays."""
+    from checkpoint.format import FLAG_COUNTS, FLAG_RAW, crc32c
+    import google_crc32c
+    blob = np.random.default_rng(0).bytes(100_003)
+    assert crc32c(blob) == google_crc32c.value(blob)
+    assert crc32c(memoryview(blob)[7:], crc32c(memoryview(blob)[:7])) == crc32c(blob)
+    rng = np.random.default_rng(41)
+    s = make_store(rng, 20_000)
+    cuts = write(tmp_path, 1, s)
+    m = load_manifest(tmp_path / "ckpt-00000001-full")
+    assert m["version"] == 4
+    path, e = data_file(tmp_path, "ckpt-00000001-full")
+    flags = _chunk_flags(path, e)
+    assert flags and all(f == FLAG_RAW | FLAG_COUNTS for f in flags)
+    got = _spy_direct(monkeypatch)
+    s2, info = restored(tmp_path)
+    # trained rows: stored, read straight in; the other tables' (compressible) chunks
+    # are decoded into their reserved rows
+    assert got["emb"] == len(e["chunks"]) and got["raw"] >= got["emb"]
+    assert got["direct"] == sum(len(f["chunks"]) for f in m["files"] if f["type"] == "rows")
+    assert_same(snap(s2), snap(s))
+    for name, t in s.tables().items():
+        keys = t.export_rows()[0]
+        np.testing.assert_array_equal(s2[name].counts(keys), t.counts(keys))
+    assert info.tables["emb"]["rows"] == info.tables["emb"]["live_rows"] == 20_000
+    k2, r2, _ = s2["emb"].export_rows()
+    c2 = s2["emb"].counts(k2)
+    # the restored table serves and trains like the original
+    k = s["emb"].export_rows()[0][:64]
+    g = rng.normal(size=(64, 8)).astype(np.float32)
+    s["emb"].apply_gradients(k, g)
+    s2["emb"].apply_gradients(k, g)
+    np.testing.assert_array_equal(s2["emb"].lookup(k), s["emb"].lookup(k))
+    # a chain: the full is read straight in, the incrementals (after deletions) go
+    # through the store's upserts; the outcome is the store's state
+    for ckpt in (2, 3):
+        mutate(s, rng)
+        cuts = write(tmp_path, ckpt, s, "incr", parent=ckpt - 1, cuts=cuts)
+    s3, info = restored(tmp_path)
+    assert info.chain == [1, 2, 3]
+    assert_same(snap(s3), snap(s))
+    keys = s["emb"].export_rows()[0]
+    np.testing.assert_array_equal(s3["emb"].counts(keys), s["emb"].counts(keys))
+    # and checkpoint.load of the full (a callback target: the decoding path) agrees with
+    # the store restored from it
+    import checkpoint
+    t = checkpoint.load(tmp_path / "ckpt-00000001-full").tables["emb"]
+    order = np.argsort(k2)
+    np.testing.assert_array_equal(t.ids, k2[order])
+    np.testing.assert_array_equal(t.values, r2[order][:, :8])
+    np.testing.assert_array_equal(t.counts, c2[order])
+
+
+def test_format_4_corrupt_or_truncated_chunk_is_an_error_naming_the_file(tmp_path):
+    """A bit flip in a chunk read straight into the arena fails its crc32c: the restore
+    drops what it applied and falls back to the previous chain, or (that checkpoint
+    asked for exactly) raises CheckpointError naming the file; a truncated file names it
+    too. The target store keeps working."""
+    rng = np.random.default_rng(42)
+    s = make_store(rng, 8000)
+    write(tmp_path, 1, s)
+    want1 = snap(s)
+    mutate(s, rng)
+    write(tmp_path, 2, s)  # a second full: its own chain
+    path, e = data_file(tmp_path, "ckpt-00000002-full")
+    _flip_payload_byte(path, e, "emb")
+    assert verify(tmp_path)["ok"] is False
+    # default: the corrupt newest checkpoint is skipped, the older chain restored whole
+    s2 = EmbeddingStore()
+    info = restore(tmp_path, s2)
+    assert info.checkpoint_id == 1
+    assert any(path.name in p and "crc32c" in p for p in info.skipped), info.skipped
+    assert_same(snap(s2), want1)
+    # exactly that checkpoint: an error naming the file, nothing left half-applied
+    s3 = EmbeddingStore()
+    with pytest.raises(CheckpointError, match=path.name):
+        restore(tmp_path, s3, upto=2, exact=True)
+    assert "emb" not in s3 or len(s3["emb"]) == 0
+    s3.create_table("other", 4).lookup(np.arange(10))  # the store still serves
+    assert len(s3["other"]) == 10
+    # a truncated file: named, with what is wrong
+    path1, e1 = data_file(tmp_path, "ckpt-00000001-full")
+    with open(path1, "r+b") as f:
+        f.truncate(e1["chunks"][len(e1["chunks"]) // 2][0] + 100)
+    with pytest.raises(CheckpointError, match=rf"{path1.name}.*(truncated|size)"):
+        restore(tmp_path, EmbeddingStore(), upto=1, exact=True)
+    with pytest.raises(NoValidCheckpoint):
+        restore(tmp_path, EmbeddingStore())
+
+
+def test_format_4_corrupt_chunk_read_straight_in_is_caught_by_the_one_pass_restore(
+        tmp_path, monkeypatch):
+    """The corruption is caught on the direct path itself (no pre-check pass reads the
+    chunk first) and named: the reserved rows are taken back with the table."""
+    rng = np.random.default_rng(43)
+    s = make_store(rng, 8000)
+    write(tmp_path, 1, s)
+    path, e = data_file(tmp_path, "ckpt-00000001-full")
+    _flip_payload_byte(path, e, "emb")
+    got = _spy_direct(monkeypatch)
+    s2 = EmbeddingStore()
+    with pytest.raises(CheckpointError, match=rf"{path.name}: chunk \d+ .*crc32c mismatch"):
+        restore(tmp_path, s2, upto=1, exact=True)
+    assert got["direct"] >= 1
+    assert "emb" not in s2
+
+
+def test_format_3_checkpoints_still_restore_into_the_arena(tmp_path, monkeypatch):
+    """A format-3 checkpoint (zlib crc32, the count as a float column) written by the
+    previous writer restores bit-exactly through the direct path (decoded, then copied
+    into the reserved rows), verifies, and takes a format-4 incremental on top."""
+    from checkpoint import format as fmt
+    from checkpoint.format import FLAG_COUNTS
+    rng = np.random.default_rng(44)
+    s = make_store(rng, 6000)
+    orig = fmt.FORMAT_VERSION
+    try:
+        fmt.FORMAT_VERSION = 3
+        cuts = write(tmp_path, 1, s)
+    finally:
+        fmt.FORMAT_VERSION = orig
+    assert load_manifest(tmp_path / "ckpt-00000001-full")["version"] == 3
+    path, e = data_file(tmp_path, "ckpt-00000001-full")
+    assert not any(f & FLAG_COUNTS for f in _chunk_flags(path, e))
+    assert verify(tmp_path)["ok"]
+    got = _spy_direct(monkeypatch)
+    s2, _ = restored(tmp_path)
+    assert got["direct"] >= 1 and got["raw"] == 0
+    assert_same(snap(s2), snap(s))
+    keys = s["emb"].export_rows()[0]
+    np.testing.assert_array_equal(s2["emb"].counts(keys), s["emb"].counts(keys))
+    mutate(s, rng)
+    write(tmp_path, 2, s, "incr", parent=1, cuts=cuts)
+    assert load_manifest(tmp_path / "ckpt-00000002-incr")["version"] == 4
+    assert verify(tmp_path)["ok"]
+    s3, info = restored(tmp_path)
+    assert info.chain == [1, 2]
+    assert_same(snap(s3), snap(s))
+
+
+def test_format_4_partial_slot_mask_restore(tmp_path, monkeypatch):
+    """A restore of some routing slots from format 4: chunks wholly outside the mask are
+    not read, chunks across its edge are decoded and filtered by key (not read straight
+    in), and exactly the keys of the mask come back, with their counts."""
+    rng = np.random.default_rng(45)
+    s = make_store(rng, 12_000)
+    write(tmp_path, 1, s)
+    mask = np.zeros(NUM_SLOTS, bool)
+    mask[100:1500] = True
+    mask[3000:3001] = True
+    got = _spy_direct(monkeypatch)
+    s2, info = restored(tmp_path, slot_mask=mask)
+    assert got["direct"] == 0
+    assert_same(snap(s2), snap(s, mask))
+    keys = snap(s, mask)["emb"][0]
+    assert 0 < keys.size < 12_000
+    np.testing.assert_array_equal(s2["emb"].counts(keys), s["emb"].counts(keys))
+    # onto another num_slots (every chunk read and filtered): the same keys by their slot
+    other = np.zeros(512, bool)
+    other[::3] = True
+    s3, _ = restored(tmp_path, slot_mask=other)
+    k_all = s["emb"].export_rows()[0]
+    want = np.sort(k_all[other[slot_of(k_all, 512)]])
+    np.testing.assert_array_equal(np.sort(s3["emb"].export_rows()[0]), want)
