@@ -1483,7 +1483,12 @@ class EmbeddingTable:
         logged = self._changes.since(since)
         if logged is None or 16 * logged.size > self._hwm + 4096:
             return None
-        sel = np.unique(logged)
+        # distinct and sorted through a bitmap over the rows (the log holds at most 1/16
+        # of them here): np.unique's hash path took 55-100 ms for the 200k entries of a
+        # 5% incremental of 4M rows, under the lock; this takes a few ms
+        mark = np.zeros(self._hwm, dtype=bool)
+        mark[logged] = True
+        sel = np.flatnonzero(mark)
         return sel[self._row_seq.take(sel) > since]
 
     def changed_at_most(self, since_seq: int, limit: int) -> bool:
