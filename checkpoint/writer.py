@@ -544,16 +544,32 @@ class CheckpointWriter:
                     min(p[2] for p in parts), max(p[3] for p in parts),
                     [p[4] for p in parts] if apart else None)
 
+        def deal(keys, rows, counts, slots):
+            # rows sorted by slot into the pending buckets; full buckets become chunks
+            bounds = np.searchsorted(slots, edges)
+            for b in np.flatnonzero(bounds[1:] > bounds[:-1]).tolist():
+                s, e = int(bounds[b]), int(bounds[b + 1])
+                pend[b].append((keys[s:e], rows[s:e], int(slots[s]), int(slots[e - 1]),
+                                counts[s:e] if counts is not None else None))
+                count[b] += e - s
+                if count[b] >= target:
+                    yield emit(b)
+
         row = 0
         while row is not None:
             _check_cancelled(cancelled)
-            if apart:
-                keys, rows, counts, row = table.scan_live(row, SCAN_SLICE_ROWS,
-                                                          counts_apart=True)
-            else:
-                keys, rows, row = table.scan_live(row, SCAN_SLICE_ROWS, with_counts=with_counts)
-                counts = None
-            if rows.shape[1] + apart != w:
+            if apart:  # sorted by slot and filtered by the mask in the lock hold
+                keys, rows, counts, slots, row = table.scan_by_slot(
+                    row, SCAN_SLICE_ROWS, self.num_slots, slot_mask)
+                if rows.shape[1] + 1 != w:
+                    raise ValueError(f"table '{table.name}' was reconfigured while being "
+                                     "written")
+                if keys.size:
+                    written[0] += int(keys.size)
+                    yield from deal(keys, rows, counts, slots)
+                continue
+            keys, rows, row = table.scan_live(row, SCAN_SLICE_ROWS, with_counts=with_counts)
+            if rows.shape[1] != w:
                 raise ValueError(f"table '{table.name}' was reconfigured while being written")
             if not keys.size:
                 continue
@@ -564,23 +580,12 @@ class CheckpointWriter:
                     keep = np.flatnonzero(keep)
                     keys, rows, slots = keys.take(keep), rows.take(keep, axis=0), \
                         slots.take(keep)
-                    if apart:
-                        counts = counts.take(keep)
                     if not keys.size:
                         continue
             order = _slot_order(slots, self.num_slots)
             keys, rows, slots = keys.take(order), _take_rows(rows, order), slots.take(order)
-            if apart:
-                counts = counts.take(order)
             written[0] += int(keys.size)
-            bounds = np.searchsorted(slots, edges)
-            for b in np.flatnonzero(bounds[1:] > bounds[:-1]).tolist():
-                s, e = int(bounds[b]), int(bounds[b + 1])
-                pend[b].append((keys[s:e], rows[s:e], int(slots[s]), int(slots[e - 1]),
-                                counts[s:e] if apart else None))
-                count[b] += e - s
-                if count[b] >= target:
-                    yield emit(b)
+            yield from deal(keys, rows, None, slots)
         for b in range(nb):
             if count[b]:
                 yield emit(b)

@@ -818,7 +818,7 @@ def test_rows_changed_or_deleted_during_a_streaming_checkpoint(tmp_path):
     keys = rand_keys(rng, 100_000)
     t.apply_gradients(keys, rng.normal(size=(keys.size, 4)).astype(np.float32))
     w = CheckpointWriter(tmp_path, 1, "full", num_slots=NUM_SLOTS)
-    real = t.scan_live
+    real = t.scan_by_slot  # the full's scan (format 4; scan_live before)
     calls = [0]
 
     def busy_scan(*a, **k):  # meanwhile, the PS serves writes between the slices
@@ -829,9 +829,9 @@ def test_rows_changed_or_deleted_during_a_streaming_checkpoint(tmp_path):
             t.apply_gradients(keys[5000:10000], np.ones((5000, 4), np.float32))
         return real(*a, **k)
 
-    t.scan_live = busy_scan
+    t.scan_by_slot = busy_scan
     cut = w.write_table("ps-0", t)["cut_seq"]
-    del t.scan_live
+    del t.scan_by_slot
     assert calls[0] > 2
     w.commit()
     w = CheckpointWriter(tmp_path, 2, "incr", parent=1, num_slots=NUM_SLOTS)

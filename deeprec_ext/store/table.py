@@ -1789,6 +1789,38 @@ class EmbeddingTable:
                     out[:, width] = self._row_count.take(sel)
             return keys, out, (stop if stop < self._hwm else None)
 
+    def scan_by_slot(self, row_start: int, max_rows: int, num_slots: int,
+                     slot_mask: np.ndarray | None = None):
+        """:meth:`scan_live` with ``counts_apart``, the slice's live rows (of the slots set
+        in ``slot_mask``, if given) sorted by routing slot (stable) and gathered from the
+        arena in that order under the lock hold: ``(keys, rows, counts, slots,
+        next_row)``. One pass over the rows instead of a copy, then a sorted copy of the
+        copy (what a full checkpoint did); the lock hold grows by hashing the slice's
+        keys (~0.2 ms for 16k)."""
+        with self._lock:
+            stop = min(self._hwm, int(row_start) + int(max_rows))
+            start = min(int(row_start), stop)
+            live = self._row_seq[start:stop] > 0
+            if bool(live.all()):
+                keys = self._row_key[start:stop]
+                sel = None
+            else:
+                sel = np.flatnonzero(live)
+                keys = self._row_key[start:stop].take(sel)
+            slots = slot_of(keys, num_slots)
+            if slot_mask is not None:
+                keep = np.flatnonzero(slot_mask[slots])
+                if keep.size != keys.size:
+                    sel = keep if sel is None else sel.take(keep)
+                    keys, slots = keys.take(keep), slots.take(keep)
+            order = (np.argsort(slots.astype(np.uint16), kind="stable")
+                     if num_slots <= 1 << 16 else np.argsort(slots, kind="stable"))
+            rows_at = (order if sel is None else sel.take(order)) + start
+            out = (keys.take(order), self._gather_rows(rows_at),
+                   self._row_count.take(rows_at), slots.take(order),
+                   (stop if stop < self._hwm else None))
+            return out
+
     def export_keys(self, keys, with_counts: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Full rows (value + slots [+ count]) of those ``keys`` that exist: ``(keys, rows)``."""
         keys = _check_keys(keys)
