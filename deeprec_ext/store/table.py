@@ -1626,8 +1626,12 @@ class EmbeddingTable:
         if changed is not None:
             slots = slot_of(keys, num_slots)
             keep = slot_mask[slots]
-            codes = (slots[keep].astype(np.int64) << row_bits) | changed[keep]
-            codes.sort()
+            slots, changed = slots[keep], changed[keep]
+            # changed rows come ascending: a stable radix sort by slot gives the codes'
+            # order (slot, then row) without a comparison sort of the codes
+            order = (np.argsort(slots.astype(np.uint16), kind="stable") if num_slots <= 1 << 16
+                     else np.argsort(slots, kind="stable"))
+            codes = (slots.take(order) << row_bits) | changed.take(order)
             return codes, row_bits
         codes = np.empty(bound + bound // 16 + 1024, dtype=np.int64)
         n = start = 0
