@@ -52,7 +52,8 @@ COMPRESS = "auto"                 # "auto" | "always" | "never"
 ZSTD_MIN_SAVING = 0.25
 PROBE_FRACTION = 1 / 16
 PROBE_STREAK, PROBE_EVERY = 4, 8  # then one chunk in 8 is probed (_Probe)
-WRITEBACK_BYTES = 32 << 20        # start the disk write-back of every ~32 MB as it is written
+WRITEBACK_BYTES = 4 << 20         # start the disk write-back of every ~4 MB as it is written
+# (32 MB left an incremental of 28 MB all to its closing fsync: 150 vs 185 ms median)
 _EXTRA_IN_FLIGHT = 1              # chunks being encoded: one per thread, plus this
 _IO_QUEUE = 2                     # chunks waiting for the I/O thread beyond those
 _LITTLE = sys.byteorder == "little"
