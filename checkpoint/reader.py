@@ -859,13 +859,16 @@ def _load_chunk(fd: int, e: dict, ci: int, name: str, manifest: dict, w: int,
 
 
 def _read_into(fd: int, e: dict, ci: int, name: str, manifest: dict, w: int, where_f: str,
-               keys_out: np.ndarray, rows_out: np.ndarray, counts_out: np.ndarray) -> int:
+               keys_out: np.ndarray, rows_out: np.ndarray, counts_out: np.ndarray,
+               slot_mask=None) -> tuple[int, int]:
     """Read rows chunk ``ci`` into a table's own arrays (the views of
     ``EmbeddingTable.reserve_load``): a stored format-4 chunk (flags RAW | COUNTS) goes
     with one ``preadv`` straight into them, no read buffer, no copy, and its crc32c is
     taken there (both release the GIL); any other chunk is read and decoded, then copied
-    in. Checks the header against the manifest and the payload's checksum; returns the
-    payload's length on disk."""
+    in. Checks the header against the manifest and the payload's checksum. ``slot_mask``
+    (a chunk partly inside the restore's slots): the rows of keys outside it are dropped
+    and the kept ones moved to the front. Returns ``(payload length on disk, rows
+    kept)``."""
     ch = e["chunks"][ci]
     where = f"{where_f}: chunk {ci} at offset {ch[0]}"
     hlen = header_size(name.encode("utf-8"))
@@ -887,26 +890,38 @@ def _read_into(fd: int, e: dict, ci: int, name: str, manifest: dict, w: int, whe
         c = crc32c(rows_out, c)
         if crc32c(counts_out, c) != h["crc32"]:
             raise CheckpointError(f"{where}: payload crc32c mismatch (corrupt data)")
-        return comp_len
-    comp, h = _read_chunk(fd, e, ci, name, manifest, w, where_f)
-    raw = _decode_payload(comp, h, where)
-    keys, rows = _split_rows(raw, h["n"], w, where, bool(h["flags"] & FLAG_COUNTS))
-    keys_out[:] = keys
-    rows_out[:] = rows[:, :w - 1]
-    counts_out[:] = np.clip(rows[:, w - 1], 0, 2**32 - 1)
-    return comp_len
+    else:
+        comp, h = _read_chunk(fd, e, ci, name, manifest, w, where_f)
+        raw = _decode_payload(comp, h, where)
+        keys, rows = _split_rows(raw, h["n"], w, where, bool(h["flags"] & FLAG_COUNTS))
+        keys_out[:] = keys
+        rows_out[:] = rows[:, :w - 1]
+        counts_out[:] = np.clip(rows[:, w - 1], 0, 2**32 - 1)
+    if slot_mask is None:
+        return comp_len, int(keys_out.size)
+    keep = np.flatnonzero(slot_mask[slot_of(keys_out, slot_mask.size)])
+    m = int(keep.size)
+    if m != keys_out.size:
+        keys_out[:m] = keys_out.take(keep)
+        rows_out[:m] = rows_out.take(keep, axis=0)
+        counts_out[:m] = counts_out.take(keep)
+    return comp_len, m
 
 
 def _read_chunks_into(path: Path, e: dict, group: list, manifest: dict, w: int,
-                      where_f: str) -> list:
-    """:func:`_read_into` for each ``(chunk index, name, (keys, rows, counts))`` of
-    ``group``; the bytes read."""
+                      where_f: str, slot_mask) -> list:
+    """:func:`_read_into` for each ``(chunk index, name, (keys, rows, counts, partial))``
+    of ``group``: ``[(bytes read, rows kept, rows reserved)]``."""
     fd = os.open(path, os.O_RDONLY)
     try:
         _opened_file_width(fd, e, manifest, where_f)
         _check_end(fd, e, where_f)
-        return [_read_into(fd, e, ci, name, manifest, w, where_f, *dest)
-                for ci, name, dest in group]
+        out = []
+        for ci, name, (keys, rows, counts, partial) in group:
+            nb, kept = _read_into(fd, e, ci, name, manifest, w, where_f, keys, rows, counts,
+                                  slot_mask if partial else None)
+            out.append((nb, kept, int(keys.size)))
+        return out
     finally:
         os.close(fd)
 
@@ -915,9 +930,10 @@ def _reserve_direct(sink, c: Checkpoint, plan: _Plan, name: str):
     """For the rows phase of table ``name`` in checkpoint ``c``: reserve the table's
     arena rows for every rows chunk the plan reads of it, so the reader threads read
     straight into them (format 4 layout; older chunks are copied in). Only for a store
-    target restoring whole chunks (no slot filter, optimizer slots kept) of a table with
-    counts into an empty table (or after earlier loads of this restore); else None.
-    Returns ``{(file, chunk): (first_row, keys, rows, counts)}``."""
+    target (optimizer slots kept) of a table with counts into an empty table (or after
+    earlier loads of this restore); else None. A chunk partly inside the slot mask is
+    reserved whole; the rows it does not fill are freed when it is committed. Returns
+    ``{(file, chunk): (first_row, keys, rows, counts, partial)}``."""
     if not isinstance(sink, _StoreSink) or sink.reset_optimizer:
         return None
     info = c.manifest["tables"][name]
@@ -929,10 +945,8 @@ def _reserve_direct(sink, c: Checkpoint, plan: _Plan, name: str):
             continue
         for ci, kind, partial in sel:
             if kind == KIND_ROWS:
-                if partial:
-                    return None
-                todo.append((e["path"], ci, int(e["chunks"][ci][_CI["n"]])))
-    total = sum(n for _, _, n in todo)
+                todo.append((e["path"], ci, int(e["chunks"][ci][_CI["n"]]), partial))
+    total = sum(t[2] for t in todo)
     table = sink.store.get(name)
     if not total or not hasattr(table, "reserve_load") or \
             table.row_width + 1 != data_width(info):
@@ -942,8 +956,9 @@ def _reserve_direct(sink, c: Checkpoint, plan: _Plan, name: str):
         return None
     r0, keys, rows, counts = got
     out, at = {}, 0
-    for path, ci, n in todo:
-        out[(path, ci)] = (r0 + at, keys[at:at + n], rows[at:at + n], counts[at:at + n])
+    for path, ci, n, partial in todo:
+        out[(path, ci)] = (r0 + at, keys[at:at + n], rows[at:at + n], counts[at:at + n],
+                           partial)
         at += n
     return out
 
@@ -1000,12 +1015,20 @@ def _apply(plan: _Plan, chain, sink, slot_mask):
                         new = CheckpointError(f"{c.name}/{e['path']}: {err}")
                         new.ckpt = c
                         raise new from None
-                    if fut.direct:  # rows read into the table: make them live, in order
+                    if fut.direct is not None:  # rows read into the table: live, in order
                         table = sink.store.get(e["table"])
-                        r0, n = fut.direct
-                        table.commit_load(r0, n)
-                        nbytes += sum(got)
-                        stats[e["table"]]["rows"] += n
+                        r = run = fut.direct
+                        for nb, kept, n in got:  # runs of whole chunks: one commit each
+                            nbytes += nb
+                            stats[e["table"]]["rows"] += kept
+                            if kept != n:
+                                if r > run:
+                                    table.commit_load(run, r - run)
+                                table.commit_load(r, kept, n)
+                                run = r + n
+                            r += n
+                        if r > run:
+                            table.commit_load(run, r - run)
                         return
                     for res in got:
                         finish_one(e, *res)
@@ -1048,9 +1071,9 @@ def _apply(plan: _Plan, chain, sink, slot_mask):
                         if into:
                             # one task's chunks are consecutive reserved rows
                             fut = pool.submit(_read_chunks_into, c.path / e["path"], e,
-                                              group, m, w, f"{c.name}/{e['path']}")
-                            fut.direct = (into[(e["path"], group[0][0])][0],
-                                          sum(g[2][0].size for g in group))
+                                              group, m, w, f"{c.name}/{e['path']}",
+                                              slot_mask)
+                            fut.direct = into[(e["path"], group[0][0])][0]
                         else:
                             fut = pool.submit(_load_chunks, c.path / e["path"], e, group, m,
                                               w, slot_mask, f"{c.name}/{e['path']}")

@@ -1210,8 +1210,9 @@ def test_format_3_checkpoints_still_restore_into_the_arena(tmp_path, monkeypatch
 
 def test_format_4_partial_slot_mask_restore(tmp_path, monkeypatch):
     """A restore of some routing slots from format 4: chunks wholly outside the mask are
-    not read, chunks across its edge are decoded and filtered by key (not read straight
-    in), and exactly the keys of the mask come back, with their counts."""
+    not read, chunks across its edge are read into the table too and filtered by key
+    there (the rows they leave unfilled are freed, and reused by later inserts), and
+    exactly the keys of the mask come back, with their counts."""
     rng = np.random.default_rng(45)
     s = make_store(rng, 12_000)
     write(tmp_path, 1, s)
@@ -1220,11 +1221,19 @@ def test_format_4_partial_slot_mask_restore(tmp_path, monkeypatch):
     mask[3000:3001] = True
     got = _spy_direct(monkeypatch)
     s2, info = restored(tmp_path, slot_mask=mask)
-    assert got["direct"] == 0
+    path, e = data_file(tmp_path, "ckpt-00000001-full")
+    assert 1 <= got["emb"] < len(e["chunks"])  # only the chunks the mask touches
     assert_same(snap(s2), snap(s, mask))
     keys = snap(s, mask)["emb"][0]
     assert 0 < keys.size < 12_000
+    assert len(s2["emb"]) == info.tables["emb"]["rows"] == keys.size
     np.testing.assert_array_equal(s2["emb"].counts(keys), s["emb"].counts(keys))
+    t2 = s2["emb"]
+    cap = t2._hwm
+    assert t2._nfree > 0  # rows of the edge chunks' keys outside the mask
+    new = rand_keys(rng, min(t2._nfree, 100))
+    t2.lookup(new)
+    assert t2._hwm == cap and len(t2) == keys.size + new.size  # freed rows reused
     # onto another num_slots (every chunk read and filtered): the same keys by their slot
     other = np.zeros(512, bool)
     other[::3] = True

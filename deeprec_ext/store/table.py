@@ -1239,19 +1239,28 @@ class EmbeddingTable:
             return (r0, self._row_key[r0:r0 + n], self._arena[r0:r0 + n],
                     self._row_count[r0:r0 + n])
 
-    def commit_load(self, r0: int, n: int) -> int:
+    def commit_load(self, r0: int, n: int, reserved: int | None = None) -> int:
         """Make rows ``[r0, r0 + n)`` of a :meth:`reserve_load` live: their keys are
         placed in the index in bulk (a key loaded before is a superseded copy, whose row
-        is freed: the later row wins), one new sequence number is stamped. Returns it."""
+        is freed: the later row wins), one new sequence number is stamped. Returns it.
+        ``reserved`` (>= n): the rows of the reservation this settles; those past the
+        first ``n`` were not filled (keys filtered out) and are freed."""
         r0, n = int(r0), int(n)
+        reserved = n if reserved is None else int(reserved)
         with self._lock:
-            if n <= 0:
+            if reserved <= 0:
                 return 0
-            if self._reserved < n or r0 + n > self._hwm:
-                raise ValueError(f"table '{self.name}': rows [{r0}, {r0 + n}) were not reserved")
+            if n < 0 or n > reserved or self._reserved < reserved or r0 + reserved > self._hwm:
+                raise ValueError(f"table '{self.name}': rows [{r0}, {r0 + reserved}) were "
+                                 "not reserved")
+            if n < reserved:
+                self._release(np.arange(r0 + n, r0 + reserved, dtype=np.int64))
+            if n == 0:
+                self._reserved -= reserved
+                return 0
             seq = self.sequence.next()
             dead = self._index.place_rows(self._row_key[r0:r0 + n], r0)
-            self._reserved -= n
+            self._reserved -= reserved
             self._row_seq[r0:r0 + n] = seq
             if self._row_step is not None:  # a restored row starts a fresh lease
                 self._row_step[r0:r0 + n] = self._clock
