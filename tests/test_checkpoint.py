@@ -1241,3 +1241,31 @@ def test_format_4_partial_slot_mask_restore(tmp_path, monkeypatch):
     k_all = s["emb"].export_rows()[0]
     want = np.sort(k_all[other[slot_of(k_all, 512)]])
     np.testing.assert_array_equal(np.sort(s3["emb"].export_rows()[0]), want)
+
+
+def test_scan_by_slot_matches_scan_live_sorted_by_slot():
+    """The full checkpoint's scan: the live rows of a slice (free rows skipped, only the
+    slots of the mask), stably sorted by slot, with keys, rows and counts as the table
+    holds them: what scan_live gives, sorted."""
+    rng = np.random.default_rng(46)
+    s = EmbeddingStore()
+    t = s.create_table("emb", 4, optimizer={"name": "adagrad", "learning_rate": 0.1})
+    keys = rand_keys(rng, 5000)
+    t.apply_gradients(keys, rng.normal(size=(keys.size, 4)).astype(np.float32))
+    t.apply_gradients(keys[:700], rng.normal(size=(700, 4)).astype(np.float32))
+    t.delete(keys[100:400])  # free rows inside the slices
+    mask = rng.random(NUM_SLOTS) < 0.5
+    for m in (None, mask):
+        row = 0
+        while row is not None:
+            k, r, c, sl, nxt = t.scan_by_slot(row, 1024, NUM_SLOTS, m)
+            k0, r0, _ = t.scan_live(row, 1024, with_counts=True)
+            s0 = slot_of(k0, NUM_SLOTS)
+            keep = np.ones(k0.size, bool) if m is None else m[s0]
+            o = np.argsort(s0[keep], kind="stable")
+            np.testing.assert_array_equal(k, k0[keep][o])
+            np.testing.assert_array_equal(sl, s0[keep][o])
+            np.testing.assert_array_equal(r, r0[keep][o][:, :-1])
+            np.testing.assert_array_equal(c, r0[keep][o][:, -1].astype(np.uint32))
+            assert r.dtype == np.float32 and c.dtype == np.uint32
+            row = nxt

@@ -1754,32 +1754,13 @@ class EmbeddingTable:
                 live[p.take(ok)] = True
                 put(p.take(ok), self, found.take(ok))
 
-    def scan_live(self, row_start: int, max_rows: int, with_counts: bool = False,
-                  counts_apart: bool = False):
+    def scan_live(self, row_start: int, max_rows: int, with_counts: bool = False):
         """Live rows of arena rows ``[row_start, row_start + max_rows)``, in row order, read
         under one table-lock hold: ``(keys, rows, next_row)``; ``rows`` float32
         [n, row_width (+1 update count)], each row self-consistent; ``next_row`` is None
         once the scan reached the end of the arena. Full exports stream the table with it
-        (checkpoints): one sequential copy per slice, nothing hashed under the lock.
-        ``counts_apart``: ``(keys, rows [n, row_width], counts uint32 [n], next_row)``, the
-        store's own columns (checkpoint format 4), with no float column to interleave."""
-        if counts_apart:
-            with self._lock:
-                stop = min(self._hwm, int(row_start) + int(max_rows))
-                start = min(int(row_start), stop)
-                live = self._row_seq[start:stop] > 0
-                if bool(live.all()):  # no free rows in the slice: plain sequential copies
-                    keys = self._row_key[start:stop].copy()
-                    rows = self._read_slice(start, stop).copy() if not self._fp16 \
-                        else self._read_slice(start, stop)
-                    counts = self._row_count[start:stop].copy()
-                else:
-                    sel = np.flatnonzero(live)
-                    sel += start
-                    keys = self._row_key.take(sel)
-                    rows = self._gather_rows(sel)
-                    counts = self._row_count.take(sel)
-                return keys, rows, counts, (stop if stop < self._hwm else None)
+        (checkpoints before format 4; :meth:`scan_by_slot` since): one sequential copy per
+        slice, nothing hashed under the lock."""
         extra = 1 if with_counts else 0
         with self._lock:
             width = self._width
@@ -1804,9 +1785,10 @@ class EmbeddingTable:
 
     def scan_by_slot(self, row_start: int, max_rows: int, num_slots: int,
                      slot_mask: np.ndarray | None = None):
-        """:meth:`scan_live` with ``counts_apart``, the slice's live rows (of the slots set
-        in ``slot_mask``, if given) sorted by routing slot (stable) and gathered from the
-        arena in that order under the lock hold: ``(keys, rows, counts, slots,
+        """Like :meth:`scan_live`, with the counts as their own column (checkpoint format
+        4): the slice's live rows (of the slots set in ``slot_mask``, if given) sorted by
+        routing slot (stable) and gathered from the arena in that order under the lock
+        hold: ``(keys, rows float32 [n, row_width], counts uint32 [n], slots,
         next_row)``. One pass over the rows instead of a copy, then a sorted copy of the
         copy (what a full checkpoint did); the lock hold grows by hashing the slice's
         keys (~0.2 ms for 16k)."""
