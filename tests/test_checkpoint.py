@@ -1074,6 +1074,12 @@ def test_format_4_reads_chunks_straight_into_the_table_and_round_trips(tmp_path,
     blob = np.random.default_rng(0).bytes(100_003)
     assert crc32c(blob) == google_crc32c.value(blob)
     assert crc32c(memoryview(blob)[7:], crc32c(memoryview(blob)[:7])) == crc32c(blob)
+    import checkpoint.format as fmt
+    assert fmt._CRC32C is not None  # the C library the wheel ships was found
+    monkeypatch.setattr(fmt, "_CRC32C", None)  # without it: the module's (a copy)
+    assert crc32c(blob) == google_crc32c.value(blob)
+    assert crc32c(np.frombuffer(blob[:100_000], np.float32)) == google_crc32c.value(blob[:100_000])
+    monkeypatch.undo()
     rng = np.random.default_rng(41)
     s = make_store(rng, 20_000)
     cuts = write(tmp_path, 1, s)
