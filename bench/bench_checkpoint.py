@@ -266,6 +266,8 @@ def main() -> None:
                     "writer's default)")
     ap.add_argument("--baseline", default="381a4c1",
                     help="commit whose writer to time as 'before' ('' to skip)")
+    ap.add_argument("--baseline-format", type=int, default=2,
+                    help="checkpoint format the --baseline writer writes")
     ap.add_argument("--no-tf", action="store_true")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir in /tmp)")
     ap.add_argument("--out", default=None)
@@ -353,9 +355,16 @@ def main() -> None:
         res["under_training"] = under_load(root, 200, table, keys)
         print(f"full while training: {res['under_training']}", flush=True)
         if args.baseline:
-            cls = old_writer_class(args.baseline)
-            olds = [full_checkpoint(root, 300 + i, table, writer_cls=cls)
-                    for i in range(args.reps)]
+            # the older writer writes the format of its day (2 for 381a4c1; the format
+            # module's version is what its headers and manifest take)
+            import checkpoint.format as fmt
+            current, fmt.FORMAT_VERSION = fmt.FORMAT_VERSION, args.baseline_format
+            try:
+                cls = old_writer_class(args.baseline)
+                olds = [full_checkpoint(root, 300 + i, table, writer_cls=cls)
+                        for i in range(args.reps)]
+            finally:
+                fmt.FORMAT_VERSION = current
             res["baseline"] = best(olds, "write_commit_ms")
             res["baseline"]["commit"] = args.baseline
             print(f"baseline writer ({args.baseline}): {res['baseline']}", flush=True)

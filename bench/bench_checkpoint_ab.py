@@ -5,9 +5,11 @@
 
 The restore's speed lives in the store (hash index, arena) as much as in the reader, so
 the older commit's whole tree (``git archive``) restores in a subprocess of its own,
-driven over stdin, as this tree's does; both read the same checkpoint (written by this
-tree: the format is the same). The older writer is loaded from git as in
-``bench_checkpoint.py --baseline``. Each round: TF read, both restores (order swapped
+driven over stdin, as this tree's does. Each reads the same table written by this
+tree, in the format the older commit can read (``--before-format``, 3 by default: an
+older tree cannot read format 4) and in the current format respectively. The older
+writer is loaded from git as in ``bench_checkpoint.py --baseline`` and writes the
+older format (the format module's version set to ``--before-format`` around it). Each round: TF read, both restores (order swapped
 every round), TF write (no fsync), both writers with ``sync=False`` (order swapped).
 Best of the rounds and the per-round ratios; the machine is shared, so only ratios of
 one run mean anything (``uptime`` printed each round).
@@ -15,6 +17,7 @@ one run mean anything (``uptime`` printed each round).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import shutil
@@ -54,9 +57,19 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4_000_000)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--before", default="cc8cd73", help="the older commit")
+    ap.add_argument("--before-format", type=int, default=3,
+                    help="checkpoint format the older commit reads and writes")
     args = ap.parse_args()
     import bench_checkpoint as B
+    import checkpoint.format as fmt
     from checkpoint import CheckpointWriter
+
+    class Older:  # the format module of the older commit's version, around its calls
+        def __enter__(self):
+            self.v, fmt.FORMAT_VERSION = fmt.FORMAT_VERSION, args.before_format
+
+        def __exit__(self, *exc):
+            fmt.FORMAT_VERSION = self.v
     work = tempfile.mkdtemp(prefix="bench-ckpt-ab-")
     procs, tf = {}, None
     try:
@@ -75,13 +88,15 @@ def main() -> None:
         del k, r
         gc.collect()
         tf = B.TF(work)
-        root = os.path.join(work, "ckpt")
-        w = CheckpointWriter(root, 1, "full")
-        w.write_table("ps-0", table)
-        w.commit()
+        roots = {"before": os.path.join(work, "ckpt-before"), "after": os.path.join(work, "ckpt")}
+        for name, root in roots.items():
+            with Older() if name == "before" else contextlib.nullcontext():
+                w = CheckpointWriter(root, 1, "full")
+                w.write_table("ps-0", table)
+                w.commit()
         for name, repo in (("before", old_tree), ("after", REPO)):
             procs[name] = subprocess.Popen(
-                [sys.executable, child, repo, root], stdin=subprocess.PIPE,
+                [sys.executable, child, repo, roots[name]], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, text=True,
                 env=dict(os.environ, PYTHONPATH=repo, TF_CPP_MIN_LOG_LEVEL="2"))
         old_writer = B.old_writer_class(args.before)
@@ -101,11 +116,12 @@ def main() -> None:
             for name, cls in writers if i % 2 == 0 else writers[::-1]:
                 scratch = os.path.join(work, "nosync")
                 gc.collect()
-                t0 = time.perf_counter()
-                w = cls(scratch, 1, "full", sync=False)
-                w.write_table("ps-0", table)
-                w.commit()
-                res[name].append(round((time.perf_counter() - t0) * 1000, 1))
+                with Older() if name == "w_before" else contextlib.nullcontext():
+                    t0 = time.perf_counter()
+                    w = cls(scratch, 1, "full", sync=False)
+                    w.write_table("ps-0", table)
+                    w.commit()
+                    res[name].append(round((time.perf_counter() - t0) * 1000, 1))
                 shutil.rmtree(scratch)
             print(f"round {i + 1}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in res.items())
                   + f" ms; load {B.uptime()}", flush=True)

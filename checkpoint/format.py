@@ -6,16 +6,20 @@ Chunk (all integers little-endian)::
     table name    name_len bytes of UTF-8
     header crc    u32 crc32 of fixed header + name
     payload       comp_len bytes of  keys int64[n] || rows float32[n, row_width]  (rows/tombstones)
+                                  or, format 4 rows with flag COUNTS (update counts):
+                                     keys int64[n] || rows float32[n, row_width - 1]
+                                     || counts uint32[n]  (the store's own columns)
                                   or a piece of a dense array's raw bytes        (array)
                   either as one zstd frame (with content size and xxh64 content checksum)
                   or, with flag RAW (format 3), stored as is (comp_len == raw_len)
 
 Fixed header fields: magic ``DRCK``, format version (u16), kind (u8), flags (u8: 0, or
-``FLAG_RAW`` from format 3 on),
+``FLAG_RAW`` from format 3 on, ``FLAG_COUNTS`` from format 4 on),
 num_slots (u32), slot_lo, slot_hi (u32: inclusive range of the routing slots of the keys in
 the chunk), n (u64: rows, keys, or bytes for an array piece), row_width (u32: floats per row,
 0 for tombstones/arrays), raw_len (u64: decompressed length), comp_len (u64), payload crc32
-(u32, of the compressed bytes), name_len (u16).
+(u32, of the compressed bytes: zlib's crc32 up to format 3, crc32c (Castagnoli) from
+format 4 on), name_len (u16). The header crc is zlib's crc32 in every format.
 
 A file ends with an END chunk (no payload, ``n`` = number of chunks before it, ``raw_len`` =
 its own offset), so a file truncated at a chunk boundary is detectable even without the
@@ -23,20 +27,29 @@ manifest.
 """
 from __future__ import annotations
 
+import ctypes
+import glob
 import hashlib
 import json
+import os
 import re
 import struct
 import zlib
+
+import numpy as np
 
 MAGIC = b"DRCK"
 # 2: rows carry each row's update count as a last float32 column (table info "counts")
 # 3: a chunk's payload may be stored uncompressed (flag RAW) when zstd does not pay, and
 #    files carry no sha256 (the manifest's "sha256" is null): the header crc32 and the
 #    payload crc32 of every chunk, whose index tiles the file, cover every byte already
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# 4: payload crc is crc32c (hardware, ~3x zlib's crc32 here), and a rows chunk of a table
+#    with counts holds its columns as the store does (keys, then the rows of value + slots,
+#    then the uint32 counts), so a restore reads a chunk straight into the table's arrays
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 FLAG_RAW = 1  # payload stored as is, not as a zstd frame (format 3)
+FLAG_COUNTS = 2  # rows chunk: keys || rows [n, row_width - 1] || counts uint32 [n] (format 4)
 MANIFEST_FORMAT = "deeprec-ext-checkpoint"
 MANIFEST_NAME = "manifest.json"
 
@@ -67,6 +80,52 @@ class NoValidCheckpoint(CheckpointError):
 def crc32(data) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
 
+
+def _load_crc32c():
+    """``crc32c_extend(crc, address, length)`` of the C library google-crc32c ships (SSE4.2),
+    called through ctypes: no copy of the buffer and the GIL released, which the module's
+    own ``extend`` does for ``bytes`` only (it takes no memoryview or array). None if the
+    library is not found (then a slower path through the module)."""
+    try:
+        import google_crc32c
+    except ImportError:  # pragma: no cover - a declared dependency
+        return None
+    base = os.path.dirname(google_crc32c.__file__)
+    cands = sorted(glob.glob(os.path.join(base, os.pardir, "google_crc32c.libs", "libcrc32c*")))
+    cands += glob.glob(os.path.join(base, "libcrc32c*"))
+    for path in cands:
+        try:
+            fn = ctypes.CDLL(path).crc32c_extend
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        fn.restype = ctypes.c_uint32
+        if fn(0, ctypes.c_char_p(b"123456789"), 9) == 0xE3069283:  # the check value
+            return fn
+    return None
+
+
+_CRC32C = _load_crc32c()
+
+
+def crc32c(data, crc: int = 0) -> int:
+    """crc32c of any C-contiguous buffer (bytes, memoryview, numpy array), continuing
+    from ``crc``."""
+    a = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else \
+        data.reshape(-1).view(np.uint8)
+    if not a.size:
+        return crc
+    if _CRC32C is not None:
+        return _CRC32C(crc, a.ctypes.data, a.size)
+    import google_crc32c  # pragma: no cover - library not found: one copy per call
+    return google_crc32c.extend(crc, a.tobytes())
+
+
+def payload_crc(data, version: int, crc: int = 0) -> int:
+    """The checksum of a chunk payload of format ``version`` (crc32c from 4 on)."""
+    if version >= 4:
+        return crc32c(data, crc)
+    return zlib.crc32(data, crc) & 0xFFFFFFFF
 
 def encode_header(kind: int, name: bytes, num_slots: int, slot_lo: int, slot_hi: int, n: int,
                   row_width: int, raw_len: int, comp_len: int, payload_crc: int,
@@ -99,7 +158,8 @@ def decode_header(buf: bytes, where: str) -> dict:
         raise CheckpointError(f"{where}: unsupported chunk format version {version}")
     if kind not in KIND_NAMES:
         raise CheckpointError(f"{where}: unknown chunk kind {kind}")
-    if flags & ~FLAG_RAW or (flags and version < 3):
+    if flags & ~(FLAG_RAW | FLAG_COUNTS) or (flags and version < 3) or (
+            flags & FLAG_COUNTS and (version < 4 or kind != KIND_ROWS or not row_width)):
         raise CheckpointError(f"{where}: unknown chunk flags {flags:#x}")
     if flags & FLAG_RAW and comp_len != raw_len:
         raise CheckpointError(f"{where}: stored chunk with comp_len {comp_len} != raw_len "

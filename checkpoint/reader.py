@@ -19,11 +19,12 @@ from deeprec_ext.hashing import slot_of
 
 from checkpoint import remote
 
-from checkpoint.format import (CHUNK_FIELDS, DIR_RE, FLAG_RAW, READABLE_VERSIONS, KIND_ARRAY,
-                               KIND_END,
+from checkpoint.format import (CHUNK_FIELDS, DIR_RE, FLAG_COUNTS, FLAG_RAW, READABLE_VERSIONS,
+                               KIND_ARRAY, KIND_END,
                                KIND_ROWS, KIND_TOMBSTONES, MANIFEST_FORMAT,
-                               MANIFEST_NAME, CheckpointError, NoValidCheckpoint, crc32,
-                               data_width, decode_header, header_size, manifest_checksum)
+                               MANIFEST_NAME, CheckpointError, NoValidCheckpoint, crc32c,
+                               data_width, decode_header, header_size, manifest_checksum,
+                               payload_crc)
 
 log = logging.getLogger("checkpoint")
 
@@ -203,11 +204,25 @@ def _decode_payload(comp: bytes, h: dict, where: str) -> bytes:
     return raw
 
 
-def _split_rows(raw: bytes, n: int, w: int, where: str):
+def _crc_name(h: dict) -> str:
+    return "crc32c" if h["version"] >= 4 else "crc32"
+
+
+def _split_rows(raw: bytes, n: int, w: int, where: str, apart: bool = False):
+    """``(keys, rows float32 [n, w])`` of a rows payload; ``apart`` (format 4, flag
+    COUNTS): the payload holds the update counts as a uint32 column after the rows,
+    joined here as the float32 last column the callers of this path take."""
     if len(raw) != n * (8 + 4 * w):
         raise CheckpointError(f"{where}: payload length {len(raw)} != {n} x (8 + 4 x {w})")
     keys = np.frombuffer(raw, dtype="<i8", count=n)
-    rows = np.frombuffer(raw, dtype="<f4", offset=8 * n).reshape(n, w) if w else None
+    if not w:
+        return keys, None
+    if not apart:
+        return keys, np.frombuffer(raw, dtype="<f4", offset=8 * n).reshape(n, w)
+    rows = np.empty((n, w), dtype=np.float32)
+    rows[:, :w - 1] = np.frombuffer(raw, dtype="<f4", offset=8 * n,
+                                    count=n * (w - 1)).reshape(n, w - 1)
+    rows[:, w - 1] = np.frombuffer(raw, dtype="<u4", offset=4 * n * (w + 1), count=n)
     return keys, rows
 
 
@@ -230,7 +245,7 @@ def _deep_check(comp: bytes, h: dict, num_slots: int, where: str) -> None:
     raw = _decode_payload(comp, h, where)
     if h["kind"] in (KIND_ROWS, KIND_TOMBSTONES):
         w = h["row_width"] if h["kind"] == KIND_ROWS else 0
-        keys, rows = _split_rows(raw, h["n"], w, where)
+        keys, rows = _split_rows(raw, h["n"], w, where, bool(h["flags"] & FLAG_COUNTS))
         if keys.size:
             s = slot_of(keys, num_slots)
             # formats 1-2 sort a chunk's keys by slot; format 3 only bounds them (a full
@@ -277,8 +292,8 @@ def verify_file(ckpt_dir: Path, entry: dict, manifest: dict, deep: bool = True,
                 raise CheckpointError(f"{where}: truncated")
             h = _check_chunk_header(buf, pos, ch, cname, num_slots, w, where)
             comp = memoryview(buf)[hlen:]
-            if crc32(comp) != h["crc32"]:
-                raise CheckpointError(f"{where}: payload crc32 mismatch (corrupt data)")
+            if payload_crc(comp, h["version"]) != h["crc32"]:
+                raise CheckpointError(f"{where}: payload {_crc_name(h)} mismatch (corrupt data)")
             if deep:
                 if pool is not None:
                     futures.append(pool.submit(_deep_check, comp, h, num_slots, where))
@@ -539,8 +554,8 @@ def _read_chunk(fd: int, entry: dict, ci: int, name: str, manifest: dict, w: int
         raise CheckpointError(f"{where}: truncated")
     h = _check_chunk_header(buf, ch[0], ch, name, manifest["num_slots"], w, where)
     comp = memoryview(buf)[hlen:]
-    if crc32(comp) != h["crc32"]:
-        raise CheckpointError(f"{where}: payload crc32 mismatch (corrupt data)")
+    if payload_crc(comp, h["version"]) != h["crc32"]:
+        raise CheckpointError(f"{where}: payload {_crc_name(h)} mismatch (corrupt data)")
     return comp, h
 
 
@@ -834,12 +849,118 @@ def _load_chunk(fd: int, e: dict, ci: int, name: str, manifest: dict, w: int,
     raw = _decode_payload(comp, h, where)
     if h["kind"] == KIND_ARRAY:
         return h, raw, None, len(comp)
-    keys, rows = _split_rows(raw, h["n"], w if h["kind"] == KIND_ROWS else 0, where)
+    keys, rows = _split_rows(raw, h["n"], w if h["kind"] == KIND_ROWS else 0, where,
+                             bool(h["flags"] & FLAG_COUNTS))
     if partial:
         sel = slot_mask[slot_of(keys, slot_mask.size)]
         keys = keys[sel]
         rows = rows[sel] if rows is not None else None
     return h, keys, rows, len(comp)
+
+
+def _read_into(fd: int, e: dict, ci: int, name: str, manifest: dict, w: int, where_f: str,
+               keys_out: np.ndarray, rows_out: np.ndarray, counts_out: np.ndarray,
+               slot_mask=None) -> tuple[int, int]:
+    """Read rows chunk ``ci`` into a table's own arrays (the views of
+    ``EmbeddingTable.reserve_load``): a stored format-4 chunk (flags RAW | COUNTS) goes
+    with one ``preadv`` straight into them, no read buffer, no copy, and its crc32c is
+    taken there (both release the GIL); any other chunk is read and decoded, then copied
+    in. Checks the header against the manifest and the payload's checksum. ``slot_mask``
+    (a chunk partly inside the restore's slots): the rows of keys outside it are dropped
+    and the kept ones moved to the front. Returns ``(payload length on disk, rows
+    kept)``."""
+    ch = e["chunks"][ci]
+    where = f"{where_f}: chunk {ci} at offset {ch[0]}"
+    hlen = header_size(name.encode("utf-8"))
+    comp_len = ch[_CI["comp_len"]]
+    head = os.pread(fd, hlen, ch[0])
+    if len(head) != hlen:
+        raise CheckpointError(f"{where}: truncated")
+    h = _check_chunk_header(head, ch[0], ch, name, manifest["num_slots"], w, where)
+    if h["kind"] != KIND_ROWS or h["n"] != keys_out.size:
+        raise CheckpointError(f"{where}: not the rows chunk the manifest announces")
+    if h["flags"] == FLAG_RAW | FLAG_COUNTS and h["version"] >= 4:
+        views = [memoryview(a).cast("B") for a in (keys_out, rows_out, counts_out)]
+        if sum(v.nbytes for v in views) != comp_len:
+            raise CheckpointError(f"{where}: payload length {comp_len} != {h['n']} x "
+                                  f"(8 + 4 x {w})")
+        if os.preadv(fd, views, ch[0] + hlen) != comp_len:
+            raise CheckpointError(f"{where}: truncated")
+        c = crc32c(keys_out)
+        c = crc32c(rows_out, c)
+        if crc32c(counts_out, c) != h["crc32"]:
+            raise CheckpointError(f"{where}: payload crc32c mismatch (corrupt data)")
+    else:
+        comp, h = _read_chunk(fd, e, ci, name, manifest, w, where_f)
+        raw = _decode_payload(comp, h, where)
+        keys, rows = _split_rows(raw, h["n"], w, where, bool(h["flags"] & FLAG_COUNTS))
+        keys_out[:] = keys
+        rows_out[:] = rows[:, :w - 1]
+        counts_out[:] = np.clip(rows[:, w - 1], 0, 2**32 - 1)
+    if slot_mask is None:
+        return comp_len, int(keys_out.size)
+    keep = np.flatnonzero(slot_mask[slot_of(keys_out, slot_mask.size)])
+    m = int(keep.size)
+    if m != keys_out.size:
+        keys_out[:m] = keys_out.take(keep)
+        rows_out[:m] = rows_out.take(keep, axis=0)
+        counts_out[:m] = counts_out.take(keep)
+    return comp_len, m
+
+
+def _read_chunks_into(path: Path, e: dict, group: list, manifest: dict, w: int,
+                      where_f: str, slot_mask) -> list:
+    """:func:`_read_into` for each ``(chunk index, name, (keys, rows, counts, partial))``
+    of ``group``: ``[(bytes read, rows kept, rows reserved)]``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _opened_file_width(fd, e, manifest, where_f)
+        _check_end(fd, e, where_f)
+        out = []
+        for ci, name, (keys, rows, counts, partial) in group:
+            nb, kept = _read_into(fd, e, ci, name, manifest, w, where_f, keys, rows, counts,
+                                  slot_mask if partial else None)
+            out.append((nb, kept, int(keys.size)))
+        return out
+    finally:
+        os.close(fd)
+
+
+def _reserve_direct(sink, c: Checkpoint, plan: _Plan, name: str):
+    """For the rows phase of table ``name`` in checkpoint ``c``: reserve the table's
+    arena rows for every rows chunk the plan reads of it, so the reader threads read
+    straight into them (format 4 layout; older chunks are copied in). Only for a store
+    target (optimizer slots kept) of a table with counts into an empty table (or after
+    earlier loads of this restore); else None. A chunk partly inside the slot mask is
+    reserved whole; the rows it does not fill are freed when it is committed. Returns
+    ``{(file, chunk): (first_row, keys, rows, counts, partial)}``."""
+    if not isinstance(sink, _StoreSink) or sink.reset_optimizer:
+        return None
+    info = c.manifest["tables"][name]
+    if not info.get("counts"):
+        return None
+    todo = []
+    for cc, e, sel in plan.items:
+        if cc is not c or e.get("table") != name:
+            continue
+        for ci, kind, partial in sel:
+            if kind == KIND_ROWS:
+                todo.append((e["path"], ci, int(e["chunks"][ci][_CI["n"]]), partial))
+    total = sum(t[2] for t in todo)
+    table = sink.store.get(name)
+    if not total or not hasattr(table, "reserve_load") or \
+            table.row_width + 1 != data_width(info):
+        return None
+    got = table.reserve_load(total)
+    if got is None:
+        return None
+    r0, keys, rows, counts = got
+    out, at = {}, 0
+    for path, ci, n, partial in todo:
+        out[(path, ci)] = (r0 + at, keys[at:at + n], rows[at:at + n], counts[at:at + n],
+                           partial)
+        at += n
+    return out
 
 
 def _apply(plan: _Plan, chain, sink, slot_mask):
@@ -868,6 +989,11 @@ def _apply(plan: _Plan, chain, sink, slot_mask):
             for phase in (KIND_TOMBSTONES, KIND_ROWS, KIND_ARRAY):
                 jobs = deque()
                 batch: dict[str, list] = {}  # rows per table, imported _IMPORT_ROWS at a time
+                # rows phase: per table, its arena rows reserved for a direct read
+                direct = {}
+                if phase == KIND_ROWS:
+                    for name in {e["table"] for e, _ in items if e["type"] == "rows"}:
+                        direct[name] = _reserve_direct(sink, c, plan, name)
 
                 def flush(table):
                     # the rows of the chunks go on as a list: a store copies each part
@@ -878,6 +1004,7 @@ def _apply(plan: _Plan, chain, sink, slot_mask):
                                   np.concatenate([p[0] for p in parts]), [p[1] for p in parts])
 
                 def finish(job, c=c):
+                    nonlocal nbytes
                     e, fut = job
                     try:
                         got = fut.result()
@@ -888,6 +1015,21 @@ def _apply(plan: _Plan, chain, sink, slot_mask):
                         new = CheckpointError(f"{c.name}/{e['path']}: {err}")
                         new.ckpt = c
                         raise new from None
+                    if fut.direct is not None:  # rows read into the table: live, in order
+                        table = sink.store.get(e["table"])
+                        r = run = fut.direct
+                        for nb, kept, n in got:  # runs of whole chunks: one commit each
+                            nbytes += nb
+                            stats[e["table"]]["rows"] += kept
+                            if kept != n:
+                                if r > run:
+                                    table.commit_load(run, r - run)
+                                table.commit_load(r, kept, n)
+                                run = r + n
+                            r += n
+                        if r > run:
+                            table.commit_load(run, r - run)
+                        return
                     for res in got:
                         finish_one(e, *res)
 
@@ -918,14 +1060,24 @@ def _apply(plan: _Plan, chain, sink, slot_mask):
                     # threads, which cost more than a 1 MB chunk's work on a busy host
                     group, size = [], 0
                     todo = [(ci, partial) for ci, kind, partial in sel if kind == phase]
+                    into = direct.get(e["table"]) if e["type"] == "rows" else None
                     for j, (ci, partial) in enumerate(todo):
                         name = e["table"] if e["type"] == "rows" else _array_name_of(e, ci)
-                        group.append((ci, name, partial))
+                        group.append((ci, name, into[(e["path"], ci)][1:] if into
+                                      else partial))
                         size += e["chunks"][ci][_CI["comp_len"]]
                         if size < _TASK_BYTES and j + 1 < len(todo):
                             continue
-                        fut = pool.submit(_load_chunks, c.path / e["path"], e, group, m, w,
-                                          slot_mask, f"{c.name}/{e['path']}")
+                        if into:
+                            # one task's chunks are consecutive reserved rows
+                            fut = pool.submit(_read_chunks_into, c.path / e["path"], e,
+                                              group, m, w, f"{c.name}/{e['path']}",
+                                              slot_mask)
+                            fut.direct = into[(e["path"], group[0][0])][0]
+                        else:
+                            fut = pool.submit(_load_chunks, c.path / e["path"], e, group, m,
+                                              w, slot_mask, f"{c.name}/{e['path']}")
+                            fut.direct = None
                         group, size = [], 0
                         jobs.append((e, fut))
                         while len(jobs) > 2 * _READ_THREADS:

@@ -586,11 +586,11 @@ def test_incremental_is_proportional_to_changed_rows(tmp_path):
 
 
 def test_checkpoint_layering():
-    """checkpoint/ imports only numpy, zstandard, stdlib, deeprec_ext.hashing/.store, and
-    deeprec_ext.data (its file-system layer, for roots on object stores; fsspec is loaded
-    only when a URL is used)."""
+    """checkpoint/ imports only numpy, zstandard, google_crc32c (format 4's checksum),
+    stdlib, deeprec_ext.hashing/.store, and deeprec_ext.data (its file-system layer, for
+    roots on object stores; fsspec is loaded only when a URL is used)."""
     import ast
-    allowed = {"numpy", "zstandard", "checkpoint", "deeprec_ext"}
+    allowed = {"numpy", "zstandard", "google_crc32c", "checkpoint", "deeprec_ext"}
     for f in (ROOT / "checkpoint").rglob("*.py"):
         for node in ast.walk(ast.parse(f.read_text())):
             mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
@@ -818,7 +818,7 @@ def test_rows_changed_or_deleted_during_a_streaming_checkpoint(tmp_path):
     keys = rand_keys(rng, 100_000)
     t.apply_gradients(keys, rng.normal(size=(keys.size, 4)).astype(np.float32))
     w = CheckpointWriter(tmp_path, 1, "full", num_slots=NUM_SLOTS)
-    real = t.scan_live
+    real = t.scan_by_slot  # the full's scan (format 4; scan_live before)
     calls = [0]
 
     def busy_scan(*a, **k):  # meanwhile, the PS serves writes between the slices
@@ -829,9 +829,9 @@ def test_rows_changed_or_deleted_during_a_streaming_checkpoint(tmp_path):
             t.apply_gradients(keys[5000:10000], np.ones((5000, 4), np.float32))
         return real(*a, **k)
 
-    t.scan_live = busy_scan
+    t.scan_by_slot = busy_scan
     cut = w.write_table("ps-0", t)["cut_seq"]
-    del t.scan_live
+    del t.scan_by_slot
     assert calls[0] > 2
     w.commit()
     w = CheckpointWriter(tmp_path, 2, "incr", parent=1, num_slots=NUM_SLOTS)
@@ -852,7 +852,7 @@ def test_chunks_are_stored_raw_where_zstd_does_not_pay(tmp_path):
     """compress="auto": trained float rows with random keys are stored as is (FLAG_RAW),
     constant rows with sequential keys are compressed; "always"/"never" force it. Every
     variant verifies (inspect) and restores bit-exactly."""
-    from checkpoint.format import FLAG_RAW
+    from checkpoint.format import FLAG_COUNTS, FLAG_RAW
     rng = np.random.default_rng(11)
     s = EmbeddingStore()
     t = s.create_table("emb", 16, optimizer={"name": "adagrad", "learning_rate": 0.05})
@@ -866,13 +866,15 @@ def test_chunks_are_stored_raw_where_zstd_does_not_pay(tmp_path):
         for tb in s.tables().values():
             w.write_table("ps-0", tb)
         m = w.commit()
-        assert m["version"] == 3 and all(e["sha256"] is None for e in m["files"])
+        assert m["version"] == 4 and all(e["sha256"] is None for e in m["files"])
         flags = {n: _chunk_flags(*data_file(root, "ckpt-00000001-full", n)) for n in s.tables()}
+        # format 4: every rows chunk of a table with counts holds them as a column apart
+        assert all(f & FLAG_COUNTS for fl in flags.values() for f in fl)
         if mode == "auto":
             assert all(f & FLAG_RAW for f in flags["emb"])
             assert not any(f & FLAG_RAW for f in flags["zeros"])
         else:
-            want = FLAG_RAW if mode == "never" else 0
+            want = (FLAG_RAW if mode == "never" else 0) | FLAG_COUNTS
             assert all(f == want for fl in flags.values() for f in fl)
         assert verify(root)["ok"]
         s2, _ = restored(root)
@@ -930,7 +932,7 @@ def test_format_2_checkpoints_still_verify_and_restore(tmp_path):
     assert_same(snap(s2), snap(s))
     mutate(s, rng)
     write(tmp_path, 2, s, "incr", parent=1, cuts=cuts)
-    assert load_manifest(tmp_path / "ckpt-00000002-incr")["version"] == 3
+    assert load_manifest(tmp_path / "ckpt-00000002-incr")["version"] == 4
     s3, info = restored(tmp_path)
     assert info.chain == [1, 2]
     assert_same(snap(s3), snap(s))
@@ -1040,3 +1042,236 @@ def test_full_checkpoint_while_pushes_run_is_a_consistent_cut(tmp_path, monkeypa
     np.testing.assert_array_equal(r2.view(np.uint32), want.view(np.uint32))
     print(f"{during} pushes ran during the write; counts {c.min()}..{c.max()}")
     assert during > 0  # the pushes were not held up for the write
+
+
+# --------------------------------------------------------------------------- format 4
+def _spy_direct(monkeypatch):
+    """Count the chunks read straight into a table's arrays (format 4's restore path)."""
+    import checkpoint.reader as reader
+    got = {"direct": 0, "raw": 0, "emb": 0}
+    real = reader._read_into
+
+    def spy(fd, e, ci, name, manifest, w, where_f, *dest):
+        got["direct"] += 1
+        got["emb"] += name == "emb"
+        n = real(fd, e, ci, name, manifest, w, where_f, *dest)
+        from checkpoint.format import FLAG_COUNTS, FLAG_RAW, decode_header
+        head = decode_header(reader.os.pread(fd, 4096, e["chunks"][ci][0]), "t")
+        got["raw"] += head["flags"] == FLAG_RAW | FLAG_COUNTS
+        return n
+
+    monkeypatch.setattr(reader, "_read_into", spy)
+    return got
+
+
+def test_format_4_reads_chunks_straight_into_the_table_and_round_trips(tmp_path, monkeypatch):
+    """Format 4: rows chunks hold keys, rows and uint32 counts as the store does, with a
+    crc32c; a restore into a new store reads each one straight into the reserved arena
+    rows (no decode) and gets every key, row, optimizer slot and count back bit-exactly,
+    also through a chain with deletions, re-inserts and dense arrays."""
+    from checkpoint.format import FLAG_COUNTS, FLAG_RAW, crc32c
+    import google_crc32c
+    blob = np.random.default_rng(0).bytes(100_003)
+    assert crc32c(blob) == google_crc32c.value(blob)
+    assert crc32c(memoryview(blob)[7:], crc32c(memoryview(blob)[:7])) == crc32c(blob)
+    import checkpoint.format as fmt
+    assert fmt._CRC32C is not None  # the C library the wheel ships was found
+    monkeypatch.setattr(fmt, "_CRC32C", None)  # without it: the module's (a copy)
+    assert crc32c(blob) == google_crc32c.value(blob)
+    assert crc32c(np.frombuffer(blob[:100_000], np.float32)) == google_crc32c.value(blob[:100_000])
+    monkeypatch.undo()
+    rng = np.random.default_rng(41)
+    s = make_store(rng, 20_000)
+    cuts = write(tmp_path, 1, s)
+    m = load_manifest(tmp_path / "ckpt-00000001-full")
+    assert m["version"] == 4
+    path, e = data_file(tmp_path, "ckpt-00000001-full")
+    flags = _chunk_flags(path, e)
+    assert flags and all(f == FLAG_RAW | FLAG_COUNTS for f in flags)
+    got = _spy_direct(monkeypatch)
+    s2, info = restored(tmp_path)
+    # trained rows: stored, read straight in; the other tables' (compressible) chunks
+    # are decoded into their reserved rows
+    assert got["emb"] == len(e["chunks"]) and got["raw"] >= got["emb"]
+    assert got["direct"] == sum(len(f["chunks"]) for f in m["files"] if f["type"] == "rows")
+    assert_same(snap(s2), snap(s))
+    for name, t in s.tables().items():
+        keys = t.export_rows()[0]
+        np.testing.assert_array_equal(s2[name].counts(keys), t.counts(keys))
+    assert info.tables["emb"]["rows"] == info.tables["emb"]["live_rows"] == 20_000
+    k2, r2, _ = s2["emb"].export_rows()
+    c2 = s2["emb"].counts(k2)
+    # the restored table serves and trains like the original
+    k = s["emb"].export_rows()[0][:64]
+    g = rng.normal(size=(64, 8)).astype(np.float32)
+    s["emb"].apply_gradients(k, g)
+    s2["emb"].apply_gradients(k, g)
+    np.testing.assert_array_equal(s2["emb"].lookup(k), s["emb"].lookup(k))
+    # a chain: the full is read straight in, the incrementals (after deletions) go
+    # through the store's upserts; the outcome is the store's state
+    for ckpt in (2, 3):
+        mutate(s, rng)
+        cuts = write(tmp_path, ckpt, s, "incr", parent=ckpt - 1, cuts=cuts)
+    s3, info = restored(tmp_path)
+    assert info.chain == [1, 2, 3]
+    assert_same(snap(s3), snap(s))
+    keys = s["emb"].export_rows()[0]
+    np.testing.assert_array_equal(s3["emb"].counts(keys), s["emb"].counts(keys))
+    # and checkpoint.load of the full (a callback target: the decoding path) agrees with
+    # the store restored from it
+    import checkpoint
+    t = checkpoint.load(tmp_path / "ckpt-00000001-full").tables["emb"]
+    order = np.argsort(k2)
+    np.testing.assert_array_equal(t.ids, k2[order])
+    np.testing.assert_array_equal(t.values, r2[order][:, :8])
+    np.testing.assert_array_equal(t.counts, c2[order])
+
+
+def test_format_4_corrupt_or_truncated_chunk_is_an_error_naming_the_file(tmp_path):
+    """A bit flip in a chunk read straight into the arena fails its crc32c: the restore
+    drops what it applied and falls back to the previous chain, or (that checkpoint
+    asked for exactly) raises CheckpointError naming the file; a truncated file names it
+    too. The target store keeps working."""
+    rng = np.random.default_rng(42)
+    s = make_store(rng, 8000)
+    write(tmp_path, 1, s)
+    want1 = snap(s)
+    mutate(s, rng)
+    write(tmp_path, 2, s)  # a second full: its own chain
+    path, e = data_file(tmp_path, "ckpt-00000002-full")
+    _flip_payload_byte(path, e, "emb")
+    assert verify(tmp_path)["ok"] is False
+    # default: the corrupt newest checkpoint is skipped, the older chain restored whole
+    s2 = EmbeddingStore()
+    info = restore(tmp_path, s2)
+    assert info.checkpoint_id == 1
+    assert any(path.name in p and "crc32c" in p for p in info.skipped), info.skipped
+    assert_same(snap(s2), want1)
+    # exactly that checkpoint: an error naming the file, nothing left half-applied
+    s3 = EmbeddingStore()
+    with pytest.raises(CheckpointError, match=path.name):
+        restore(tmp_path, s3, upto=2, exact=True)
+    assert "emb" not in s3 or len(s3["emb"]) == 0
+    s3.create_table("other", 4).lookup(np.arange(10))  # the store still serves
+    assert len(s3["other"]) == 10
+    # a truncated file: named, with what is wrong
+    path1, e1 = data_file(tmp_path, "ckpt-00000001-full")
+    with open(path1, "r+b") as f:
+        f.truncate(e1["chunks"][len(e1["chunks"]) // 2][0] + 100)
+    with pytest.raises(CheckpointError, match=rf"{path1.name}.*(truncated|size)"):
+        restore(tmp_path, EmbeddingStore(), upto=1, exact=True)
+    with pytest.raises(NoValidCheckpoint):
+        restore(tmp_path, EmbeddingStore())
+
+
+def test_format_4_corrupt_chunk_read_straight_in_is_caught_by_the_one_pass_restore(
+        tmp_path, monkeypatch):
+    """The corruption is caught on the direct path itself (no pre-check pass reads the
+    chunk first) and named: the reserved rows are taken back with the table."""
+    rng = np.random.default_rng(43)
+    s = make_store(rng, 8000)
+    write(tmp_path, 1, s)
+    path, e = data_file(tmp_path, "ckpt-00000001-full")
+    _flip_payload_byte(path, e, "emb")
+    got = _spy_direct(monkeypatch)
+    s2 = EmbeddingStore()
+    with pytest.raises(CheckpointError, match=rf"{path.name}: chunk \d+ .*crc32c mismatch"):
+        restore(tmp_path, s2, upto=1, exact=True)
+    assert got["direct"] >= 1
+    assert "emb" not in s2
+
+
+def test_format_3_checkpoints_still_restore_into_the_arena(tmp_path, monkeypatch):
+    """A format-3 checkpoint (zlib crc32, the count as a float column) written by the
+    previous writer restores bit-exactly through the direct path (decoded, then copied
+    into the reserved rows), verifies, and takes a format-4 incremental on top."""
+    from checkpoint import format as fmt
+    from checkpoint.format import FLAG_COUNTS
+    rng = np.random.default_rng(44)
+    s = make_store(rng, 6000)
+    orig = fmt.FORMAT_VERSION
+    try:
+        fmt.FORMAT_VERSION = 3
+        cuts = write(tmp_path, 1, s)
+    finally:
+        fmt.FORMAT_VERSION = orig
+    assert load_manifest(tmp_path / "ckpt-00000001-full")["version"] == 3
+    path, e = data_file(tmp_path, "ckpt-00000001-full")
+    assert not any(f & FLAG_COUNTS for f in _chunk_flags(path, e))
+    assert verify(tmp_path)["ok"]
+    got = _spy_direct(monkeypatch)
+    s2, _ = restored(tmp_path)
+    assert got["direct"] >= 1 and got["raw"] == 0
+    assert_same(snap(s2), snap(s))
+    keys = s["emb"].export_rows()[0]
+    np.testing.assert_array_equal(s2["emb"].counts(keys), s["emb"].counts(keys))
+    mutate(s, rng)
+    write(tmp_path, 2, s, "incr", parent=1, cuts=cuts)
+    assert load_manifest(tmp_path / "ckpt-00000002-incr")["version"] == 4
+    assert verify(tmp_path)["ok"]
+    s3, info = restored(tmp_path)
+    assert info.chain == [1, 2]
+    assert_same(snap(s3), snap(s))
+
+
+def test_format_4_partial_slot_mask_restore(tmp_path, monkeypatch):
+    """A restore of some routing slots from format 4: chunks wholly outside the mask are
+    not read, chunks across its edge are read into the table too and filtered by key
+    there (the rows they leave unfilled are freed, and reused by later inserts), and
+    exactly the keys of the mask come back, with their counts."""
+    rng = np.random.default_rng(45)
+    s = make_store(rng, 12_000)
+    write(tmp_path, 1, s)
+    mask = np.zeros(NUM_SLOTS, bool)
+    mask[100:1500] = True
+    mask[3000:3001] = True
+    got = _spy_direct(monkeypatch)
+    s2, info = restored(tmp_path, slot_mask=mask)
+    path, e = data_file(tmp_path, "ckpt-00000001-full")
+    assert 1 <= got["emb"] < len(e["chunks"])  # only the chunks the mask touches
+    assert_same(snap(s2), snap(s, mask))
+    keys = snap(s, mask)["emb"][0]
+    assert 0 < keys.size < 12_000
+    assert len(s2["emb"]) == info.tables["emb"]["rows"] == keys.size
+    np.testing.assert_array_equal(s2["emb"].counts(keys), s["emb"].counts(keys))
+    t2 = s2["emb"]
+    cap = t2._hwm
+    assert t2._nfree > 0  # rows of the edge chunks' keys outside the mask
+    new = rand_keys(rng, min(t2._nfree, 100))
+    t2.lookup(new)
+    assert t2._hwm == cap and len(t2) == keys.size + new.size  # freed rows reused
+    # onto another num_slots (every chunk read and filtered): the same keys by their slot
+    other = np.zeros(512, bool)
+    other[::3] = True
+    s3, _ = restored(tmp_path, slot_mask=other)
+    k_all = s["emb"].export_rows()[0]
+    want = np.sort(k_all[other[slot_of(k_all, 512)]])
+    np.testing.assert_array_equal(np.sort(s3["emb"].export_rows()[0]), want)
+
+
+def test_scan_by_slot_matches_scan_live_sorted_by_slot():
+    """The full checkpoint's scan: the live rows of a slice (free rows skipped, only the
+    slots of the mask), stably sorted by slot, with keys, rows and counts as the table
+    holds them: what scan_live gives, sorted."""
+    rng = np.random.default_rng(46)
+    s = EmbeddingStore()
+    t = s.create_table("emb", 4, optimizer={"name": "adagrad", "learning_rate": 0.1})
+    keys = rand_keys(rng, 5000)
+    t.apply_gradients(keys, rng.normal(size=(keys.size, 4)).astype(np.float32))
+    t.apply_gradients(keys[:700], rng.normal(size=(700, 4)).astype(np.float32))
+    t.delete(keys[100:400])  # free rows inside the slices
+    mask = rng.random(NUM_SLOTS) < 0.5
+    for m in (None, mask):
+        row = 0
+        while row is not None:
+            k, r, c, sl, nxt = t.scan_by_slot(row, 1024, NUM_SLOTS, m)
+            k0, r0, _ = t.scan_live(row, 1024, with_counts=True)
+            s0 = slot_of(k0, NUM_SLOTS)
+            keep = np.ones(k0.size, bool) if m is None else m[s0]
+            o = np.argsort(s0[keep], kind="stable")
+            np.testing.assert_array_equal(k, k0[keep][o])
+            np.testing.assert_array_equal(sl, s0[keep][o])
+            np.testing.assert_array_equal(r, r0[keep][o][:, :-1])
+            np.testing.assert_array_equal(c, r0[keep][o][:, -1].astype(np.uint32))
+            assert r.dtype == np.float32 and c.dtype == np.uint32
+            row = nxt
