@@ -1002,3 +1002,30 @@ def test_hash_index_refuses_row_ids_past_int32():
     with pytest.raises(OverflowError, match="row ids"):
         idx.insert(np.array([1], np.int64), np.array([2**31], np.int64))
     assert len(idx) == 0 and idx.find(np.array([1], np.int64)).tolist() == [-1]
+
+
+@pytest.mark.parametrize("grow_index", [False, True])
+def test_direct_load_survives_writes_that_grow_the_table_meanwhile(grow_index):
+    """A restore that reads rows straight into reserved arena rows (checkpoint format 4)
+    into a PS that serves other slots meanwhile: inserts that re-allocate the arena (and
+    grow the index) between reserve and commit lose none of the restored rows."""
+    t = EmbeddingTable("t", 4, initializer="zeros", optimizer="sgd")
+    n = 1000
+    got = t.reserve_load(n)
+    assert got is not None
+    r0, keys, rows, counts = got
+    want_keys = np.arange(1, n + 1, dtype=np.int64) * 7919
+    want = np.random.default_rng(0).standard_normal((n, t.row_width)).astype(np.float32)
+    keys[:] = want_keys
+    # training inserts into the same table: enough to re-allocate the arena
+    live_keys = -np.arange(1, (40 * n if grow_index else 3 * n) + 1, dtype=np.int64)
+    t.lookup(live_keys, insert_missing=True)
+    rows[:] = want  # the reader threads finish after the arena moved
+    counts[:] = 3
+    t.commit_load(r0, n)
+    assert len(t) == n + live_keys.size
+    np.testing.assert_array_equal(t.lookup(want_keys, insert_missing=False), want[:, :4])
+    np.testing.assert_array_equal(t.lookup(live_keys, insert_missing=False), 0)
+    k, r, _ = t.export_rows(with_counts=True)
+    restored = np.isin(k, want_keys)
+    assert restored.sum() == n and (r[restored, -1] == 3).all()

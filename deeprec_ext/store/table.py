@@ -431,6 +431,7 @@ class EmbeddingTable:
         self._hwm = 0  # rows [0, hwm) have been handed out at least once
         self._bulk_mark = None  # (hwm, sequence) after a bulk load_rows batch
         self._reserved = 0  # rows reserved by reserve_load, not yet committed
+        self._loads: list = []  # (first row, rows, the arrays handed out) per reservation
         self._free = np.empty(0, dtype=np.int64)  # stack of free row ids
         self._nfree = 0
         # change log and tombstone log (off for copies nobody exports from: replicas)
@@ -828,7 +829,9 @@ class EmbeddingTable:
         self._hwm += m
         return rows
 
-    def _release(self, rows: np.ndarray) -> None:
+    def _release(self, rows: np.ndarray, live: bool = True) -> None:
+        """Rows back to the free list (``live``: they held keys until now, which the slot
+        column counted; rows of a reservation never did)."""
         need = self._nfree + rows.size
         if need > self._free.size:
             free = np.empty(max(need, 2 * self._free.size, 64), dtype=np.int64)
@@ -838,7 +841,8 @@ class EmbeddingTable:
         self._nfree = need
         self._row_seq[rows] = 0
         self._row_count[rows] = 0
-        self._uncount_slots(rows)
+        if live:
+            self._uncount_slots(rows)
 
     def _init_rows(self, rows: np.ndarray, keys: np.ndarray, seq: int) -> None:
         """Write fresh rows: initializer value + initial slots."""
@@ -1162,31 +1166,7 @@ class EmbeddingTable:
                 raise ValueError(f"table '{self.name}' was reconfigured during a load")
             if self._bulk_ok(n):
                 return self._bulk_load(keys, parts)
-            rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            counts = np.clip(rows[:, width], 0, 2**32 - 1).astype(np.uint32)
-            seq = self.sequence.next()
-            # one probing pass finds the present keys and places the new ones
-            got, new_keys, new_rows = self._index.find_or_insert(keys, self._allocate)
-            r0 = int(got[0])
-            if new_rows.size == n and int(got[-1]) == r0 + n - 1 and \
-                    (n == 1 or bool((np.diff(got) == 1).all())):
-                self._write_slice(r0, rows[:, :width])
-                self._row_seq[r0:r0 + n] = seq
-                self._row_count[r0:r0 + n] = counts
-                if self._row_step is not None:  # a restored row starts a fresh lease
-                    self._row_step[r0:r0 + n] = self._clock
-                self._log_write(seq, got)
-                return seq
-            if self._find_duplicates(got) is not None:  # last occurrence wins
-                last = self._last_occurrences(got)
-                got, rows, counts = got.take(last), rows.take(last, axis=0), counts.take(last)
-            self._scatter_rows(got, np.ascontiguousarray(rows[:, :width]))
-            self._row_seq[got] = seq
-            self._row_count[got] = counts
-            if self._row_step is not None:
-                self._row_step[got] = self._clock
-            self._log_write(seq, got)
-            return seq
+            return self._load_present(keys, parts[0] if len(parts) == 1 else np.concatenate(parts))
 
     def end_load(self) -> None:
         """End a bulk load: the next :meth:`load_rows` treats the table as one that had
@@ -1236,8 +1216,57 @@ class EmbeddingTable:
             self._hwm = r0 + n
             self._reserved += n
             self._bulk_mark = (self._hwm, self.sequence.value)
-            return (r0, self._row_key[r0:r0 + n], self._arena[r0:r0 + n],
-                    self._row_count[r0:r0 + n])
+            views = (self._row_key[r0:r0 + n], self._arena[r0:r0 + n], self._row_count[r0:r0 + n])
+            # the arrays the caller fills: if a write to the table (a PS restoring while it
+            # serves other slots) grows the arena meanwhile, commit_load copies from these
+            self._loads.append((r0, n, views))
+            return (r0, *views)
+
+    def _settle_reserved(self, r0: int, n: int, reserved: int) -> None:
+        """Under the lock: rows ``[r0, r0 + reserved)`` of a reservation are done being
+        filled. If the arena was re-allocated since :meth:`reserve_load` (another writer
+        grew it), the filled rows are copied from the arrays the caller wrote into."""
+        for i, (a, m, (keys, arena, counts)) in enumerate(self._loads):
+            if not a <= r0 < a + m:
+                continue
+            lo = r0 - a
+            if n and not np.shares_memory(arena[lo:lo + 1], self._arena[r0:r0 + 1]):
+                self._row_key[r0:r0 + n] = keys[lo:lo + n]
+                self._arena[r0:r0 + n] = arena[lo:lo + n]
+                self._row_count[r0:r0 + n] = counts[lo:lo + n]
+            if r0 + reserved >= a + m:
+                del self._loads[i]  # the reservation's last rows: forget its arrays
+            return
+
+    def _load_present(self, keys: np.ndarray, rows: np.ndarray) -> int:
+        """Under the lock: :meth:`load_rows` into a table that has rows: keys found or
+        placed in one probing pass, present keys overwritten, the last duplicate wins."""
+        width = self._width
+        n = int(keys.size)
+        counts = np.clip(rows[:, width], 0, 2**32 - 1).astype(np.uint32)
+        seq = self.sequence.next()
+        # one probing pass finds the present keys and places the new ones
+        got, new_keys, new_rows = self._index.find_or_insert(keys, self._allocate)
+        r0 = int(got[0])
+        if new_rows.size == n and int(got[-1]) == r0 + n - 1 and \
+                (n == 1 or bool((np.diff(got) == 1).all())):
+            self._write_slice(r0, rows[:, :width])
+            self._row_seq[r0:r0 + n] = seq
+            self._row_count[r0:r0 + n] = counts
+            if self._row_step is not None:  # a restored row starts a fresh lease
+                self._row_step[r0:r0 + n] = self._clock
+            self._log_write(seq, got)
+            return seq
+        if self._find_duplicates(got) is not None:  # last occurrence wins
+            last = self._last_occurrences(got)
+            got, rows, counts = got.take(last), rows.take(last, axis=0), counts.take(last)
+        self._scatter_rows(got, np.ascontiguousarray(rows[:, :width]))
+        self._row_seq[got] = seq
+        self._row_count[got] = counts
+        if self._row_step is not None:
+            self._row_step[got] = self._clock
+        self._log_write(seq, got)
+        return seq
 
     def commit_load(self, r0: int, n: int, reserved: int | None = None) -> int:
         """Make rows ``[r0, r0 + n)`` of a :meth:`reserve_load` live: their keys are
@@ -1253,14 +1282,26 @@ class EmbeddingTable:
             if n < 0 or n > reserved or self._reserved < reserved or r0 + reserved > self._hwm:
                 raise ValueError(f"table '{self.name}': rows [{r0}, {r0 + reserved}) were "
                                  "not reserved")
+            self._settle_reserved(r0, n, reserved)
             if n < reserved:
-                self._release(np.arange(r0 + n, r0 + reserved, dtype=np.int64))
+                self._release(np.arange(r0 + n, r0 + reserved, dtype=np.int64), live=False)
             if n == 0:
                 self._reserved -= reserved
                 return 0
+            self._reserved -= reserved
+            if not self._index.can_place_rows(n + self._reserved):
+                # something else wrote to the table during the restore (its index grew or
+                # has deleted positions): place these rows as a load into a table with rows
+                width = self._width
+                rows = np.empty((n, width + 1), np.float32)
+                rows[:, :width] = self._arena[r0:r0 + n]
+                rows[:, width] = self._row_count[r0:r0 + n]
+                keys = self._row_key[r0:r0 + n].copy()
+                self._release(np.arange(r0, r0 + n, dtype=np.int64), live=False)
+                self._bulk_mark = None
+                return self._load_present(keys, rows)
             seq = self.sequence.next()
             dead = self._index.place_rows(self._row_key[r0:r0 + n], r0)
-            self._reserved -= reserved
             self._row_seq[r0:r0 + n] = seq
             if self._row_step is not None:  # a restored row starts a fresh lease
                 self._row_step[r0:r0 + n] = self._clock
@@ -1871,6 +1912,7 @@ class EmbeddingTable:
             self._hwm = 0
             self._nfree = 0
             self._reserved = 0
+            self._loads = []
             self._bulk_mark = None
             if self._slot_live is not None:
                 self._slot_live.fill(0)
