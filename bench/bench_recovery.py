@@ -101,10 +101,11 @@ def log(msg: str) -> None:
 class RecoveryJob(bm.PsJob):
     """``aimaster run JOB.yaml --workers 0``: 3 PS, async replication, checkpoints."""
 
-    def __init__(self, state_dir: str, name: str, start_timeout: float, interval_ms: float):
+    def __init__(self, state_dir: str, name: str, start_timeout: float, interval_ms: float,
+                 ps_env: dict | None = None):
         self.checkpoint_dir = os.path.join(state_dir, "checkpoints")
         super().__init__(state_dir, name, start_timeout, job_overrides={
-            "ps": {"replicas": 3, "max_replicas": 3},
+            "ps": {"replicas": 3, "max_replicas": 3, **({"env": ps_env} if ps_env else {})},
             "replication": {"mode": "async", "interval_ms": interval_ms},
             "checkpoint": {"dir": self.checkpoint_dir, "keep_chains": 2}})
 
