@@ -1,6 +1,10 @@
-"""What bounds a dead PS's detection: a PS killed -9 is noticed (the launcher's waitid, the
-clients' connections) only once the kernel has freed its memory, so a PS must not keep
-freed request buffers resident (``deeprec_ext.ps.__main__.bound_malloc_retention``)."""
+"""Recovery of a dead PS: what bounds its detection, and the checkpoint fallback.
+
+A PS killed -9 is noticed (the launcher's waitid, the clients' connections) only once the
+kernel has freed its memory, so a PS must not keep freed request buffers resident
+(``deeprec_ext.ps.__main__.bound_malloc_retention``). When no live PS holds a copy of the
+dead one's rows, they come back from the newest checkpoint onto a live PS, even when the
+only one left is the dead PS's (new) ring peer."""
 from __future__ import annotations
 
 import os
@@ -12,7 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from deeprec_ext.hashing import slot_of
+
+from deeprec_ext import PSClient
 from tests.conftest import wait_for
+from tests.test_elasticity import pids
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,3 +91,49 @@ def test_an_operators_malloc_setting_is_left_alone(monkeypatch):
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1000000")
     assert bound_malloc_retention(4.0) is False
     assert bound_malloc_retention(0) is False
+
+
+def _events(job, kind):
+    return [e for e in job.status()["events"] if e["kind"] == kind]
+
+
+def test_second_death_in_a_ring_of_three_restores_from_checkpoint_onto_the_survivor(start_job):
+    """ps-2 dies and is promoted on ps-0; ps-1 dies before its rows have a copy on ps-0
+    (its new ring peer, which answers "no replica"): ps-1's slots come back from the
+    checkpoint onto ps-0, the only PS left, and the job keeps serving every key. Counted:
+    ps-1's keys hold their checkpointed value, every other key both pushes."""
+    import json as _json
+    job = start_job({"name": "second-death", "ps": {"replicas": 3, "max_replicas": 3},
+                     "replication": {"mode": "sync"}}, ["--workers", "0"])
+    client = PSClient.connect(job.address, timeout=60)
+    client.create_table("c", dim=1, initializer="zeros",
+                        optimizer={"name": "sgd", "learning_rate": 1.0})
+    ids = np.arange(30_000, dtype=np.int64)
+    client.push("c", ids, -np.ones((ids.size, 1), np.float32))
+    r = subprocess.run([sys.executable, "-m", "aimaster.cli", "checkpoint", "--master",
+                        job.address], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 0, r.stderr
+    ckpt = _json.loads(r.stdout.strip().splitlines()[-1])["id"]
+    client.push("c", ids, -np.ones((ids.size, 1), np.float32))  # after the checkpoint
+    routing = job.state()["routing"]
+    owner_before = np.asarray(routing["ps_ids"])[
+        np.asarray(routing["slot_owner"])[slot_of(ids, routing["num_slots"])]]
+    before = pids(job, "ps")
+    os.kill(before["ps-2"], signal.SIGKILL)
+    wait_for(lambda: _events(job, "recovery"), 30, "ps-2's recovery", interval=0.02)
+    # before ps-1's ring copy to ps-0 starts (1 s after that recovery)
+    os.kill(before["ps-1"], signal.SIGKILL)
+    recs = wait_for(lambda: (lambda r: r if len(r) >= 2 else None)(_events(job, "recovery")),
+                    60, "ps-1's recovery")
+    by_dead = {e["dead"]: e for e in recs}
+    assert by_dead["ps-2"]["restored_from_checkpoint"] is None
+    assert by_dead["ps-2"]["promoted_on"] == "ps-0"
+    assert by_dead["ps-1"]["restored_from_checkpoint"] == ckpt, by_dead["ps-1"]
+    assert by_dead["ps-1"]["promoted_on"] == "ps-0"
+    assert job.status()["phase"] == "running"
+    got = client.lookup("c", ids, insert_missing=False)[:, 0]
+    np.testing.assert_array_equal(got[owner_before == "ps-1"], 1)
+    np.testing.assert_array_equal(got[owner_before != "ps-1"], 2)
+    assert (owner_before == "ps-1").any() and (owner_before != "ps-1").any()
+    client.close()
