@@ -52,7 +52,7 @@ def get_args_parser() -> argparse.ArgumentParser:
                         "busy, in (0, 1]: the copy paces itself so training keeps the rest "
                         "(1: no pacing; the fenced last round is never paced)")
     p.add_argument("--malloc-mmap-threshold-mb", type=float,
-                   default=float(os.environ.get("DEEPREC_PS_MALLOC_MMAP_THRESHOLD_MB", "4")),
+                   default=float(os.environ.get("DEEPREC_PS_MALLOC_MMAP_THRESHOLD_MB", "1")),
                    help="glibc malloc: blocks of at least this size get their own mapping, "
                         "returned to the OS when freed, and a heap keeps at most twice this "
                         "free at its top; 0: glibc's own policy (see bound_malloc_retention)")
@@ -71,10 +71,12 @@ def bound_malloc_retention(threshold_mb: float) -> bool:
     served a few large requests (fills, copies, migrations) held ~230 MB of freed memory
     in 4 KB pages next to 68 MB in use. A PS killed -9 is noticed only once the kernel has
     freed all of it, 4 KB page by 4 KB page: that was most of a recovery's detection
-    (43-48 ms against 13-19 ms with this bound; docs/BENCHMARKS.md, issue 16 item 1).
-    With a fixed threshold, blocks of ``threshold_mb`` and more are mapped on their own
-    (numpy asks for 2 MB pages for those) and unmapped when freed; smaller ones, which a
-    training step's requests use, are reused from the heaps as before. Leaves the
+    (docs/BENCHMARKS.md, issue 16 item 1: 4 KB-page memory of a 4M-row job's PS ~280 MB,
+    ~155 MB with a 4 MB bound, ~70 MB with 1 MB). With a fixed threshold, blocks of
+    ``threshold_mb`` and more are mapped on their own (numpy asks for 2 MB pages from
+    4 MB on) and unmapped when freed; smaller ones -- a 4096-id step's requests split
+    over the PS -- are reused from the heaps as before. Lookups + pushes of 16k-64k keys
+    (2-8 MB blocks, mapped afresh each time) took the same time within noise. Leaves the
     setting alone when the operator chose one (``MALLOC_*_`` variables, GLIBC_TUNABLES)
     and where there is no glibc. Returns whether it was applied."""
     if threshold_mb <= 0 or not sys.platform.startswith("linux"):
