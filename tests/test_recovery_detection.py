@@ -139,3 +139,33 @@ def test_second_death_in_a_ring_of_three_restores_from_checkpoint_onto_the_survi
     np.testing.assert_array_equal(got[owner_before != "ps-1"], 2)
     assert (owner_before == "ps-1").any() and (owner_before != "ps-1").any()
     client.close()
+
+
+def test_client_resends_on_the_routing_its_poll_fetched_and_applies_once(start_job):
+    """A push refused by a PS killed -9 waits for the new epoch by polling the AIMaster and
+    resends on the routing that poll returned: one GetRouting answer with the new epoch,
+    not a second fetch. With sync replication every key is applied exactly once."""
+    job = start_job({"name": "poll", "ps": {"replicas": 3, "max_replicas": 3},
+                     "replication": {"mode": "sync"}}, ["--workers", "0"])
+    client = PSClient.connect(job.address, timeout=60)
+    client.create_table("c", dim=1, initializer="zeros",
+                        optimizer={"name": "sgd", "learning_rate": 1.0})
+    ids = np.arange(20_000, dtype=np.int64)
+    client.push("c", ids, -np.ones((ids.size, 1), np.float32))
+    epoch0 = client.routing.epoch
+    seen = []
+    real = client._master.GetRouting
+
+    def counting(request, timeout=None):  # the real call, counted
+        resp = real(request, timeout=timeout)
+        seen.append(resp.epoch)
+        return resp
+    client._master.GetRouting = counting
+    os.kill(pids(job, "ps")["ps-1"], signal.SIGKILL)
+    client.push("c", ids, -np.ones((ids.size, 1), np.float32))
+    client._master.GetRouting = real
+    assert client.stats["unavailable_retries"] >= 1
+    assert client.routing.epoch > epoch0
+    assert len([e for e in seen if e > epoch0]) == 1, seen
+    np.testing.assert_array_equal(client.lookup("c", ids, insert_missing=False)[:, 0], 2)
+    client.close()
