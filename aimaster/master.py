@@ -1214,11 +1214,15 @@ class JobMaster:
                 return
             peer, restored_from, resp = target
         else:
-            resp = self._promote(old, ids, peer, dead, mask)
+            resp, peer_answered = self._promote(old, ids, peer, dead, mask)
             if resp is None:
-                # no promotable copy (the peer died too, not yet noticed, or its replica
-                # is still being rebuilt): restore these slots from the checkpoint
-                target = self._restore_slots_from_checkpoint(old, mask, live - {peer}, dead, why)
+                # no promotable copy (the peer died too, not yet noticed, or it holds no
+                # complete copy): restore these slots from the checkpoint. A peer that
+                # answered is alive and may take them: after a double failure in a ring
+                # of 3 it is the only PS left (a ring re-formed after the first death
+                # makes it the second one's peer before it holds a copy)
+                target = self._restore_slots_from_checkpoint(
+                    old, mask, live if peer_answered else live - {peer}, dead, why)
                 if target is None:
                     return
                 peer, restored_from, resp = target
@@ -1260,13 +1264,14 @@ class JobMaster:
         timer.start()
 
     def _promote(self, old: RoutingTable, ids: list[str], peer: str, dead: str, mask):
-        """Promote ``peer``'s replica of ``dead``'s slots; None when it has no promotable
-        copy. A replica being rebuilt (full resync) is waited for, within a bound."""
+        """Promote ``peer``'s replica of ``dead``'s slots: (response, True), or (None,
+        whether the peer answered) when it has no promotable copy. A replica being rebuilt
+        (full resync) is waited for, within a bound."""
         deadline = self.clock() + self.config.lease_seconds * 10 + 10
         while True:
             try:
                 return self.fleet.promote(old.ps_addresses[ids.index(peer)], dead, mask,
-                                          old.num_slots)
+                                          old.num_slots), True
             except grpc.RpcError as exc:
                 kind = wire_errors.kind_of(exc)
                 if kind == wire_errors.ErrorKind.RESYNCING and self.clock() < deadline:
@@ -1276,7 +1281,7 @@ class JobMaster:
                         wire_errors.ErrorKind.RESYNCING, wire_errors.ErrorKind.NO_REPLICA):
                     log.warning("%s: no promotable replica on %s (%s: %s); restoring from "
                                 "checkpoint", dead, peer, exc.code().name, exc.details())
-                    return None
+                    return None, exc.code() != grpc.StatusCode.UNAVAILABLE
                 raise OperationRefused(f"{dead} died and promoting its replica on {peer} "
                                        f"failed: {exc.code().name}: {exc.details()}") from exc
 

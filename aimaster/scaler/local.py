@@ -103,15 +103,18 @@ class LocalProcessScaler(Scaler):
             log_file.close()
             raise ScalerError(f"cannot start {node_id}: {exc}") from exc
         log.info("started %s (pid %d), log %s", node_id, proc.pid, path)
-        threading.Thread(target=self._wait_exit, args=(proc.pid,), name=f"exit-{node_id}",
+        threading.Thread(target=self._wait_exit, args=(proc.pid, node_id), name=f"exit-{node_id}",
                          daemon=True).start()
         return _Node(role, node_id, proc, restarts, log_file=log_file)
 
-    def _wait_exit(self, pid: int) -> None:
+    def _wait_exit(self, pid: int, node_id: str = "") -> None:
         """Block until child ``pid`` exits, without reaping it (WNOWAIT: ``poll`` still
         collects its exit code), then tell ``on_exit``."""
         try:
             os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            # the time the kernel reported the exit: a recovery's detection is this
+            # (the dead process's teardown) plus the AIMaster's own reaction
+            log.info("%s (pid %d) exit reported", node_id, pid)
         except (ChildProcessError, OSError):
             pass  # already reaped (or not waitable here): poll_exits sees it
         cb = self.on_exit

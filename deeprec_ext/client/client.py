@@ -125,21 +125,22 @@ class PSClient:
     ROUTING_POLL_SECONDS = 0.02
     ROUTING_POLL_FIRST_SECONDS = 0.002
 
-    def _await_new_epoch(self, delay: float) -> None:
+    def _await_new_epoch(self, delay: float) -> RoutingTable | None:
         """Wait up to ``delay`` s after a PS was unreachable, returning early once the
         AIMaster publishes a newer routing epoch: a dead PS's slots are promoted on its
         peer within a few ms of the death being noticed, and a blind backoff sleep (up to
         0.25 s) was most of the training stall. Polls start 2 ms apart and double up to
         ROUTING_POLL_SECONDS: the new epoch usually lands within the first few, where a
         fixed 20 ms poll cost 10 ms on average (a third of a recovery's kill -> resumed),
-        and a longer outage still costs the AIMaster only one call per 20 ms per client."""
+        and a longer outage still costs the AIMaster only one call per 20 ms per client.
+        Returns the newer routing it fetched (the caller need not ask again), else None."""
         end = time.monotonic() + delay
         epoch = self.routing.epoch if self.routing is not None else -1
         pause = self.ROUTING_POLL_FIRST_SECONDS
         while True:
             left = end - time.monotonic()
             if left <= 0:
-                return
+                return None
             time.sleep(min(pause, left))
             pause = min(pause * 2, self.ROUTING_POLL_SECONDS)
             try:
@@ -147,7 +148,10 @@ class PSClient:
             except Exception:  # noqa: BLE001 - only a hint: the backoff is waited out anyway
                 continue
             if resp.epoch > epoch:
-                return
+                try:
+                    return RoutingTable.from_proto(resp)
+                except Exception:  # noqa: BLE001 - the caller fetches it again
+                    return None
 
     def _stub(self, address: str) -> ps_pb2_grpc.ParameterServerStub:
         stub = self._stubs.get(address)
@@ -444,12 +448,21 @@ class PSClient:
                 delay = next(delays, None)
                 if delay is None:  # retry deadline spent (stale or unavailable alike)
                     raise failure
+                fresh = None
                 if isinstance(failure, UnavailableError):
-                    self._await_new_epoch(delay)
+                    fresh = self._await_new_epoch(delay)
                 log.debug("%s: %s; refreshing routing and resending %d table part(s)",
                           what, failure, len(pending))
+                min_epoch = getattr(failure, "epoch", -1)
+                if fresh is not None and fresh.ps_addresses and fresh.epoch >= min_epoch:
+                    # the poll's answer is the routing: asking again cost a round trip
+                    # to the AIMaster in every recovery's first resent request
+                    with self._lock:
+                        if self.routing is None or fresh.epoch >= self.routing.epoch:
+                            self.routing = fresh
+                    continue
                 try:
-                    self.refresh_routing(getattr(failure, "epoch", -1))
+                    self.refresh_routing(min_epoch)
                 except RoutingNotReadyError:
                     raise failure
         if first_failure is not None:

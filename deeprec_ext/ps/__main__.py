@@ -5,6 +5,7 @@ Without an AIMaster the PS owns every slot (standalone mode, for tools and tests
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import signal
@@ -50,14 +51,56 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="most of the wall time a background migration round may keep "
                         "busy, in (0, 1]: the copy paces itself so training keeps the rest "
                         "(1: no pacing; the fenced last round is never paced)")
+    p.add_argument("--malloc-mmap-threshold-mb", type=float,
+                   default=float(os.environ.get("DEEPREC_PS_MALLOC_MMAP_THRESHOLD_MB", "1")),
+                   help="glibc malloc: blocks of at least this size get their own mapping, "
+                        "returned to the OS when freed, and a heap keeps at most twice this "
+                        "free at its top; 0: glibc's own policy (see bound_malloc_retention)")
     p.add_argument("--port-file", default="", help="write the bound port here (standalone use)")
     return p
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def bound_malloc_retention(threshold_mb: float) -> bool:
+    """Stop glibc malloc from keeping freed request buffers resident.
+
+    By default glibc raises its mmap threshold to the size of each large block freed (up
+    to 32 MB) and lets each of its per-thread heaps keep up to 64 MB free: a PS that
+    served a few large requests (fills, copies, migrations) held ~230 MB of freed memory
+    in 4 KB pages next to 68 MB in use. A PS killed -9 is noticed only once the kernel has
+    freed all of it, 4 KB page by 4 KB page: that was most of a recovery's detection
+    (docs/BENCHMARKS.md, issue 16 item 1: 4 KB-page memory of a 4M-row job's PS ~280 MB,
+    ~155 MB with a 4 MB bound, ~70 MB with 1 MB). With a fixed threshold, blocks of
+    ``threshold_mb`` and more are mapped on their own (numpy asks for 2 MB pages from
+    4 MB on) and unmapped when freed; smaller ones -- a 4096-id step's requests split
+    over the PS -- are reused from the heaps as before. Lookups + pushes of 16k-64k keys
+    (2-8 MB blocks, mapped afresh each time) took the same time within noise. Leaves the
+    setting alone when the operator chose one (``MALLOC_*_`` variables, GLIBC_TUNABLES)
+    and where there is no glibc. Returns whether it was applied."""
+    if threshold_mb <= 0 or not sys.platform.startswith("linux"):
+        return False
+    if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")) \
+            or "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    size = int(threshold_mb * 1024 * 1024)
+    # 32 MB is glibc's most for the threshold; trimming at 2x is its own dynamic ratio
+    size = max(128 * 1024, min(size, 32 * 1024 * 1024))
+    return bool(mallopt(_M_MMAP_THRESHOLD, size)) and bool(mallopt(_M_TRIM_THRESHOLD, 2 * size))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = get_args_parser().parse_args(argv)
     logging.basicConfig(level=os.environ.get("DEEPREC_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if bound_malloc_retention(args.malloc_mmap_threshold_mb):
+        log.debug("malloc: blocks of %g MB and more are unmapped when freed",
+                  args.malloc_mmap_threshold_mb)
     if args.max_message_mb <= 0:
         print("error: --max-message-mb must be positive", file=sys.stderr)
         return 2
