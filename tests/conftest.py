@@ -195,7 +195,7 @@ JOB_MODULES = {
     "test_data_watch.py", "test_eviction.py", "test_admission.py", "test_idempotency.py",
     "test_shutdown.py", "test_launcher.py", "test_placement.py", "test_data_remote.py",
     "test_replication_races.py", "test_warm_start.py", "test_tf_initializers.py",
-    "test_shard_columns.py",
+    "test_shard_columns.py", "test_recovery_detection.py",
 }
 
 

@@ -131,6 +131,13 @@ def test_second_death_in_a_ring_of_three_restores_from_checkpoint_onto_the_survi
     by_dead = {e["dead"]: e for e in recs}
     assert by_dead["ps-2"]["restored_from_checkpoint"] is None
     assert by_dead["ps-2"]["promoted_on"] == "ps-0"
+    if by_dead["ps-1"]["restored_from_checkpoint"] is None:
+        # the kill came after ps-1's copy to ps-0 was complete (a loaded machine missed
+        # the 1 s window): a promotion, which must have lost nothing either
+        assert by_dead["ps-1"]["promoted_on"] == "ps-0"
+        np.testing.assert_array_equal(client.lookup("c", ids, insert_missing=False)[:, 0], 2)
+        client.close()
+        pytest.skip("ps-1 was killed after its copy to ps-0 completed: promoted, not restored")
     assert by_dead["ps-1"]["restored_from_checkpoint"] == ckpt, by_dead["ps-1"]
     assert by_dead["ps-1"]["promoted_on"] == "ps-0"
     assert job.status()["phase"] == "running"
