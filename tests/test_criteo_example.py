@@ -416,3 +416,22 @@ def test_tf1_deepfm_with_eager_disabled():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "OK" in out.stdout
+
+
+def test_text_reader_needs_no_deeprec_ext():
+    """The text readers also feed the baselines of bench_training.py that run in a TF 2.16
+    venv (TFRA, tf-keras), where this project's protobuf stubs do not import: reading text
+    must not import ``deeprec_ext``."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.modules["deeprec_ext"] = None  # any import of it fails
+        from examples.criteo.reader import criteo_dataset
+        ds = criteo_dataset([{SAMPLE!r}], 8, vocab_size=1000)
+        features, label = next(iter(ds))
+        print(int(label.shape[0]))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                       text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "8"

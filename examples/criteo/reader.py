@@ -27,7 +27,9 @@ import os
 
 import tensorflow as tf
 
-from deeprec_ext.data.tf_dataset import parquet_dataset, record_dataset
+# deeprec_ext.data.tf_dataset is imported where it is used: the plain text readers here
+# also serve the baselines of bench_training.py that run in a TF 2.16 venv without
+# this project's protobuf
 
 NUM_DENSE = 13
 NUM_CAT = 26
@@ -110,6 +112,7 @@ def line_dataset_for_ranges(ranges, compression_type=None, num_parallel_reads=No
     file).
     """
     fmt = "text.gz" if (compression_type or "").upper() == "GZIP" else "text"
+    from deeprec_ext.data.tf_dataset import record_dataset
     return record_dataset(ranges, fmt,
                           num_parallel_reads=num_parallel_reads or tf.data.AUTOTUNE)
 
@@ -162,6 +165,7 @@ def criteo_parquet_dataset_for_ranges(ranges, batch_size, vocab_size=None,
     (``label``, ``I1``..``I13``, ``C1``..``C26``): decoding the columns is the parse, no
     row is formatted as a line. ``kwargs`` go to ``parquet_dataset`` (``schema_from``
     when ``ranges`` is not a list, ``on_bad_record``, ...)."""
+    from deeprec_ext.data.tf_dataset import parquet_dataset
     ds = parquet_dataset(ranges, batch_size, columns=("label",) + DENSE_NAMES + CAT_NAMES,
                          drop_remainder=drop_remainder, **kwargs)
     ds = ds.map(lambda cols: parse_columns(cols, vocab_size),
