@@ -888,10 +888,11 @@ def test_chunks_are_stored_raw_where_zstd_does_not_pay(tmp_path):
 
 
 def test_zstd_probe_backs_off_once_a_table_agrees_and_notices_a_change():
-    """The per-file zstd probe: every chunk until 4 in a row agree, then one in 8; a
-    change of answer is picked up at the next probe and probing is dense again."""
-    from checkpoint.writer import PROBE_EVERY, PROBE_STREAK, _Probe
-    truth = [False] * 40 + [True] * 40
+    """The per-file zstd probe: every chunk until 4 in a row agree, then one in 8, one in
+    16, ... up to one in 64 while the answer holds; a change of answer is picked up at the
+    next probe and probing is dense again, then backs off again."""
+    from checkpoint.writer import PROBE_EVERY, PROBE_MAX_EVERY, PROBE_STREAK, _Probe
+    truth = [False] * 100 + [True] * 300
     calls = []
 
     def pays(i):
@@ -902,11 +903,17 @@ def test_zstd_probe_backs_off_once_a_table_agrees_and_notices_a_change():
     got = [p.pays(i) for i in range(len(truth))]
     assert calls[:PROBE_STREAK] == list(range(PROBE_STREAK))
     assert calls[PROBE_STREAK] == PROBE_STREAK - 1 + PROBE_EVERY  # then one in 8
-    assert len(calls) < len(truth) // 2
+    gaps = np.diff([i for i in calls if i < 100])
+    assert gaps[PROBE_STREAK - 1:].tolist() == sorted(gaps[PROBE_STREAK - 1:].tolist())
+    assert gaps.max() > PROBE_EVERY and gaps.max() <= PROBE_MAX_EVERY  # it backed off
     first_true = next(i for i in calls if truth[i])
-    assert first_true < 40 + PROBE_EVERY  # the change is seen within one period
+    assert first_true < 100 + PROBE_MAX_EVERY  # the change is seen within one period
+    k = calls.index(first_true)
+    assert calls[k:k + PROBE_STREAK] == list(range(first_true, first_true + PROBE_STREAK))
+    assert np.diff([i for i in calls if i >= first_true]).max() > PROBE_EVERY  # again
+    assert len(calls) < 40
     assert all(got[i] for i in range(first_true, len(truth)))
-    assert not any(got[:40])
+    assert not any(got[:100])
 
 
 def test_format_2_checkpoints_still_verify_and_restore(tmp_path):
