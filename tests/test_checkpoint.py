@@ -888,10 +888,11 @@ def test_chunks_are_stored_raw_where_zstd_does_not_pay(tmp_path):
 
 
 def test_zstd_probe_backs_off_once_a_table_agrees_and_notices_a_change():
-    """The per-file zstd probe: every chunk until 4 in a row agree, then one in 8; a
-    change of answer is picked up at the next probe and probing is dense again."""
-    from checkpoint.writer import PROBE_EVERY, PROBE_STREAK, _Probe
-    truth = [False] * 40 + [True] * 40
+    """The per-file zstd probe: every chunk until 4 in a row agree, then one in 8, one in
+    16, ... up to one in 64 while the answer holds; a change of answer is picked up at the
+    next probe and probing is dense again, then backs off again."""
+    from checkpoint.writer import PROBE_EVERY, PROBE_MAX_EVERY, PROBE_STREAK, _Probe
+    truth = [False] * 100 + [True] * 300
     calls = []
 
     def pays(i):
@@ -902,11 +903,68 @@ def test_zstd_probe_backs_off_once_a_table_agrees_and_notices_a_change():
     got = [p.pays(i) for i in range(len(truth))]
     assert calls[:PROBE_STREAK] == list(range(PROBE_STREAK))
     assert calls[PROBE_STREAK] == PROBE_STREAK - 1 + PROBE_EVERY  # then one in 8
-    assert len(calls) < len(truth) // 2
+    gaps = np.diff([i for i in calls if i < 100])
+    assert gaps[PROBE_STREAK - 1:].tolist() == sorted(gaps[PROBE_STREAK - 1:].tolist())
+    assert gaps.max() > PROBE_EVERY and gaps.max() <= PROBE_MAX_EVERY  # it backed off
     first_true = next(i for i in calls if truth[i])
-    assert first_true < 40 + PROBE_EVERY  # the change is seen within one period
+    assert first_true < 100 + PROBE_MAX_EVERY  # the change is seen within one period
+    k = calls.index(first_true)
+    assert calls[k:k + PROBE_STREAK] == list(range(first_true, first_true + PROBE_STREAK))
+    assert np.diff([i for i in calls if i >= first_true]).max() > PROBE_EVERY  # again
+    assert len(calls) < 40
     assert all(got[i] for i in range(first_true, len(truth)))
-    assert not any(got[:40])
+    assert not any(got[:100])
+
+
+@pytest.mark.parametrize("compress", ["never", "always"])
+def test_preallocated_data_file_ends_at_its_end_header(tmp_path, monkeypatch, compress):
+    """A full checkpoint's data file is preallocated at the table's expected size; it is
+    cut to what was written, whether that is less (zstd) or more (rows added while it was
+    written) than expected, and every row comes back."""
+    import checkpoint.writer as cw
+    monkeypatch.setattr(cw, "PREALLOCATE_MIN", 0)
+    got = []
+
+    def spy(fd, nbytes):
+        got.append((nbytes, cw._preallocate.__wrapped__(fd, nbytes)))
+        return got[-1][1]
+
+    spy.__wrapped__ = cw._preallocate
+    monkeypatch.setattr(cw, "_preallocate", spy)
+    rng = np.random.default_rng(11)
+    s = EmbeddingStore()
+    t = s.create_table("emb", 8, optimizer={"name": "adagrad", "learning_rate": 0.1})
+    keys = rand_keys(rng, 40_000)
+    # "always": equal rows, which zstd shrinks far below the expected size; "never":
+    # trained rows, and rows added behind the scan make the file larger than expected
+    grads = (np.ones((keys.size, 8), np.float32) if compress == "always"
+             else rng.normal(size=(keys.size, 8)).astype(np.float32))
+    t.apply_gradients(keys, grads)
+    added = rand_keys(rng, 20_000 if compress == "never" else 0)
+    real, calls = t.scan_by_slot, [0]
+
+    def growing_scan(*a, **k):  # training adds rows behind the scan: more than expected
+        calls[0] += 1
+        if calls[0] == 2 and added.size:
+            t.apply_gradients(added, rng.normal(size=(added.size, 8)).astype(np.float32))
+        return real(*a, **k)
+
+    t.scan_by_slot = growing_scan
+    w = CheckpointWriter(tmp_path, 1, "full", num_slots=NUM_SLOTS, compress=compress)
+    st = w.write_table("ps-0", t)
+    del t.scan_by_slot
+    w.commit()
+    if cw._FALLOCATE is None or not got[0][1]:
+        pytest.skip("this file system does not preallocate")
+    path, entry = data_file(tmp_path, "ckpt-00000001-full")
+    assert st["rows"] == keys.size + added.size  # the rows added behind the scan, too
+    expected = got[0][0]
+    assert (entry["size"] > expected) if compress == "never" else (entry["size"] < expected)
+    assert path.stat().st_size == entry["size"]
+    assert verify(tmp_path)["ok"]
+    s2, _ = restored(tmp_path)
+    assert len(s2["emb"]) == st["rows"]
+    assert_same(snap(s2), snap(s))
 
 
 def test_format_2_checkpoints_still_verify_and_restore(tmp_path):

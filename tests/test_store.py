@@ -1029,3 +1029,21 @@ def test_direct_load_survives_writes_that_grow_the_table_meanwhile(grow_index):
     k, r, _ = t.export_rows(with_counts=True)
     restored = np.isin(k, want_keys)
     assert restored.sum() == n and (r[restored, -1] == 3).all()
+
+
+def test_slot_of_power_of_two_mask_is_the_modulo():
+    """slot_of takes a bit mask for a power-of-two slot count: the same slots as
+    ``hash64 % num_slots`` (the routing and every checkpoint depend on them), pinned
+    for a few keys to the values the modulo gave before."""
+    from deeprec_ext.hashing import hash64, slot_of
+    rng = np.random.default_rng(3)
+    keys = np.concatenate([rng.integers(-2**63, 2**63 - 1, 50_000, dtype=np.int64),
+                           np.array([0, 1, -1, 2**63 - 1, -2**63], dtype=np.int64)])
+    h = hash64(keys)
+    for ns in (1, 2, 4096, 1 << 16, 1 << 20, 3, 1000, 4097):
+        got = slot_of(keys, ns)
+        assert got.dtype == np.int64
+        np.testing.assert_array_equal(got, (h % np.uint64(ns)).astype(np.int64))
+    few = np.array([0, 1, -1, 12345], np.int64)  # as computed by the modulo before
+    assert slot_of(few, 4096).tolist() == [3503, 3265, 3104, 416]
+    assert slot_of(few, 1 << 16).tolist() == [52655, 23745, 11296, 4512]
