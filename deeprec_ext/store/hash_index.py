@@ -564,23 +564,38 @@ class HashIndex:
         dead -= 1
         return dead
 
-    def remove(self, keys) -> np.ndarray:
-        """Remove keys; returns the removed row per input key (-1 where absent)."""
+    def remove(self, keys, once: bool = False) -> np.ndarray:
+        """Remove keys; returns the removed row per input key (-1 where absent). With
+        ``once`` only one occurrence of a key repeated in ``keys`` gets its row (the others
+        -1), so the rows >= 0 are distinct and the caller needs no ``np.unique`` (it was
+        most of a migration clean-up's delete: a hash or sort per chunk)."""
         keys = _as_keys(keys)
         pos = self._probe(keys, True) if keys.size else np.empty(0, dtype=np.int64)
         found = pos >= 0
         rows = np.full(keys.size, -1, dtype=np.int64)
         if self._prev is not None and not found.all():
             rest = np.flatnonzero(~found)
-            rows[rest] = self._prev.remove(keys.take(rest))
-        if not found.any():
+            rows[rest] = self._prev.remove(keys.take(rest), once)
+        sel = np.flatnonzero(found)
+        if sel.size == 0:
             return rows
-        fp = pos[found]
-        rows[found] = self._tab.take(fp).astype(np.int64) - 1
-        up = np.unique(fp)  # duplicate keys in the request remove one entry
-        self._tab[up] = DELETED
-        self._size -= up.size
-        self._deleted += up.size
+        fp = pos.take(sel)
+        tab = self._tab
+        r = tab.take(fp).astype(np.int64)
+        r -= 1
+        # Duplicate keys in the request share a position: every one scatters its own code,
+        # one survives per position (as in _claim), which counts the distinct positions in
+        # O(n) without sorting. Claim codes never outlive this call.
+        code = np.arange(-2, -2 - fp.size, -1, dtype=np.int32)
+        tab[fp] = code
+        won = tab.take(fp) == code
+        tab[fp] = DELETED
+        gone = int(np.count_nonzero(won))
+        self._size -= gone
+        self._deleted += gone
+        if once and gone != fp.size:
+            r[~won] = -1
+        rows[sel] = r
         return rows
 
     def clear(self) -> None:
