@@ -1,5 +1,7 @@
-"""In-process cost of a migration's clean-up on the source: ``EmbeddingTable.delete`` of
-every key of the moving slots, in DropSlots' chunks, from a table of ``--rows`` rows.
+"""In-process cost of a migration pair: the destination's ``import_rows`` of the moving
+rows into a fresh table (in MigrateSlots' 16k-row batches, counts included) and the
+source's clean-up, ``EmbeddingTable.delete`` of every key of the moving slots in
+``--chunk``-key chunks, from a table of ``--rows`` rows.
 
 Compares this checkout with the code of another commit (``--base``, extracted with
 ``git archive`` into a temporary directory) in one run: each variant runs in its own
@@ -36,6 +38,18 @@ def measure(rows: int, chunk: int, seed: int) -> dict:
     keys = t.keys_in_slots(mask)
     out = {"rows": rows, "moved": int(keys.size), "chunk": chunk,
            "keys_in_slots_ms": (time.perf_counter() - t0) * 1e3}
+    data = rng.random((keys.size, t.row_width + 1), dtype=np.float32)
+    dst = EmbeddingStore().create_table("t", 16, "zeros", {"name": "adagrad", "learning_rate": 0.1})
+    t0 = time.perf_counter()
+    longest = 0.0
+    for i in range(0, keys.size, 1 << 14):
+        c0 = time.perf_counter()
+        dst.import_rows(keys[i:i + (1 << 14)], data[i:i + (1 << 14)])
+        longest = max(longest, time.perf_counter() - c0)
+    out["import_ms"] = (time.perf_counter() - t0) * 1e3
+    out["import_longest_batch_ms"] = longest * 1e3
+    assert len(dst) == keys.size
+    del dst, data
     t0 = time.perf_counter()
     longest = 0.0
     for i in range(0, keys.size, chunk):
@@ -83,10 +97,12 @@ def main(argv=None) -> int:
     summary = {}
     for name, rs in runs.items():
         summary[name] = {k: round(statistics.median(r[k] for r in rs), 2)
-                         for k in ("keys_in_slots_ms", "delete_ms", "longest_chunk_ms", "us_per_key")}
+                         for k in ("keys_in_slots_ms", "import_ms", "import_longest_batch_ms",
+                                   "delete_ms", "longest_chunk_ms", "us_per_key")}
         summary[name]["moved"] = rs[0]["moved"]
     if "base" in summary:
-        summary["delete_speedup"] = round(summary["base"]["delete_ms"] / summary["this"]["delete_ms"], 2)
+        for k in ("import_ms", "delete_ms"):
+            summary[k.replace("_ms", "_speedup")] = round(summary["base"][k] / summary["this"][k], 2)
     summary.update(rows=args.rows, chunk=args.chunk, repeat=args.repeat, base_commit=args.base,
                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     print(json.dumps(summary, indent=1))
