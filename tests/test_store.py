@@ -1077,3 +1077,33 @@ def test_delete_with_repeated_keys_frees_each_row_once():
     assert t.size == 1000 and t._hwm == 1000
     rows = t._index.find(np.concatenate([keys[300:], np.arange(2000, 2300)]))
     assert np.unique(rows).size == 1000
+
+
+def test_probe_tails_longer_than_a_window_against_a_dict():
+    # Keys that share a home position form chains far longer than WINDOW: finds, misses,
+    # claims and removals in the windowed tail must match a dict, tombstones included.
+    from deeprec_ext.store import hash_index as hi
+    rng = np.random.default_rng(31)
+    idx = HashIndex(1 << 12)
+    cand = rand_keys(rng, 200_000)
+    home = idx._home(cand)
+    keys = np.unique(cand[home < 8])[:60]  # ~60 keys homed on 8 positions
+    assert keys.size > 3 * hi.WINDOW
+    rows = np.arange(keys.size)
+    idx.insert(keys, rows)
+    ref = dict(zip(keys.tolist(), rows.tolist()))
+    absent = np.unique(cand[home < 8])[60:80]
+    np.testing.assert_array_equal(idx.find(np.concatenate([keys, absent])),
+                                  np.concatenate([rows, np.full(absent.size, -1)]))
+    gone = keys[::3]
+    got = idx.remove(np.concatenate([gone, gone]), once=True)  # one copy of each reports
+    assert np.count_nonzero(got >= 0) == gone.size
+    np.testing.assert_array_equal(np.maximum(got[:gone.size], got[gone.size:]), rows[::3])
+    for k in gone.tolist():
+        del ref[k]
+    # re-insert into the chain's tombstones, then check every key
+    got, new_keys, new_rows = idx.insert_new(absent, lambda m: np.arange(1000, 1000 + m))
+    ref.update(zip(new_keys.tolist(), new_rows.tolist()))
+    q = np.concatenate([keys, absent])
+    np.testing.assert_array_equal(idx.find(q), [ref.get(k, -1) for k in q.tolist()])
+    assert len(idx) == len(ref)
