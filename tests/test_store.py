@@ -1047,3 +1047,80 @@ def test_slot_of_power_of_two_mask_is_the_modulo():
     few = np.array([0, 1, -1, 12345], np.int64)  # as computed by the modulo before
     assert slot_of(few, 4096).tolist() == [3503, 3265, 3104, 416]
     assert slot_of(few, 1 << 16).tolist() == [52655, 23745, 11296, 4512]
+
+def test_remove_once_reports_each_removed_row_once_during_growth(monkeypatch):
+    # An index mid-way through an incremental rehash holds keys in both tables; a request
+    # repeating keys of either must report each removed row exactly once with once=True.
+    import deeprec_ext.store.hash_index as hi
+    monkeypatch.setattr(hi, "INCREMENTAL_MIN_KEYS", 64)
+    monkeypatch.setattr(hi, "MIGRATE_STEP", 8)
+    rng = np.random.default_rng(11)
+    idx = HashIndex(16)
+    keys = np.unique(rand_keys(rng, 3000))
+    ref = {}
+    for i in range(0, keys.size, 500):
+        part = keys[i:i + 500]
+        idx.insert(part, np.arange(i, i + part.size))
+        ref.update(zip(part.tolist(), range(i, i + part.size)))
+    assert idx.growing  # keys in _prev and in the new table
+    rm = np.concatenate([rng.choice(keys, 700), rng.choice(keys, 300), rand_keys(rng, 50)])
+    rm = rm[rng.permutation(rm.size)]
+    size0, deleted0 = len(idx), idx.num_deleted
+    got = idx.remove(rm, once=True)
+    distinct_present = {k for k in rm.tolist() if k in ref}
+    assert sorted(got[got >= 0].tolist()) == sorted(ref[k] for k in distinct_present)
+    assert len(idx) == size0 - len(distinct_present)
+    assert (idx.find(rm) == -1).all()
+    left = np.array(sorted(set(ref) - distinct_present), dtype=np.int64)
+    np.testing.assert_array_equal(idx.find(left), [ref[k] for k in left.tolist()])
+    # once=False keeps reporting the row to every occurrence
+    again = left[:5].repeat(3)
+    np.testing.assert_array_equal(idx.remove(again), [ref[k] for k in again.tolist()])
+    assert idx.num_deleted >= deleted0
+
+
+def test_delete_with_repeated_keys_frees_each_row_once():
+    # A freed row listed twice would be handed to two keys later (aliased rows).
+    t = EmbeddingTable("t", 4, optimizer="adagrad")
+    keys = np.arange(1000, dtype=np.int64)
+    t.lookup(keys)
+    s0 = t.sequence.value
+    rm = np.concatenate([keys[:300], keys[100:200], keys[250:300], [5000, 5000]])
+    assert t.delete(rm, log_tombstone=False, moved=True) == 300
+    assert t.size == 700
+    assert t.tombstones_since(s0).size == 0
+    np.testing.assert_array_equal(t.tombstones_since(s0, include_moved=True), keys[:300])
+    t.lookup(np.arange(2000, 2300, dtype=np.int64))  # reuses the 300 freed rows
+    assert t.size == 1000 and t._hwm == 1000
+    rows = t._index.find(np.concatenate([keys[300:], np.arange(2000, 2300)]))
+    assert np.unique(rows).size == 1000
+
+
+def test_probe_tails_longer_than_a_window_against_a_dict():
+    # Keys that share a home position form chains far longer than WINDOW: finds, misses,
+    # claims and removals in the windowed tail must match a dict, tombstones included.
+    from deeprec_ext.store import hash_index as hi
+    rng = np.random.default_rng(31)
+    idx = HashIndex(1 << 12)
+    cand = rand_keys(rng, 200_000)
+    home = idx._home(cand)
+    keys = np.unique(cand[home < 8])[:60]  # ~60 keys homed on 8 positions
+    assert keys.size > 3 * hi.WINDOW
+    rows = np.arange(keys.size)
+    idx.insert(keys, rows)
+    ref = dict(zip(keys.tolist(), rows.tolist()))
+    absent = np.unique(cand[home < 8])[60:80]
+    np.testing.assert_array_equal(idx.find(np.concatenate([keys, absent])),
+                                  np.concatenate([rows, np.full(absent.size, -1)]))
+    gone = keys[::3]
+    got = idx.remove(np.concatenate([gone, gone]), once=True)  # one copy of each reports
+    assert np.count_nonzero(got >= 0) == gone.size
+    np.testing.assert_array_equal(np.maximum(got[:gone.size], got[gone.size:]), rows[::3])
+    for k in gone.tolist():
+        del ref[k]
+    # re-insert into the chain's tombstones, then check every key
+    got, new_keys, new_rows = idx.insert_new(absent, lambda m: np.arange(1000, 1000 + m))
+    ref.update(zip(new_keys.tolist(), new_rows.tolist()))
+    q = np.concatenate([keys, absent])
+    np.testing.assert_array_equal(idx.find(q), [ref.get(k, -1) for k in q.tolist()])
+    assert len(idx) == len(ref)

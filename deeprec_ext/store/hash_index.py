@@ -53,6 +53,12 @@ MAX_ROWS = 2**31 - 2  # row + 1 must fit an int32 code
 _MIN_CAPACITY = 16
 INCREMENTAL_MIN_KEYS = 1 << 17  # smaller indexes rehash at once (a few ms)
 MIGRATE_STEP = 1 << 15  # positions of the previous index moved per reserve
+# Probe chains end in a long tail: a few keys of a batch walk tens of positions while the
+# rest are done, one numpy round per position. Keys still walking after the first round
+# look at WINDOW positions per round instead (first match / free position by argmax).
+WINDOW = 8
+TAIL_KEYS = 512
+_STEPS = np.arange(WINDOW, dtype=np.int64)
 
 
 def _next_pow2(n: int) -> int:
@@ -212,20 +218,40 @@ class HashIndex:
         p = p.take(idx)
         kq = keys.take(idx)
         while idx.size:
-            p += 1
-            p &= mask
-            r = tab.take(p).astype(np.int64)
+            if idx.size > TAIL_KEYS:  # many keys walking: one position per round
+                p += 1
+                p &= mask
+                r = tab.take(p).astype(np.int64)
+                r -= 1
+                hit = rk.take(r, mode="clip") == kq
+                hit &= r >= 0
+                if hit.any():
+                    out[idx[hit]] = p[hit] if positions else r[hit]
+                    cont = ~hit
+                    cont &= r != -1
+                else:
+                    cont = r != -1
+                if not cont.all():
+                    sel = np.flatnonzero(cont)
+                    idx, p, kq = idx.take(sel), p.take(sel), kq.take(sel)
+                continue
+            # the tail: positions p+1 .. p+WINDOW of each key still walking
+            pw = p[:, None] + (_STEPS + 1)
+            pw &= mask
+            r = tab.take(pw).astype(np.int64)
             r -= 1
-            hit = rk.take(r, mode="clip") == kq
+            hit = rk.take(r, mode="clip") == kq[:, None]
             hit &= r >= 0
-            if hit.any():
-                out[idx[hit]] = p[hit] if positions else r[hit]
-                cont = ~hit
-                cont &= r != -1
-            else:
-                cont = r != -1
-            if not cont.all():
-                sel = np.flatnonzero(cont)
+            stop = hit | (r == -1)  # its row, or an empty position: the walk ends
+            first = stop.argmax(axis=1)
+            at = np.arange(idx.size)
+            done = stop[at, first]
+            fh = np.flatnonzero(done & hit[at, first])
+            if fh.size:
+                out[idx.take(fh)] = (pw if positions else r)[fh, first.take(fh)]
+            p = pw[:, -1]
+            if done.any():
+                sel = np.flatnonzero(~done)
                 idx, p, kq = idx.take(sel), p.take(sel), kq.take(sel)
         return out
 
@@ -245,8 +271,21 @@ class HashIndex:
         kq = keys
         filled = []
         reused = 0
+        first_round = True
         while idx.size:
-            st = tab.take(p)
+            if first_round or idx.size > TAIL_KEYS:
+                st = tab.take(p)
+                first_round = False
+            else:  # the walk's tail: jump to the first free position of a window
+                pw = p[:, None] + _STEPS
+                pw &= mask
+                sw = tab.take(pw)
+                free = (sw == EMPTY) | (sw == DELETED)
+                first = free.argmax(axis=1)
+                at = np.arange(idx.size)
+                has = free[at, first]
+                p = np.where(has, pw[at, first], pw[:, -1])
+                st = np.where(has, sw[at, first], np.int32(1))  # 1: not free, step on
             fi = np.flatnonzero((st == EMPTY) | (st == DELETED))
             if fi.size == 0:
                 p += 1
@@ -564,23 +603,38 @@ class HashIndex:
         dead -= 1
         return dead
 
-    def remove(self, keys) -> np.ndarray:
-        """Remove keys; returns the removed row per input key (-1 where absent)."""
+    def remove(self, keys, once: bool = False) -> np.ndarray:
+        """Remove keys; returns the removed row per input key (-1 where absent). With
+        ``once`` only one occurrence of a key repeated in ``keys`` gets its row (the others
+        -1), so the rows >= 0 are distinct and the caller needs no ``np.unique`` (it was
+        most of a migration clean-up's delete: a hash or sort per chunk)."""
         keys = _as_keys(keys)
         pos = self._probe(keys, True) if keys.size else np.empty(0, dtype=np.int64)
         found = pos >= 0
         rows = np.full(keys.size, -1, dtype=np.int64)
         if self._prev is not None and not found.all():
             rest = np.flatnonzero(~found)
-            rows[rest] = self._prev.remove(keys.take(rest))
-        if not found.any():
+            rows[rest] = self._prev.remove(keys.take(rest), once)
+        sel = np.flatnonzero(found)
+        if sel.size == 0:
             return rows
-        fp = pos[found]
-        rows[found] = self._tab.take(fp).astype(np.int64) - 1
-        up = np.unique(fp)  # duplicate keys in the request remove one entry
-        self._tab[up] = DELETED
-        self._size -= up.size
-        self._deleted += up.size
+        fp = pos.take(sel)
+        tab = self._tab
+        r = tab.take(fp).astype(np.int64)
+        r -= 1
+        # Duplicate keys in the request share a position: every one scatters its own code,
+        # one survives per position (as in _claim), which counts the distinct positions in
+        # O(n) without sorting. Claim codes never outlive this call.
+        code = np.arange(-2, -2 - fp.size, -1, dtype=np.int32)
+        tab[fp] = code
+        won = tab.take(fp) == code
+        tab[fp] = DELETED
+        gone = int(np.count_nonzero(won))
+        self._size -= gone
+        self._deleted += gone
+        if once and gone != fp.size:
+            r[~won] = -1
+        rows[sel] = r
         return rows
 
     def clear(self) -> None:

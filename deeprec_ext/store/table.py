@@ -1403,13 +1403,14 @@ class EmbeddingTable:
                 [(self, keys.take(split[2])), (self._seg, keys.take(split[0]))]
             removed = []
             for part, k in parts:
-                rows = part._index.remove(k) if k.size else k
-                found = rows >= 0
-                if not found.any():
+                # once: a key repeated in ``k`` gets its row once, so the found rows are
+                # distinct without a sort
+                rows = part._index.remove(k, once=True) if k.size else k
+                found = np.flatnonzero(rows >= 0)
+                if found.size == 0:
                     continue
-                removed_rows, first = np.unique(rows[found], return_index=True)
-                removed.append(k[found][first])
-                part._release(removed_rows)
+                removed.append(k.take(found))
+                part._release(rows.take(found))
             if not removed:
                 return 0
             # one tombstone entry (this table's log) for the segment's rows too
