@@ -1048,6 +1048,7 @@ def test_slot_of_power_of_two_mask_is_the_modulo():
     assert slot_of(few, 4096).tolist() == [3503, 3265, 3104, 416]
     assert slot_of(few, 1 << 16).tolist() == [52655, 23745, 11296, 4512]
 
+
 def test_remove_once_reports_each_removed_row_once_during_growth(monkeypatch):
     # An index mid-way through an incremental rehash holds keys in both tables; a request
     # repeating keys of either must report each removed row exactly once with once=True.
