@@ -176,3 +176,16 @@ def test_client_resends_on_the_routing_its_poll_fetched_and_applies_once(start_j
     assert len([e for e in seen if e > epoch0]) == 1, seen
     np.testing.assert_array_equal(client.lookup("c", ids, insert_missing=False)[:, 0], 2)
     client.close()
+
+
+def test_a_bad_malloc_threshold_is_a_usage_error_naming_the_flag(monkeypatch, capsys):
+    from deeprec_ext.ps.__main__ import get_args_parser
+    monkeypatch.setenv("DEEPREC_PS_MALLOC_MMAP_THRESHOLD_MB", "lots")
+    with pytest.raises(SystemExit) as info:
+        get_args_parser().parse_args([])
+    assert info.value.code == 2
+    assert "--malloc-mmap-threshold-mb" in capsys.readouterr().err
+    monkeypatch.setenv("DEEPREC_PS_MALLOC_MMAP_THRESHOLD_MB", "2.5")
+    assert get_args_parser().parse_args([]).malloc_mmap_threshold_mb == 2.5
+    assert get_args_parser().parse_args(["--malloc-mmap-threshold-mb", "0"]) \
+        .malloc_mmap_threshold_mb == 0.0

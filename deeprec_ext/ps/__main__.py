@@ -52,7 +52,9 @@ def get_args_parser() -> argparse.ArgumentParser:
                         "busy, in (0, 1]: the copy paces itself so training keeps the rest "
                         "(1: no pacing; the fenced last round is never paced)")
     p.add_argument("--malloc-mmap-threshold-mb", type=float,
-                   default=float(os.environ.get("DEEPREC_PS_MALLOC_MMAP_THRESHOLD_MB", "1")),
+                   # a string default goes through ``type``: a bad environment value is
+                   # a usage error naming the flag, not a traceback
+                   default=os.environ.get("DEEPREC_PS_MALLOC_MMAP_THRESHOLD_MB", "1"),
                    help="glibc malloc: blocks of at least this size get their own mapping, "
                         "returned to the OS when freed, and a heap keeps at most twice this "
                         "free at its top; 0: glibc's own policy (see bound_malloc_retention)")
