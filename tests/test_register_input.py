@@ -7,6 +7,7 @@ import pytest
 
 from deeprec_ext.grpc_util import insecure_channel
 from deeprec_ext.proto import master_pb2, master_pb2_grpc
+from tests.conftest import wait_for
 
 
 CASES = [
@@ -19,7 +20,8 @@ CASES = [
 
 def test_bad_control_address_is_refused_and_the_job_serves_on(start_job):
     job = start_job({"name": "register-input"}, ["--ps", "1", "--workers", "0"])
-    before = [m["id"] for m in job.status()["members"]]
+    # the job's PS registers after the job answers: compare against the settled membership
+    before = wait_for(lambda: [m["id"] for m in job.status()["members"]], 60, "ps-0 to register")
     with insecure_channel(job.address) as ch:
         stub = master_pb2_grpc.MasterStub(ch)
         for role, control, message in CASES:
