@@ -1,7 +1,12 @@
 """Checkpoint write and restore against ``tf.train.Checkpoint``, side by side in one run.
 
     .venv/bin/python bench/bench_checkpoint.py [--rows 4000000] [--reps 3] [--quick]
-        [--compress auto] [--baseline 381a4c1] [--out bench/results/checkpoint.json]
+        [--compress auto] [--baseline 381a4c1] [--ps-malloc [MB]]
+        [--out bench/results/checkpoint.json]
+
+``--ps-malloc``: our side runs with the malloc setting a PS process applies
+(``deeprec_ext.ps --malloc-mmap-threshold-mb``, 1 MB by default: every block of that size
+or more is mapped and unmapped on its own), as a checkpoint is written inside a PS.
 
 One table, dim 16, Adagrad (value + accumulator), one gradient step on every row, so the
 accumulators are trained values, not the constant initial one. Then, in this order:
@@ -271,15 +276,32 @@ def main() -> None:
     ap.add_argument("--no-tf", action="store_true")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir in /tmp)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--ps-malloc", type=float, nargs="?", const=-1.0, default=None,
+                    metavar="MB", help="apply a PS's malloc setting in this process first "
+                    "(deeprec_ext.ps --malloc-mmap-threshold-mb; without MB: the PS's "
+                    "default), so our side allocates as it does in a PS (TF's child keeps "
+                    "glibc's own policy)")
     ap.add_argument("--tf-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.tf_child:
         tf_child(args.tf_child)
         return
+    ps_malloc = None
+    if args.ps_malloc is not None:
+        from deeprec_ext.ps.__main__ import bound_malloc_retention, get_args_parser
+        mb = args.ps_malloc if args.ps_malloc >= 0 else \
+            float(get_args_parser().parse_args([]).malloc_mmap_threshold_mb)
+        if not bound_malloc_retention(mb):
+            sys.exit(f"error: --ps-malloc {mb:g}: the malloc setting could not be applied "
+                     "(no glibc, or MALLOC_*_/GLIBC_TUNABLES already set)")
+        ps_malloc = mb
+        print(f"malloc as in a PS: blocks of {mb:g} MB and more mapped on their own",
+              flush=True)
     if args.quick:
         args.rows, args.reps = 500_000, 2
     work = tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir)
     res = {"rows": args.rows, "dim": DIM, "reps": args.reps, "load_before": uptime(),
+           "ps_malloc_mmap_threshold_mb": ps_malloc,
            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     logical = args.rows * 2 * DIM * 4
     res["logical_mb"] = round(logical / 1e6, 1)
@@ -388,6 +410,9 @@ def report(res: dict, logical: int) -> None:
     print(f"{res['rows']:,} rows x dim {DIM}, Adagrad: {res['logical_mb']} MB of values + "
           f"accumulators; best of {res['reps']}, runs alternated; load {res['load_before']} "
           f"-> {res['load_after']}")
+    if res.get("ps_malloc_mmap_threshold_mb") is not None:
+        print(f"  our side with a PS's malloc setting (mmap threshold "
+              f"{res['ps_malloc_mmap_threshold_mb']:g} MB)")
     lines = [("this format: full write + commit, no fsync", res["full_nosync"]["ms"], None),
              ("this format: full write + commit (fsync)", full["write_commit_ms"],
               full["bytes"]),

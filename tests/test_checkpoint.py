@@ -1332,4 +1332,51 @@ def test_scan_by_slot_matches_scan_live_sorted_by_slot():
             np.testing.assert_array_equal(r, r0[keep][o][:, :-1])
             np.testing.assert_array_equal(c, r0[keep][o][:, -1].astype(np.uint32))
             assert r.dtype == np.float32 and c.dtype == np.uint32
+            # gathered into a caller's buffer: the same rows, in it
+            buf = np.full((1024, t.row_width), np.nan, np.float32)
+            k2, r2, c2, _, nxt2 = t.scan_by_slot(row, 1024, NUM_SLOTS, m, out=buf)
+            assert np.shares_memory(r2, buf) and nxt2 == nxt
+            np.testing.assert_array_equal(k2, k)
+            np.testing.assert_array_equal(r2, r)
+            np.testing.assert_array_equal(c2, c)
+            # a buffer that does not fit (too narrow, too short) is not written
+            for bad in (np.zeros((1024, t.row_width - 1), np.float32),
+                        np.zeros((max(k.size - 1, 0), t.row_width), np.float32)):
+                _, r3, _, _, _ = t.scan_by_slot(row, 1024, NUM_SLOTS, m, out=bad)
+                assert not np.shares_memory(r3, bad) and not bad.any()
+                np.testing.assert_array_equal(r3, r)
             row = nxt
+
+
+def test_full_checkpoint_reuses_its_slice_buffers(tmp_path, monkeypatch):
+    """A full checkpoint gathers each slice into one of a few reused buffers (in a PS
+    every new 2 MB buffer was a fresh mapping): far fewer buffers than slices, each
+    reused only once the chunks holding its rows are written -- the restore is exact."""
+    import checkpoint.writer as cw
+    monkeypatch.setattr(cw, "SCAN_SLICE_ROWS", 512)
+    # a bucket becomes a chunk after ~7 slices, as with the real sizes (16k-row slices,
+    # 1 MB chunks of 16 buckets)
+    monkeypatch.setattr(cw, "BUCKET_CHUNK_BYTES", 1 << 14)
+    made = []
+
+    class Counted(cw._SliceBuffers):
+        def __init__(self, *a):
+            super().__init__(*a)
+            made.append(self)
+
+    monkeypatch.setattr(cw, "_SliceBuffers", Counted)
+    rng = np.random.default_rng(47)
+    s = EmbeddingStore()
+    t = s.create_table("emb", 8, optimizer={"name": "adagrad", "learning_rate": 0.1})
+    keys = rand_keys(rng, 60_000)
+    t.apply_gradients(keys, rng.normal(size=(keys.size, 8)).astype(np.float32))
+    t.delete(keys[:3000])  # free rows: slices with fewer live rows than the buffer
+    w = CheckpointWriter(tmp_path, 1, "full", num_slots=NUM_SLOTS)
+    w.write_table("ps-0", t)
+    w.commit()
+    slices = -(-keys.size // 512)  # the arena's rows in use, 512 per lock hold
+    assert len(made) == 1
+    print(f"{made[0].allocated} buffers for {slices} slices")
+    assert 0 < made[0].allocated <= 40 < slices
+    s2, _ = restored(tmp_path)
+    assert_same(snap(s2), snap(s))

@@ -1826,14 +1826,17 @@ class EmbeddingTable:
             return keys, out, (stop if stop < self._hwm else None)
 
     def scan_by_slot(self, row_start: int, max_rows: int, num_slots: int,
-                     slot_mask: np.ndarray | None = None):
+                     slot_mask: np.ndarray | None = None, out: np.ndarray | None = None):
         """Like :meth:`scan_live`, with the counts as their own column (checkpoint format
         4): the slice's live rows (of the slots set in ``slot_mask``, if given) sorted by
         routing slot (stable) and gathered from the arena in that order under the lock
         hold: ``(keys, rows float32 [n, row_width], counts uint32 [n], slots,
         next_row)``. One pass over the rows instead of a copy, then a sorted copy of the
         copy (what a full checkpoint did); the lock hold grows by hashing the slice's
-        keys (~0.2 ms for 16k)."""
+        keys (~0.2 ms for 16k). ``out``: a float32 C-contiguous [>= max_rows, row_width]
+        buffer the rows are gathered into (``rows`` is then a view of it), so a caller
+        scanning slice after slice reuses its buffers instead of allocating each slice
+        (a PS's malloc maps every block of 1 MB or more afresh: page faults, zeroing)."""
         with self._lock:
             stop = min(self._hwm, int(row_start) + int(max_rows))
             start = min(int(row_start), stop)
@@ -1853,10 +1856,19 @@ class EmbeddingTable:
             order = (np.argsort(slots.astype(np.uint16), kind="stable")
                      if num_slots <= 1 << 16 else np.argsort(slots, kind="stable"))
             rows_at = (order if sel is None else sel.take(order)) + start
-            out = (keys.take(order), self._gather_rows(rows_at),
-                   self._row_count.take(rows_at), slots.take(order),
-                   (stop if stop < self._hwm else None))
-            return out
+            n = rows_at.size
+            if out is not None and not self._fp16 and out.dtype == np.float32 \
+                    and out.ndim == 2 and out.shape[1] == self._width \
+                    and out.shape[0] >= n and out.flags.c_contiguous:
+                rows = out[:n]
+                # mode="clip": with the default "raise" numpy gathers into a temporary
+                # and copies it over (the allocation this avoids); rows_at are in range
+                self._arena_v.take(rows_at, out=rows.view(self._row_dtype).reshape(-1),
+                                   mode="clip")
+            else:  # no buffer, or one that does not fit (a reconfigured table)
+                rows = self._gather_rows(rows_at)
+            return (keys.take(order), rows, self._row_count.take(rows_at), slots.take(order),
+                    (stop if stop < self._hwm else None))
 
     def export_keys(self, keys, with_counts: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Full rows (value + slots [+ count]) of those ``keys`` that exist: ``(keys, rows)``."""
