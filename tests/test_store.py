@@ -888,6 +888,47 @@ def test_place_rows_matches_a_dict_and_the_index_stays_right():
         assert sorted(idx.keys().tolist()) == sorted(ref)
 
 
+def test_place_rows_in_large_batches_with_long_chains_and_duplicates():
+    """Batches larger than the probing tail (TAIL_KEYS): the lean first round over the
+    whole batch, the one-position rounds and the windowed tail all take part -- keys
+    crowded on a few homes (chains many WINDOWs long, wrapping around the end), copies of
+    one key within a batch and across batches, and a key meeting its earlier copy in
+    its home position. The latest copy wins, superseded rows are returned."""
+    import deeprec_ext.store.hash_index as hi
+    rng = np.random.default_rng(32)
+    n_total = 3 * (hi.TAIL_KEYS * 4)
+    rk = np.zeros(n_total, np.int64)
+    idx = HashIndex(16, lambda: rk)
+    idx.size_for(n_total)
+    mask = idx.capacity - 1
+    cand = np.arange(3_000_000, dtype=np.int64)
+    crowd = cand[np.isin(idx._home(cand), [3, mask - 2, mask])][:200]
+    assert crowd.size == 200
+    ref, row = {}, 0
+    for step in range(3):
+        m = hi.TAIL_KEYS * 4
+        keys = rng.integers(-2**63, 2**63 - 1, m).astype(np.int64)
+        keys[:400] = rng.choice(crowd, 400)  # long chains, duplicates among them
+        keys[400:600] = rng.choice(keys[600:], 200)  # copies of random keys
+        if ref:  # copies of keys placed by an earlier batch
+            keys[600:700] = rng.choice(np.array(list(ref), np.int64), 100)
+        rng.shuffle(keys)
+        assert idx.can_place_rows(m)
+        rk[row:row + m] = keys
+        dead = idx.place_rows(keys, row)
+        want_dead = set()
+        for i, k in enumerate(keys.tolist()):
+            if k in ref:
+                want_dead.add(ref[k])
+            ref[k] = row + i
+        row += m
+        assert sorted(dead.tolist()) == sorted(want_dead)
+        assert len(idx) == len(ref)
+        probe = np.array(list(ref) + [2**62 + 7], np.int64)
+        assert idx.find(probe).tolist() == [ref.get(k, -1) for k in probe.tolist()]
+    assert (idx._tab[:3] > 0).any()  # the crowd at the end wrapped around
+
+
 def test_place_rows_refuses_an_index_it_cannot_fill_in_bulk():
     idx = HashIndex(64)
     idx.insert(np.arange(5, dtype=np.int64), np.arange(5))
