@@ -555,64 +555,13 @@ class HashIndex:
         if int(first_row) < 0 or int(first_row) + n - 1 > MAX_ROWS:
             raise OverflowError(f"row ids must be in [0, {MAX_ROWS}]")
         tab, mask, rk = self._tab, self._mask, self._row_keys()
-        base = int(first_row) + 1  # the code of keys[i] is its row + 1 = base + i
         p = self._home(keys)
+        code = np.arange(int(first_row) + 1, int(first_row) + n + 1, dtype=np.int32)
+        kq = keys
+        placed = 0
         dup_pos = []  # positions where copies of one key met
         dup_codes = []  # every code involved there (the highest stays)
-        # Round 1 over the whole batch, lean: most keys find their home empty (the load
-        # of a bulk-loaded index stays <= 3/8) and are placed here, their codes computed
-        # from their batch indexes, no per-key code array, no masks over the batch.
-        st = tab.take(p)
-        e = np.flatnonzero(st == EMPTY)
-        cp = p.take(e)
-        cc = e.astype(np.int32)
-        cc += base
-        tab[cp] = cc  # one claimant per empty position survives
-        won = tab.take(cp) == cc
-        placed = int(np.count_nonzero(won))
-        if placed == n:
-            self._size += placed
-            return np.empty(0, dtype=np.int64)
-        rest_i, rest_p = [], []
-        if e.size != n:  # full homes: a copy of the key (a duplicate) or step on
-            f = np.flatnonzero(st)
-            fs = st.take(f)
-            same = rk.take(fs.astype(np.int64) - 1) == keys.take(f)
-            if same.any():
-                hp, hc = p.take(f[same]), (f[same] + base).astype(np.int32)
-                dup_pos.append(hp)
-                dup_codes += [fs[same], hc]
-                np.maximum.at(tab, hp, hc)  # the latest copy (highest row) wins
-                f = f[~same]
-            pf = p.take(f)
-            pf += 1
-            pf &= mask
-            rest_i.append(f)
-            rest_p.append(pf)
-        if placed != e.size:  # losers compare with the winner next round
-            lost = np.flatnonzero(~won)
-            rest_i.append(e.take(lost))
-            rest_p.append(cp.take(lost))
-        sel = np.concatenate(rest_i)
-        p = np.concatenate(rest_p)
-        code = sel.astype(np.int32)
-        code += base
-        kq = keys.take(sel)
         while p.size:
-            if p.size <= TAIL_KEYS:
-                # the walk's tail (a few keys in long chains): jump each to the first
-                # position of its next WINDOW that is empty or holds its key, or to the
-                # window's last (full) position, so one round covers WINDOW positions
-                pw = p[:, None] + _STEPS
-                pw &= mask
-                sw = tab.take(pw)
-                stop = sw <= 0
-                fr = np.flatnonzero(~stop)
-                if fr.size:
-                    stop.reshape(-1)[fr] = rk.take(sw.reshape(-1).take(fr).astype(np.int64)
-                                                   - 1) == kq.take(fr // WINDOW)
-                first = np.where(stop.any(axis=1), stop.argmax(axis=1), WINDOW - 1)
-                p = pw[np.arange(p.size), first]
             st = tab.take(p)
             full = st > 0  # no deleted positions and no claim codes here: > 0 or empty
             adv = full  # full positions: step on unless the key is the same (below)
