@@ -2,6 +2,7 @@
 ``tf.train.Checkpoint`` alongside, alternated round by round in one run.
 
     .venv/bin/python bench/bench_checkpoint_ab.py [--rows 4000000] [--reps 5] [--before cc8cd73]
+        [--before-format 3] [--ps-malloc]
 
 The restore's speed lives in the store (hash index, arena) as much as in the reader, so
 the older commit's whole tree (``git archive``) restores in a subprocess of its own,
@@ -59,7 +60,20 @@ def main() -> None:
     ap.add_argument("--before", default="cc8cd73", help="the older commit")
     ap.add_argument("--before-format", type=int, default=3,
                     help="checkpoint format the older commit reads and writes")
+    ap.add_argument("--ps-malloc", action="store_true",
+                    help="our side (this process's writers, both restore children) with a "
+                         "PS's malloc setting: deeprec_ext.ps --malloc-mmap-threshold-mb's "
+                         "default (TF's child keeps glibc's policy)")
     args = ap.parse_args()
+    child_env = {}
+    if args.ps_malloc:
+        from deeprec_ext.ps.__main__ import bound_malloc_retention, get_args_parser
+        mb = float(get_args_parser().parse_args([]).malloc_mmap_threshold_mb)
+        if not bound_malloc_retention(mb):
+            sys.exit("error: --ps-malloc: the malloc setting could not be applied")
+        size = max(128 * 1024, min(int(mb * 2**20), 32 * 2**20))  # as the PS clamps it
+        # the same two mallopt settings, read by glibc at the children's start
+        child_env = {"MALLOC_MMAP_THRESHOLD_": str(size), "MALLOC_TRIM_THRESHOLD_": str(2 * size)}
     import bench_checkpoint as B
     import checkpoint.format as fmt
     from checkpoint import CheckpointWriter
@@ -98,10 +112,12 @@ def main() -> None:
             procs[name] = subprocess.Popen(
                 [sys.executable, child, repo, roots[name]], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, text=True,
-                env=dict(os.environ, PYTHONPATH=repo, TF_CPP_MIN_LOG_LEVEL="2"))
+                env=dict(os.environ, PYTHONPATH=repo, TF_CPP_MIN_LOG_LEVEL="2", **child_env))
         old_writer = B.old_writer_class(args.before)
         res = {k: [] for k in ("tf_read", "before", "after", "tf_write", "w_before", "w_after")}
-        print(f"rows {args.rows:,}, before = {args.before}; load {B.uptime()}", flush=True)
+        print(f"rows {args.rows:,}, before = {args.before}"
+              f"{', PS malloc setting' if args.ps_malloc else ''}; load {B.uptime()}",
+              flush=True)
         for i in range(args.reps):
             res["tf_read"].append(tf.ask("read")["ms"])
             for name in ("before", "after") if i % 2 == 0 else ("after", "before"):
