@@ -187,7 +187,7 @@ class _SliceBuffers:
     was a mapping, its page faults and zeroing, and an unmap: a 4M-row write took
     ~800 ms of CPU there against ~450 ms in a process with glibc's default policy. The
     number of buffers is what the pending buckets and the write window hold at once
-    (about a dozen), as many as were alive before."""
+    (about 16 of 2 MB), as many as were alive before."""
 
     __slots__ = ("_shape", "_free", "_lock", "allocated")
 
