@@ -299,12 +299,38 @@ def parquet_dataset(ranges, batch_size: int | None = None, columns=None, schema_
         schema_from = ranges[0][0]
     kinds = column_kinds(columns, schema_from, "parquet_dataset")
     ds = ranges_dataset(ranges)
-    ds = ds.map(lambda p, s, e: shard_columns(p, s, e, kinds, null_values, on_bad_record),
-                num_parallel_calls=num_parallel_reads, deterministic=deterministic)
+    # plain Python over a fixed dict of columns: autograph's conversion of it only costs
+    # (a quarter of building the pipeline, docs/BENCHMARKS.md)
+    read = tf.autograph.experimental.do_not_convert(
+        lambda p, s, e: shard_columns(p, s, e, kinds, null_values, on_bad_record))
+    ds = ds.map(read, num_parallel_calls=num_parallel_reads, deterministic=deterministic)
     if batch_size is None:
         return ds.unbatch()
     # rebatch: unbatch().batch() with one copy, not a dataset element per row
-    return ds.rebatch(int(batch_size), drop_remainder=drop_remainder)
+    return _rebatch(ds, int(batch_size), bool(drop_remainder))
+
+
+def _rebatch(ds: tf.data.Dataset, batch_size: int, drop_remainder: bool) -> tf.data.Dataset:
+    """``ds.rebatch(batch_size)`` for a dataset of dense tensors, without the map
+    ``Dataset.rebatch`` puts first to turn sparse and ragged components dense: with none
+    here, tracing and running that map of one identity per column cost as much CPU as 0.2
+    µs per row of a 160,000-row pipeline (measured in docs/BENCHMARKS.md). Same kernel
+    (``RebatchDatasetV2``), so the same batches, copies and checkpoints."""
+    spec = ds.element_spec
+    if not all(isinstance(s, tf.TensorSpec) for s in tf.nest.flatten(spec)):
+        return ds.rebatch(batch_size, drop_remainder=drop_remainder)
+    out = tf.nest.map_structure(
+        lambda s: tf.TensorSpec(tf.TensorShape([batch_size if drop_remainder else None])
+                                .concatenate(s.shape[1:]), s.dtype), spec)
+    flat = tf.nest.flatten(out)
+    variant = tf.raw_ops.RebatchDatasetV2(
+        input_dataset=tf.data.experimental.to_variant(ds),
+        batch_sizes=tf.constant([batch_size], tf.int64),
+        drop_remainder=tf.constant(drop_remainder),
+        output_types=[s.dtype for s in flat], output_shapes=[s.shape for s in flat])
+    batched = tf.data.experimental.from_variant(variant, out)
+    options = ds.options()  # from_variant starts a new pipeline: keep the input's options
+    return batched if options == tf.data.Options() else batched.with_options(options)
 
 
 __all__ = ["record_dataset", "ranges_dataset", "shard_records", "parquet_dataset",
