@@ -527,7 +527,7 @@ def parquet_table(path: str, start: int, end: int, columns: list[str] | None = N
         pf = pq.ParquetFile(f, metadata=known[1] if known else None, pre_buffer=True)
         md = pf.metadata
         if rf is not None and known is None:
-            _remote_parquet_meta(path, (rf.size, md))
+            _remote_parquet_meta(path, (rf.size, md, pf.schema_arrow))
         if columns is not None:
             missing = [c for c in columns if c not in md.schema.names]
             if missing:
@@ -552,9 +552,10 @@ _PQ_META_LOCK = threading.Lock()
 
 
 def _remote_parquet_meta(path: str, value=None):
-    """The (size, footer) of a remote Parquet file, kept per process after its first
-    shard: every later shard of the file is then one ranged GET (no HEAD, no footer
-    read; each request costs the S3 client about as much CPU as 7 MB of data). Data
+    """The (size, footer, Arrow schema) of a remote Parquet file, kept per process after
+    its first shard or schema read: every later shard of the file is then one ranged GET
+    (no HEAD, no footer read; each request costs the S3 client about as much CPU as 7 MB
+    of data). Data
     files are not rewritten in place (a changed file is not read again, see the guide's
     ``watch``), so the footer stays valid."""
     with _PQ_META_LOCK:  # shards are read by tf.data's parallel map threads
@@ -597,8 +598,19 @@ def parquet_kinds(path: str, columns: list[str] | None = None) -> dict[str, str]
     footer, in file order (or in the order of ``columns``); a column of another type
     is an error naming it."""
     import pyarrow.parquet as pq
-    with fs.open_binary(path, sequential=False) as f:
-        schema = pq.ParquetFile(f).schema_arrow
+    if fs.is_remote(path):
+        # the footer the file's shards read too, kept per process: a pipeline built again
+        # over the same files (an evaluation round, a new epoch) asks the store nothing
+        known = _remote_parquet_meta(path)
+        if known is None:
+            rf = fs.RangeFile(path)
+            with rf.reader() as f:
+                pf = pq.ParquetFile(f)
+                known = _remote_parquet_meta(path, (rf.size, pf.metadata, pf.schema_arrow))
+        schema = known[2]
+    else:
+        with fs.open_binary(path, sequential=False) as f:
+            schema = pq.ParquetFile(f).schema_arrow
     names = list(schema.names) if columns is None else list(columns)
     out = {}
     for name in names:
