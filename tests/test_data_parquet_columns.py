@@ -113,6 +113,56 @@ def test_resume_at_the_row_reached(files):
     assert list(got["id"]) == [0, 1, 2, 3, 4, 700, 701, 702]
 
 
+def test_batches_match_tensorflows_rebatch_and_resume_from_a_checkpoint(files, tmp_path):
+    """``parquet_dataset`` batches with ``RebatchDatasetV2`` directly (no dense-normalizing
+    map first): the same batches and static shapes as ``Dataset.rebatch``, the input's
+    options kept, and an iterator checkpoint taken mid-way resumes at the next row."""
+    from deeprec_ext.data.tf_dataset import _rebatch
+    ranges = [(s.path, s.start, s.end) for s in make_shards(files, 3000)]
+    per_shard = parquet_dataset(ranges)  # rows, then batched both ways below
+    per_shard = per_shard.batch(97)  # uneven pieces: batches cross their edges
+    for drop in (False, True):
+        ours = _rebatch(per_shard, 64, drop)
+        theirs = per_shard.rebatch(64, drop_remainder=drop)
+        assert ours.element_spec == theirs.element_spec
+        a, b = list(ours.as_numpy_iterator()), list(theirs.as_numpy_iterator())
+        assert len(a) == len(b) == (1000 // 64 if drop else -(-1000 // 64))
+        for x, y in zip(a, b):
+            _check(x, y)
+    opts = tf.data.Options()
+    opts.deterministic = False
+    assert _rebatch(per_shard.with_options(opts), 64, False).options().deterministic is False
+    ds = parquet_dataset(ranges, 100)
+    it = iter(ds)
+    first = [next(it)["id"].numpy() for _ in range(3)]
+    ckpt = tf.train.Checkpoint(it=it)
+    path = ckpt.write(str(tmp_path / "it"))
+    rest = [b["id"].numpy() for b in it]
+    it2 = iter(ds)
+    tf.train.Checkpoint(it=it2).read(path).assert_consumed()
+    again = [b["id"].numpy() for b in it2]
+    assert [list(x) for x in again] == [list(x) for x in rest]
+    assert list(np.concatenate(first + rest)) == list(range(1000))
+
+
+def test_string_offsets_large_and_narrow(tmp_path):
+    """Strings are cut by int32 offsets: Arrow's 64-bit offsets (``large_string``) are
+    narrowed, and a column too large for the index type is bad input naming it."""
+    from deeprec_ext.data.ranges import BadInput, parquet_columns
+    path = str(tmp_path / "l.parquet")
+    vals = [f"value-{i}" * (i % 4) for i in range(300)]
+    pq.write_table(pa.table({"id": np.arange(300), "s": pa.array(vals, pa.large_string())}),
+                   path, row_group_size=128)
+    assert pa.types.is_large_string(pq.read_schema(path).field("s").type)
+    for start, end in ((0, 300), (130, 290), (5, 6)):
+        got = _concat(parquet_dataset([(path, start, end)], 50).as_numpy_iterator())
+        assert list(got["s"]) == [v.encode() for v in vals[start:end]]
+        assert list(got["id"]) == list(range(start, end))
+    # offsets of another width than the values need: named, not wrapped around
+    with pytest.raises(BadInput, match=r"l\.parquet: column 's': .*more than int8.* at row 0"):
+        parquet_columns(path, 0, 300, {"s": "string"}, index_dtype=np.int8)
+
+
 def test_bad_files_are_named_and_the_rest_is_read(files, tmp_path, caplog):
     bad = tmp_path / "c.parquet"
     bad.write_bytes(b"not parquet at all")

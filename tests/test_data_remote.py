@@ -252,6 +252,16 @@ def test_s3_parquet_later_shards_are_one_request(s3, monkeypatch):
             assert calls[before:] == ["get"], (k, calls)
     assert got == expected[path]
     assert calls[:1] == ["size"] and len(shards) == 10
+    # the schema (parquet_dataset builds a pipeline from it) comes from the same footer:
+    # read first, it serves the shards after it; kept, it costs no request
+    ranges._PQ_META.pop(path, None)
+    before = len(calls)
+    kinds = ranges.parquet_kinds(path)
+    assert kinds and "get" in calls[before:] and "open" not in calls[before:]
+    before = len(calls)
+    assert ranges.parquet_kinds(path) == kinds and calls[before:] == []
+    rows = read_shard(path, shards[0].start, shards[0].end, "parquet")[0]
+    assert rows == expected[path][:100] and calls[before:] == ["get"]
 
 
 def test_s3_read_errors_name_the_url_and_the_rest_is_read(s3, monkeypatch):

@@ -527,7 +527,7 @@ def parquet_table(path: str, start: int, end: int, columns: list[str] | None = N
         pf = pq.ParquetFile(f, metadata=known[1] if known else None, pre_buffer=True)
         md = pf.metadata
         if rf is not None and known is None:
-            _remote_parquet_meta(path, (rf.size, md))
+            _remote_parquet_meta(path, (rf.size, md, pf.schema_arrow))
         if columns is not None:
             missing = [c for c in columns if c not in md.schema.names]
             if missing:
@@ -552,9 +552,10 @@ _PQ_META_LOCK = threading.Lock()
 
 
 def _remote_parquet_meta(path: str, value=None):
-    """The (size, footer) of a remote Parquet file, kept per process after its first
-    shard: every later shard of the file is then one ranged GET (no HEAD, no footer
-    read; each request costs the S3 client about as much CPU as 7 MB of data). Data
+    """The (size, footer, Arrow schema) of a remote Parquet file, kept per process after
+    its first shard or schema read: every later shard of the file is then one ranged GET
+    (no HEAD, no footer read; each request costs the S3 client about as much CPU as 7 MB
+    of data). Data
     files are not rewritten in place (a changed file is not read again, see the guide's
     ``watch``), so the footer stays valid."""
     with _PQ_META_LOCK:  # shards are read by tf.data's parallel map threads
@@ -597,8 +598,19 @@ def parquet_kinds(path: str, columns: list[str] | None = None) -> dict[str, str]
     footer, in file order (or in the order of ``columns``); a column of another type
     is an error naming it."""
     import pyarrow.parquet as pq
-    with fs.open_binary(path, sequential=False) as f:
-        schema = pq.ParquetFile(f).schema_arrow
+    if fs.is_remote(path):
+        # the footer the file's shards read too, kept per process: a pipeline built again
+        # over the same files (an evaluation round, a new epoch) asks the store nothing
+        known = _remote_parquet_meta(path)
+        if known is None:
+            rf = fs.RangeFile(path)
+            with rf.reader() as f:
+                pf = pq.ParquetFile(f)
+                known = _remote_parquet_meta(path, (rf.size, pf.metadata, pf.schema_arrow))
+        schema = known[2]
+    else:
+        with fs.open_binary(path, sequential=False) as f:
+            schema = pq.ParquetFile(f).schema_arrow
     names = list(schema.names) if columns is None else list(columns)
     out = {}
     for name in names:
@@ -615,30 +627,40 @@ def parquet_kinds(path: str, columns: list[str] | None = None) -> dict[str, str]
     return out
 
 
-def _string_buffer(arr) -> tuple[bytes, np.ndarray, np.ndarray]:
+def _string_buffer(arr, index_dtype=np.int64) -> tuple[bytes, np.ndarray, np.ndarray]:
     """A string/binary Arrow array (nulls already filled) as one byte string plus per
-    value its offset and length in it: no Python object per value."""
+    value its offset and length in it, as ``index_dtype``: no Python object per value.
+    int32 (what ``parquet_dataset`` cuts with) reads Arrow's 32-bit offsets in place: no
+    widening copy, half the bytes handed to TensorFlow (measured in docs/BENCHMARKS.md)."""
     import pyarrow as pa
     if not len(arr):
-        return b"", np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return b"", np.zeros(0, index_dtype), np.zeros(0, index_dtype)
     large = pa.types.is_large_string(arr.type) or pa.types.is_large_binary(arr.type)
     _, offsets_buf, data_buf = arr.buffers()[:3]
     width = 8 if large else 4
     offsets = np.frombuffer(offsets_buf, np.int64 if large else np.int32, len(arr) + 1,
-                            arr.offset * width).astype(np.int64)
+                            arr.offset * width)
     first, last = int(offsets[0]), int(offsets[-1])
     data = data_buf.slice(first, last - first).to_pybytes() if data_buf is not None and \
         last > first else b""
-    return data, offsets[:-1] - first, np.diff(offsets)
+    if offsets.dtype != index_dtype:
+        if np.iinfo(index_dtype).max < last - first:
+            raise ValueError(f"{last - first} bytes of strings in one column of one shard, "
+                             f"more than {np.dtype(index_dtype).name} offsets reach")
+        offsets = (offsets - first if first else offsets).astype(index_dtype)
+        first = 0
+    # a row group read from its first row starts at 0: its offsets serve as they are
+    starts = offsets[:-1] if first == 0 else offsets[:-1] - offsets.dtype.type(first)
+    return data, starts, np.diff(offsets)
 
 
 def parquet_columns(path: str, start: int, end: int, kinds: dict[str, str],
-                    null_values: dict | None = None) -> list:
+                    null_values: dict | None = None, index_dtype=np.int64) -> list:
     """Rows ``[start, end)`` as typed columns, flat, in the order of ``kinds``
     (``parquet_kinds``): a numpy array per number column (a null becomes
     ``null_values.get(name, 0)``, false for bool), and per string column its values as one
-    byte string, offsets and lengths (``_string_buffer``; a null is empty). A column
-    missing or of another kind in this file is ``BadInput`` naming it."""
+    byte string, offsets and lengths (``_string_buffer``, as ``index_dtype``; a null is
+    empty). A column missing or of another kind in this file is ``BadInput`` naming it."""
     import pyarrow as pa
     import pyarrow.compute as pc
     null_values = null_values or {}
@@ -646,8 +668,8 @@ def parquet_columns(path: str, start: int, end: int, kinds: dict[str, str],
     out: list = []
     for name, kind in kinds.items():
         if table is None:
-            out += [b"", np.zeros(0, np.int64), np.zeros(0, np.int64)] if kind == "string" \
-                else [np.zeros(0, NUMBER_KINDS[kind])]
+            out += [b"", np.zeros(0, index_dtype), np.zeros(0, index_dtype)] \
+                if kind == "string" else [np.zeros(0, NUMBER_KINDS[kind])]
             continue
         col = table.column(name)
         here = column_kind(col.type)
@@ -662,7 +684,11 @@ def parquet_columns(path: str, start: int, end: int, kinds: dict[str, str],
                 arr = pc.fill_null(arr, pa.scalar(b"" if pa.types.is_binary(arr.type) or
                                                   pa.types.is_large_binary(arr.type) else "",
                                                   arr.type))
-            out += list(_string_buffer(arr))
+            try:
+                out += list(_string_buffer(arr, index_dtype))
+            except ValueError as exc:
+                raise BadInput(path, start, f"column {name!r}: {exc}; write smaller row "
+                               "groups") from None
             continue
         if arr.null_count:
             fill = null_values.get(name, False if kind == "bool" else 0)

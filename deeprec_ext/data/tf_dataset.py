@@ -178,7 +178,8 @@ def _read_columns(kinds: dict, null_values: dict | None, skip: bool):
 
         def columns():
             try:
-                return parquet_columns(path, int(start), int(end), kinds, null_values)
+                return parquet_columns(path, int(start), int(end), kinds, null_values,
+                                       index_dtype=np.int32)
             except BadInput as exc:  # a column missing or of another type in this file
                 _report(bad, exc.path, exc.offset, exc.reason)
                 return None
@@ -190,7 +191,7 @@ def _read_columns(kinds: dict, null_values: dict | None, skip: bool):
         if out is None:  # skipped: the shard holds no row
             out = []
             for kind in kinds.values():
-                out += [b"", np.zeros(0, np.int64), np.zeros(0, np.int64)] \
+                out += [b"", np.zeros(0, np.int32), np.zeros(0, np.int32)] \
                     if kind == "string" else [np.zeros(0, NUMBER_KINDS[kind])]
         # a scalar string leaves numpy_function as an object array
         return [np.array(x, dtype=object) if isinstance(x, bytes) else x for x in out]
@@ -201,23 +202,25 @@ def shard_columns(path, start, end, kinds: dict, null_values: dict | None = None
                   on_bad_record: str = "fail") -> dict:
     """The rows of one Parquet range as ``{column: 1-D tensor}`` (``kinds``: ``{column:
     kind}`` as ``ranges.parquet_kinds`` gives). One ``numpy_function`` call per shard;
-    string columns are cut in-graph from one buffer each. Bad input as ``shard_records``
-    (an unreadable file, a column missing or of another type in this file)."""
+    string columns are cut in-graph from one buffer each, by int32 offsets and lengths
+    (Arrow's own offsets, no widening copy). Bad input as ``shard_records`` (an unreadable
+    file, a column missing or of another type in this file)."""
     if on_bad_record not in ("fail", "skip"):
         raise ValueError(f"on_bad_record must be 'fail' or 'skip', got {on_bad_record!r}")
     flat = tf.numpy_function(_read_columns(kinds, null_values, on_bad_record == "skip"),
                              [path, tf.cast(start, tf.int64), tf.cast(end, tf.int64)],
-                             column_types(kinds),
+                             column_types(kinds, tf.int32),
                              stateful=False)
     return columns_from_flat(flat, kinds)
 
 
-def column_types(kinds: dict) -> list:
+def column_types(kinds: dict, index=tf.int64) -> list:
     """The dtypes of ``kinds``' flat layout (``ranges.parquet_columns``): per string
-    column ``tf.string`` (its bytes), ``tf.int64`` (offsets), ``tf.int64`` (lengths)."""
+    column ``tf.string`` (its bytes), then its offsets and lengths as ``index`` (int64,
+    or int32 as ``shard_columns`` reads them)."""
     out = []
     for kind in kinds.values():
-        out += [tf.string, tf.int64, tf.int64] if kind == "string" else [_KIND_DTYPES[kind]]
+        out += [tf.string, index, index] if kind == "string" else [_KIND_DTYPES[kind]]
     return out
 
 
@@ -233,7 +236,8 @@ def column_signature(kinds: dict) -> tuple:
 
 def columns_from_flat(flat, kinds: dict) -> dict:
     """``{column: 1-D tensor}`` from the flat layout: string values cut in-graph from
-    their column's one buffer (``tf.strings.substr``), no Python object per value."""
+    their column's one buffer (``tf.strings.substr``; offsets and lengths int32 or int64),
+    no Python object per value."""
     out, i = {}, 0
     for name, kind in kinds.items():
         if kind == "string":
@@ -295,12 +299,38 @@ def parquet_dataset(ranges, batch_size: int | None = None, columns=None, schema_
         schema_from = ranges[0][0]
     kinds = column_kinds(columns, schema_from, "parquet_dataset")
     ds = ranges_dataset(ranges)
-    ds = ds.map(lambda p, s, e: shard_columns(p, s, e, kinds, null_values, on_bad_record),
-                num_parallel_calls=num_parallel_reads, deterministic=deterministic)
+    # plain Python over a fixed dict of columns: autograph's conversion of it only costs
+    # (a quarter of building the pipeline, docs/BENCHMARKS.md)
+    read = tf.autograph.experimental.do_not_convert(
+        lambda p, s, e: shard_columns(p, s, e, kinds, null_values, on_bad_record))
+    ds = ds.map(read, num_parallel_calls=num_parallel_reads, deterministic=deterministic)
     if batch_size is None:
         return ds.unbatch()
     # rebatch: unbatch().batch() with one copy, not a dataset element per row
-    return ds.rebatch(int(batch_size), drop_remainder=drop_remainder)
+    return _rebatch(ds, int(batch_size), bool(drop_remainder))
+
+
+def _rebatch(ds: tf.data.Dataset, batch_size: int, drop_remainder: bool) -> tf.data.Dataset:
+    """``ds.rebatch(batch_size)`` for a dataset of dense tensors, without the map
+    ``Dataset.rebatch`` puts first to turn sparse and ragged components dense: with none
+    here, tracing and running that map of one identity per column cost as much CPU as 0.2
+    µs per row of a 160,000-row pipeline (measured in docs/BENCHMARKS.md). Same kernel
+    (``RebatchDatasetV2``), so the same batches, copies and checkpoints."""
+    spec = ds.element_spec
+    if not all(isinstance(s, tf.TensorSpec) for s in tf.nest.flatten(spec)):
+        return ds.rebatch(batch_size, drop_remainder=drop_remainder)
+    out = tf.nest.map_structure(
+        lambda s: tf.TensorSpec(tf.TensorShape([batch_size if drop_remainder else None])
+                                .concatenate(s.shape[1:]), s.dtype), spec)
+    flat = tf.nest.flatten(out)
+    variant = tf.raw_ops.RebatchDatasetV2(
+        input_dataset=tf.data.experimental.to_variant(ds),
+        batch_sizes=tf.constant([batch_size], tf.int64),
+        drop_remainder=tf.constant(drop_remainder),
+        output_types=[s.dtype for s in flat], output_shapes=[s.shape for s in flat])
+    batched = tf.data.experimental.from_variant(variant, out)
+    options = ds.options()  # from_variant starts a new pipeline: keep the input's options
+    return batched if options == tf.data.Options() else batched.with_options(options)
 
 
 __all__ = ["record_dataset", "ranges_dataset", "shard_records", "parquet_dataset",
