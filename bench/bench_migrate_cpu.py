@@ -47,10 +47,10 @@ def start_ps(code_root: str, tmp: str, name: str) -> tuple[subprocess.Popen, str
     raise RuntimeError(f"{name} did not start")
 
 
-def cpu(pid: int) -> float:
+def cpu(pid: int, sys_only: bool = False) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return (int(fields[12]) + (0 if sys_only else int(fields[11]))) / os.sysconf("SC_CLK_TCK")
 
 
 def child(rows: int, seed: int) -> dict:
@@ -86,10 +86,14 @@ def child(rows: int, seed: int) -> dict:
 
             def timed(name, fn):
                 c0s, c0d, t0 = cpu(src.pid), cpu(dst.pid), time.perf_counter()
+                k0s, k0d = cpu(src.pid, True), cpu(dst.pid, True)
                 r = fn()
                 out[f"{name}_wall_ms"] = (time.perf_counter() - t0) * 1e3
                 out[f"{name}_src_cpu_s"] = cpu(src.pid) - c0s
                 out[f"{name}_dst_cpu_s"] = cpu(dst.pid) - c0d
+                # of which in the kernel (page faults of fresh buffers and arena pages)
+                out[f"{name}_src_sys_s"] = cpu(src.pid, True) - k0s
+                out[f"{name}_dst_sys_s"] = cpu(dst.pid, True) - k0d
                 return r
 
             req = pb.MigrateSlotsRequest(dst_address=dst_addr, slots=mask.tobytes(),
@@ -122,6 +126,7 @@ def child(rows: int, seed: int) -> dict:
                 p.kill()
                 p.wait()
     out["total_cpu_s"] = sum(v for k, v in out.items() if k.endswith("_cpu_s"))
+    out["total_sys_s"] = sum(v for k, v in out.items() if k.endswith("_sys_s"))
     out["cpu_us_per_moved_row"] = out["total_cpu_s"] / out["moved_rows"] * 1e6
     return out
 
@@ -164,7 +169,7 @@ def main(argv=None) -> int:
     if "base" in summary:
         summary["base_over_this"] = {k: round(summary["base"][k] / summary["this"][k], 2)
                                      for k in summary["this"]
-                                     if k.endswith(("_cpu_s", "_ms", "_row")) and summary["this"][k]}
+                                     if k.endswith(("_cpu_s", "_sys_s", "_ms", "_row")) and summary["this"][k]}
     summary.update(rows=args.rows, repeat=args.repeat, base_commit=args.base,
                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                    loadavg=os.getloadavg())
