@@ -84,6 +84,35 @@ def test_import_block_into_a_sized_table_never_grows_and_keeps_every_row():
     assert np.array_equal(t.counts(keys), counts)
 
 
+def test_announcements_of_concurrent_streams_add_up():
+    """A scale-out's new PS hears from two sources at once: the second announcement sizes
+    the index for both, so it does not grow halfway through (and every chunk takes the
+    bulk pass)."""
+    rng = np.random.default_rng(4)
+    # 190k rows fit an index of 2**19 positions at load 3/8, 380k do not fit it at 1/2
+    keys = np.unique(rng.integers(-2**62, 2**62, 380_100))[:380_000]
+    a, b = keys[::2], keys[1::2]
+    t = EmbeddingStore().create_table("t", 8, "zeros", ADAGRAD)
+    rows, counts = _rows(keys.size, t.row_width)
+    t.reserve_import(a.size)
+    t.import_block(a[:5000], rows[:5000], counts[:5000])  # the first stream began
+    t.reserve_import(b.size)
+    cap, arena = t._index.capacity, t._arena
+    ra, rb = rows[:a.size], rows[a.size:]
+    ca, cb = counts[:a.size], counts[a.size:]
+    for i in range(5000, a.size, 1 << 14):  # both streams, interleaved
+        t.import_block(a[i:i + (1 << 14)], ra[i:i + (1 << 14)], ca[i:i + (1 << 14)])
+        j = i - 5000
+        t.import_block(b[j:j + (1 << 14)], rb[j:j + (1 << 14)], cb[j:j + (1 << 14)])
+        assert t._index.capacity == cap and not t._index.growing
+        assert np.shares_memory(t._arena[:1], arena[:1])  # never re-allocated
+    j = a.size - 5000
+    t.import_block(b[j:], rb[j:], cb[j:])
+    assert len(t) == keys.size
+    assert np.array_equal(t.counts(a), ca) and np.array_equal(t.counts(b), cb)
+    assert np.array_equal(t.export_keys(b)[1], rb)
+
+
 def test_import_block_matches_import_rows_with_present_and_repeated_keys():
     """A key already here is overwritten, a key repeated in a batch keeps its last row:
     the bulk path (room in the index) and the probing one give the same table."""

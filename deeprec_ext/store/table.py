@@ -88,7 +88,7 @@ import numpy as np
 
 from deeprec_ext.hashing import DEFAULT_NUM_SLOTS, hash64, slot_of
 
-from deeprec_ext.store.hash_index import HashIndex
+from deeprec_ext.store.hash_index import INCREMENTAL_MIN_KEYS, HashIndex
 from deeprec_ext.store.initializers import Initializer, make_initializer
 from deeprec_ext.store.optimizers import Optimizer, make_optimizer
 from deeprec_ext.store.spec import check_dtype
@@ -1136,21 +1136,37 @@ class EmbeddingTable:
         return self._upsert(keys, np.ascontiguousarray(rows[:, :self._width]), full_rows=True,
                             only_if_absent=False, counts=counts)
 
+    # announcements of rows still arriving add up for this long (then they are forgotten:
+    # a stream that broke off must not make every later import over-reserve)
+    IMPORT_ANNOUNCE_SECONDS = 120.0
+
     def reserve_import(self, n: int) -> None:
         """``n`` rows are about to be imported (a migration's snapshot): size the arena and
-        the index for them once, instead of doubling both on the way. An empty index is
-        made for them at once; a non-empty one starts growing to its final size
-        incrementally (one step now, the rest moves with the imports)."""
+        the index for them once, instead of doubling both on the way. Announcements of
+        streams running at once add up (a scale-out's new PS hears from every source).
+        An empty or small index is made for all of them at once; a large one starts
+        growing to its final size incrementally (the imports move the rest)."""
         n = int(n)
         if n <= 0:
             return
+        now = time.monotonic()
         with self._lock:
-            self._grow_arena(self._hwm + n)
-            if len(self._index) == 0 and not self._index.growing:
-                if not self._index.can_place_rows(n):
-                    self._index.size_for(n)
+            target, at = getattr(self, "_import_target", (0, 0.0))
+            base = target if now - at < self.IMPORT_ANNOUNCE_SECONDS else 0
+            target = max(base, self._hwm) + n
+            self._import_target = (target, now)
+            more = target - self._hwm  # rows still to come, this stream's and the others'
+            self._grow_arena(target)
+            idx = self._index
+            if idx.growing:
+                return
+            if len(idx) == 0:
+                if not idx.can_place_rows(more):
+                    idx.size_for(more)
+            elif len(idx) < INCREMENTAL_MIN_KEYS:
+                idx.reserve(more)  # small: rebuilt at once for every row announced
             else:
-                self._index.reserve(n, step=0)
+                idx.reserve(more, step=0)
 
     def import_block(self, keys, rows, counts) -> int:
         """:meth:`import_rows` of rows in the store's layout: float32 ``rows`` [n,
