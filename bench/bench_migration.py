@@ -236,7 +236,7 @@ class Profiler:
                 out = os.path.join(self.job.state_dir, f"py-spy-{self.tag}-{m['id']}.txt")
                 self.procs[m["id"]] = (subprocess.Popen(
                     [self.exe, "record", "--pid", str(m["pid"]), "--format", "raw", "--rate",
-                     str(self.rate), "--nonblocking", "--threads", "--output", out],
+                     str(self.rate), "--nonblocking", "--threads", "--idle", "--output", out],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), out)
 
     def _watch(self) -> None:
@@ -540,10 +540,19 @@ def run_size(n: int, args) -> dict:
         res["events"] = {}
         res["steady"] = {}
         for direction, target in (("out", 3), ("in", 2)):
+            ps_pids = [m["pid"] for m in job.state()["members"]
+                       if m["role"] == "ps" and m.get("pid")]
             a = time.monotonic()
+            steady_cpu0 = cpu_seconds(ps_pids)
             time.sleep(args.steady)
             b = time.monotonic()
+            steady_cpu1 = cpu_seconds(ps_pids)
             steady = steady_stats(load.snapshot(), a, b)
+            # the PS's CPU per training step in steady state: what serving alone costs
+            steady["ps_cpu_s"] = round(sum(steady_cpu1[p] - steady_cpu0.get(p, 0.0)
+                                           for p in steady_cpu1), 3)
+            steady["ps_cpu_ms_per_step"] = round(
+                1000 * steady["ps_cpu_s"] / max(steady["steps_per_s"] * (b - a), 1e-9), 3)
             res["steady"][f"before_{direction}"] = steady
             log(f"  steady with {5 - target} PS: {steady['steps_per_s']:.1f} steps/s "
                 f"(p50 step {steady['p50_step_ms']} ms, p99 {steady['p99_step_ms']} ms)")
@@ -572,6 +581,17 @@ def run_size(n: int, args) -> dict:
             ev["cpu_s_during_call"] = {names[p]: round(cpu1[p] - cpu0.get(p, 0.0), 2)
                                        for p in cpu1}
             ev["cpu_s_during_call"]["wall_s"] = round(c1 - c0, 2)
+            # the migration's CPU: the PS's CPU during the call minus what serving the
+            # steps of that time costs at the steady rate (the new PS's start included)
+            ps_cpu = sum(v for k, v in ev["cpu_s_during_call"].items() if k.startswith("ps-"))
+            steps = rate(load.snapshot(), c0, c1) * (c1 - c0)
+            serving = steps * steady["ps_cpu_ms_per_step"] / 1000
+            moved = ev["moved_rows"] + ev["catchup_rows"]
+            ev["migration_cpu"] = {
+                "ps_cpu_s": round(ps_cpu, 2), "steps_during_call": round(steps, 1),
+                "serving_cpu_s": round(serving, 2), "migration_cpu_s": round(ps_cpu - serving, 2),
+                "us_per_moved_row_all": round(1e6 * ps_cpu / max(moved, 1), 2),
+                "us_per_moved_row": round(1e6 * (ps_cpu - serving) / max(moved, 1), 2)}
             if args.profile:
                 ev["py_spy"] = prof.summary()
                 for ps, summ in ev["py_spy"].items():
@@ -585,6 +605,7 @@ def run_size(n: int, args) -> dict:
                 f"{ev['event_window']['longest_step_ms']} ms, client stall "
                 f"{ev['event_window']['client_stall_ms']} ms")
             log(f"      CPU s during the scale call: {ev['cpu_s_during_call']}")
+            log(f"      migration CPU (PS CPU minus steady serving): {ev['migration_cpu']}")
             log(f"      fence window from PS logs: {ev['fence_breakdown']}")
             for k, ph in ev["phases"].items():
                 log(f"      {k:18} {ph['ms']:8.0f} ms  {ph['vs_steady'] or 0:5.2f}x steady  "
@@ -621,7 +642,7 @@ def run_size(n: int, args) -> dict:
 # in-process cost breakdown of one migration pair (no gRPC, no contention)
 # ----------------------------------------------------------------------------------------
 def breakdown(n: int, seed: int, chunk_rows: int = 1 << 16) -> dict:
-    from deeprec_ext import codec
+    from deeprec_ext import codec, rowwire
     from deeprec_ext.client.routing import RoutingTable, rebalance
     from deeprec_ext.hashing import slot_of
     from deeprec_ext.proto import ps_pb2 as pb
@@ -645,7 +666,7 @@ def breakdown(n: int, seed: int, chunk_rows: int = 1 << 16) -> dict:
     chunks, row, longest = [], 0, 0.0
     while row is not None:
         c0 = time.perf_counter()
-        keys, rows, _, row = src.export_slots(mask, None, row, chunk_rows)
+        keys, rows, _, row = src.export_slots(mask, None, row, chunk_rows, with_counts="apart")
         longest = max(longest, time.perf_counter() - c0)
         if keys.size:
             chunks.append((keys, rows))
@@ -654,32 +675,35 @@ def breakdown(n: int, seed: int, chunk_rows: int = 1 << 16) -> dict:
     out["export_chunks"] = (src._hwm + chunk_rows - 1) // chunk_rows if hasattr(src, "_hwm") else None
     moved = sum(k.size for k, _ in chunks)
     out["moved_rows"] = int(moved)
-    out["moved_mb"] = round(sum(len(codec.floats_to_bytes(r)) + 8 * k.size for k, r in chunks) / 1e6, 2)
+    out["moved_mb"] = round(sum(r.nbytes + c.nbytes + k.nbytes for k, (r, c) in chunks) / 1e6, 2)
 
-    # wire encoding: bytes + RowBatch serialize (source), parse (destination)
+    # wire encoding as MigrateSlots / ImportRows do it: rowwire bytes from the exported
+    # arrays (source), fields read as views of the received bytes (destination)
+    cfg_bytes = cfg.SerializeToString()
     t = time.perf_counter()
-    wire = [pb.RowBatch(config=cfg, ids=codec.ids_to_bytes(k), rows=codec.floats_to_bytes(r))
-            .SerializeToString() for k, r in chunks]
+    wire = [rowwire.encode(cfg_bytes, k, r, c) for k, (r, c) in chunks]
     out["encode_ms"] = round((time.perf_counter() - t) * 1000, 1)
     t = time.perf_counter()
-    parsed = [pb.RowBatch.FromString(w) for w in wire]
-    decoded = [(codec.ids_from_bytes(b.ids), codec.floats_from_bytes(b.rows, len(b.ids) // 8,
-                                                                     src.row_width, "rows"))
-               for b in parsed]
+    parsed = [rowwire.parse(w) for w in wire]
+    decoded = []
+    for b in parsed:
+        k = codec.ids_from_bytes(b.ids)
+        decoded.append((k, codec.floats_from_bytes(b.rows, k.size, src.row_width, "rows"),
+                        codec.counts_from_bytes(b.counts, k.size)))
     out["decode_ms"] = round((time.perf_counter() - t) * 1000, 1)
-    del wire, parsed
 
-    # destination: import_rows into a fresh table
+    # destination: a fresh table sized once for the announced rows, then import_block
     dst = EmbeddingStore().create_table(TABLE, DIM, INITIALIZER, OPTIMIZER)
     t = time.perf_counter()
+    dst.reserve_import(int(moved * 1.02) + 64)
     longest = 0.0
-    for k, r in decoded:
+    for k, r, c in decoded:
         c0 = time.perf_counter()
-        dst.import_rows(k, r)
+        dst.import_block(k, r, c)
         longest = max(longest, time.perf_counter() - c0)
     out["import_ms"] = round((time.perf_counter() - t) * 1000, 1)
     out["import_longest_chunk_ms"] = round(longest * 1000, 2)
-    del decoded, dst, chunks
+    del decoded, parsed, wire, dst, chunks
 
     # a catch-up round that finds nothing: the cost of scanning the whole arena
     since = src.sequence.value

@@ -11,6 +11,7 @@ from deeprec_ext.errors import InvalidRequestError
 
 _I64 = np.dtype("<i8")
 _F32 = np.dtype("<f4")
+_U32 = np.dtype("<u4")
 
 
 def ids_to_bytes(ids: np.ndarray) -> bytes:
@@ -41,3 +42,11 @@ def floats_from_bytes(buf: bytes, rows: int, dim: int, field: str = "values") ->
         raise InvalidRequestError(
             f"{field}: got {len(buf)} bytes, expected {expected} for {rows} rows of dim {dim} float32")
     return np.frombuffer(buf, dtype=_F32).reshape(rows, dim)
+
+
+def counts_from_bytes(buf, n: int, field: str = "counts") -> np.ndarray:
+    """uint32 update counts [n] (rows moved by a migration carry them apart)."""
+    if len(buf) != 4 * n:
+        raise InvalidRequestError(f"{field}: got {len(buf)} bytes, expected {4 * n} for {n} "
+                                  "uint32 counts")
+    return np.frombuffer(buf, dtype=_U32)

@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import psutil
 
-from deeprec_ext import codec, errors, table_spec
+from deeprec_ext import codec, errors, rowwire, table_spec
 from deeprec_ext.errors import InvalidRequestError
 from deeprec_ext.grpc_util import ROUTING_EPOCH_KEY
 from deeprec_ext.hashing import DEFAULT_NUM_SLOTS, slot_of
@@ -32,6 +32,8 @@ from deeprec_ext.store import EmbeddingStore, LogTrimmed
 from deeprec_ext.store.policies import is_candidate_table
 
 log = logging.getLogger(__name__)
+
+IMPORT_ROWS = "/deeprec_ext.ps.ParameterServer/ImportRows"
 
 
 class Routing:
@@ -403,35 +405,43 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         paced = background and since is None and self.migration_share < 1.0
         pacer = self._Pacer(self.migration_share if paced else 1.0, lambda: self._paced_rounds)
 
+        share = float(np.count_nonzero(mask)) / max(mask.size, 1)
+
         def batches():
+            # RowBatch wire bytes written straight from the exported arrays (rowwire): rows
+            # in the store's layout, counts apart, each buffer copied once into the message
             for name, table in sorted(self.store.tables().items()):
-                cfg = table_config(self._configs, name, table)
+                cfg = table_config(self._configs, name, table).SerializeToString()
                 deleted = table.tombstones_since(since) if since is not None else np.empty(0, np.int64)
                 if deleted.size:
                     deleted = deleted[mask[slot_of(deleted, mask.size)]]
                 totals["deleted"] += int(deleted.size)
-                yield ps_pb2.RowBatch(config=cfg, deleted_ids=codec.ids_to_bytes(deleted))
+                # a snapshot announces its rows so the destination sizes its table once;
+                # keys hash evenly over slots, so the slots' share of the table (+2%) is
+                # close, and counting them exactly would cost a pass over every key
+                expected = int(len(table) * share * 1.02) + 64 if since is None else 0
+                yield rowwire.encode(cfg, deleted_ids=deleted, total_rows=expected)
                 row = 0
                 while row is not None:
-                    keys, rows, _, row = table.export_slots(mask, since, row, self.MIGRATE_CHUNK_ROWS,
-                                                          with_counts=True)
+                    keys, (rows, counts), _, row = table.export_slots(
+                        mask, since, row, self.MIGRATE_CHUNK_ROWS, with_counts="apart")
                     if keys.size:
-                        payload = codec.floats_to_bytes(rows)
                         totals["rows"] += int(keys.size)
-                        totals["bytes"] += len(payload) + 8 * int(keys.size)
-                        yield ps_pb2.RowBatch(config=cfg, ids=codec.ids_to_bytes(keys), rows=payload)
+                        totals["bytes"] += rows.nbytes + counts.nbytes + keys.nbytes
+                        yield rowwire.encode(cfg, keys, rows, counts)
                     if background and row is not None:
                         pacer.pace()
                         self._yield_to_training()
             if request.send_request_ids:
-                yield ps_pb2.RowBatch(applied_request_ids=self.applied.snapshot())
+                yield rowwire.encode(applied_request_ids=self.applied.snapshot())
 
         from deeprec_ext.grpc_util import insecure_channel
         with insecure_channel(request.dst_address) as ch, self._paced_round(paced):
             try:
                 # within the caller's deadline: an unreachable destination must not hold
                 # this handler (one of the PS's few threads) after the caller gave up
-                ps_pb2_grpc.ParameterServerStub(ch).ImportRows(
+                ch.stream_unary(IMPORT_ROWS, request_serializer=None,  # bytes already
+                                response_deserializer=ps_pb2.ImportRowsResponse.FromString)(
                     batches(), timeout=validation.within_deadline(context, 600.0))
             except grpc.RpcError as exc:
                 context.abort(validation.downstream_code(exc.code()),
@@ -460,6 +470,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if dst is not None:
             self.store.set_consumer(f"migrate:{dst}", watermark)
 
+    # an announced row count is a sizing hint: a larger one (a bad or hostile sender) is
+    # capped, so it cannot make this PS reserve more than this many rows up front
+    MAX_ANNOUNCED_ROWS = 1 << 24
+
     def ImportRows(self, request_iterator, context):
         n = 0
         for batch in request_iterator:
@@ -477,8 +491,15 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 deleted = codec.ids_from_bytes(batch.deleted_ids, "deleted_ids")
                 if deleted.size:
                     table.delete(deleted)
+                if batch.total_rows > 0:  # a snapshot's rows: size the table for them once
+                    table.reserve_import(min(int(batch.total_rows), self.MAX_ANNOUNCED_ROWS))
                 ids = codec.ids_from_bytes(batch.ids)
-                if ids.size:
+                if ids.size and len(batch.counts):  # the store's layout, counts apart
+                    rows = codec.floats_from_bytes(batch.rows, ids.size, table.row_width, "rows")
+                    counts = codec.counts_from_bytes(batch.counts, ids.size)
+                    table.import_block(ids, rows, counts)
+                    n += int(ids.size)
+                elif ids.size:  # rows with their counts last (senders before the counts field)
                     rows = codec.rows_from_bytes(batch.rows, ids.size, table.row_width, "rows")
                     table.import_rows(ids, rows)
                     n += int(ids.size)

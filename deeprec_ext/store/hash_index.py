@@ -337,16 +337,26 @@ class HashIndex:
         return b
 
     # -- capacity -----------------------------------------------------------------------
-    def reserve(self, extra: int) -> None:
+    def reserve(self, extra: int, step: int | None = None) -> None:
         """Ensure ``extra`` more keys can be inserted without exceeding load 1/2.
 
         When a rehash is needed the new capacity keeps the live load at or below 3/8, so
         the next rehash is at least capacity/8 insertions or deletions away (amortized
         O(1) even under insert/delete churn). The index never shrinks. Large indexes
         rehash incrementally (module docstring); each call moves the next part.
-        """
+
+        ``step``: a hint of keys coming later (a migration's import announces its rows):
+        an incremental growth to their final size starts, moving at most ``step``
+        positions now; the inserts move the rest as usual. A growth already under way is
+        left to them."""
+        if step is not None:
+            if self._prev is not None:
+                return
+            budget = int(step)
+        else:
+            budget = max(MIGRATE_STEP, 4 * extra)
         if self._prev is not None:
-            self._migrate(max(MIGRATE_STEP, 4 * extra))
+            self._migrate(budget)
         cap = self.capacity
         pending = self._prev._size if self._prev is not None else 0
         if 2 * (self._size + self._deleted + pending + extra) <= cap:
@@ -369,7 +379,7 @@ class HashIndex:
         self._alloc(new_cap)
         self._size = 0
         self._prev, self._cursor = prev, 0
-        self._migrate(max(MIGRATE_STEP, 4 * extra))
+        self._migrate(budget)
 
     def _migrate(self, budget: int | None) -> None:
         """Move the live keys of the next ``budget`` positions of ``_prev`` (all: None)

@@ -88,7 +88,7 @@ import numpy as np
 
 from deeprec_ext.hashing import DEFAULT_NUM_SLOTS, hash64, slot_of
 
-from deeprec_ext.store.hash_index import HashIndex
+from deeprec_ext.store.hash_index import INCREMENTAL_MIN_KEYS, HashIndex
 from deeprec_ext.store.initializers import Initializer, make_initializer
 from deeprec_ext.store.optimizers import Optimizer, make_optimizer
 from deeprec_ext.store.spec import check_dtype
@@ -1136,6 +1136,78 @@ class EmbeddingTable:
         return self._upsert(keys, np.ascontiguousarray(rows[:, :self._width]), full_rows=True,
                             only_if_absent=False, counts=counts)
 
+    # announcements of rows still arriving add up for this long (then they are forgotten:
+    # a stream that broke off must not make every later import over-reserve)
+    IMPORT_ANNOUNCE_SECONDS = 120.0
+
+    def reserve_import(self, n: int) -> None:
+        """``n`` rows are about to be imported (a migration's snapshot): size the arena and
+        the index for them once, instead of doubling both on the way. Announcements of
+        streams running at once add up (a scale-out's new PS hears from every source).
+        An empty or small index is made for all of them at once; a large one starts
+        growing to its final size incrementally (the imports move the rest)."""
+        n = int(n)
+        if n <= 0:
+            return
+        now = time.monotonic()
+        with self._lock:
+            target, at = getattr(self, "_import_target", (0, 0.0))
+            base = target if now - at < self.IMPORT_ANNOUNCE_SECONDS else 0
+            target = max(base, self._hwm) + n
+            self._import_target = (target, now)
+            more = target - self._hwm  # rows still to come, this stream's and the others'
+            self._grow_arena(target)
+            idx = self._index
+            if idx.growing:
+                return
+            if len(idx) == 0:
+                if not idx.can_place_rows(more):
+                    idx.size_for(more)
+            elif len(idx) < INCREMENTAL_MIN_KEYS:
+                idx.reserve(more)  # small: rebuilt at once for every row announced
+            else:
+                idx.reserve(more, step=0)
+
+    def import_block(self, keys, rows, counts) -> int:
+        """:meth:`import_rows` of rows in the store's layout: float32 ``rows`` [n,
+        row_width] and their uint32 update ``counts`` [n] (``export_slots(...,
+        with_counts="apart")``), e.g. views of a received message. The rows are checked
+        (finite) and copied once, into the arena. Into a table whose index has room and no
+        deleted positions (a migration's new PS, sized by :meth:`reserve_import`) the rows
+        go to consecutive new arena rows and their keys are placed in one bulk pass
+        (``HashIndex.place_rows``; a key already here keeps the imported row). Otherwise
+        as :meth:`import_rows`. Returns the sequence number stamped (0: empty batch)."""
+        keys = _check_keys(keys)
+        rows = _check_floats(rows, (keys.size, self._width), f"table '{self.name}': rows")
+        counts = np.asarray(counts)
+        if counts.dtype != np.uint32 or counts.shape != keys.shape:
+            raise ValueError(f"table '{self.name}': counts must be uint32 of shape "
+                             f"{keys.shape}, got {counts.dtype} {counts.shape}")
+        n = int(keys.size)
+        if n == 0:
+            return 0
+        with self._lock:
+            if (self._seg is not None or self._nfree or self._reserved
+                    or not self._index.can_place_rows(n)):
+                return self._upsert(keys, rows, True, False, counts)
+            seq = self.sequence.next()
+            r0 = self._hwm
+            self._grow_arena(r0 + n)
+            self._hwm = r0 + n
+            new = np.arange(r0, r0 + n, dtype=np.int64)
+            self._row_key[r0:r0 + n] = keys  # the index reads keys from here
+            dead = self._index.place_rows(keys, r0)
+            self._write_slice(r0, rows)
+            self._row_count[r0:r0 + n] = counts
+            self._row_seq[r0:r0 + n] = seq
+            if self._row_step is not None:  # written (imported, moved) rows: a fresh lease
+                self._row_step[r0:r0 + n] = self._clock
+            self._note_slots(new, keys)
+            if dead.size:  # keys present before, or repeated in the batch: the later row won
+                self._release(dead)
+            self._log_write(seq, new)
+            return seq
+
     def load_rows(self, keys: np.ndarray, rows) -> int:
         """Bulk :meth:`import_rows` for restores: int64 ``keys`` [n] and float32 ``rows``
         [n, row_width + 1] (update count last), from a checksummed checkpoint, so the
@@ -1592,7 +1664,8 @@ class EmbeddingTable:
         exported in slices without holding the table lock for long.
 
         Returns ``(keys, rows, row_seq, next_row)``; ``next_row`` is None when the scan
-        reached the end of the arena. Pass 0 first, then each ``next_row`` returned (an
+        reached the end of the arena. ``with_counts="apart"``: ``rows`` is a pair
+        ``(float32 [m, row_width], uint32 counts [m])``, the store's layout (migration). Pass 0 first, then each ``next_row`` returned (an
         opaque cursor: with a segment, the segment's rows come first, then this table's).
         """
         if row_start & _SEG_CURSOR or (row_start == 0 and self._seg is not None):
@@ -1622,7 +1695,9 @@ class EmbeddingTable:
                     keys = self._row_key.take(sel)
                     sel = sel[slot_mask[slot_of(keys, num_slots)]]
                     block = self._gather_rows(sel)
-                    if with_counts:
+                    if with_counts == "apart":
+                        block = (block, self._row_count.take(sel))
+                    elif with_counts:
                         block = self._counted(sel, block)
                     return self._row_key.take(sel), block, self._row_seq.take(sel), None
             stop = min(self._hwm, row_start + max_rows)
@@ -1633,7 +1708,9 @@ class EmbeddingTable:
                 sel = sel[slot_mask[slot_of(keys, num_slots)]]
             sel += row_start
             block = self._gather_rows(sel)
-            if with_counts:
+            if with_counts == "apart":
+                block = (block, self._row_count.take(sel))
+            elif with_counts:
                 block = self._counted(sel, block)
             out = (self._row_key.take(sel), block, self._row_seq.take(sel))
             return (*out, stop if stop < self._hwm else None)

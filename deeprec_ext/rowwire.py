@@ -1,0 +1,155 @@
+"""``RowBatch`` on the wire without protobuf's per-field copies (live migration).
+
+A migration moves hundreds of MB of rows. Through the generated message every buffer was
+copied three times on each side (numpy -> bytes, bytes -> message, message -> wire, and
+back). Here the sender writes the wire bytes with one join of its numpy buffers, and the
+receiver reads fields as memoryviews of the received bytes; numpy views them in place. The
+bytes are the protobuf encoding of ``ps.proto``'s ``RowBatch``: either side may be the
+generated message (``RowBatch.FromString`` reads what :func:`encode` writes, and
+:func:`parse` reads what ``SerializeToString`` writes).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from deeprec_ext.proto import ps_pb2
+
+_LEN, _VARINT = 2, 0
+# RowBatch field numbers (ps.proto)
+_CONFIG, _IDS, _ROWS, _DELETED, _ORIGIN, _RESET, _ORIGIN_SEQ, _APPLIED, _END, _TOTAL, _COUNTS = \
+    1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11
+
+
+def _varint(v: int) -> bytes:
+    v &= (1 << 64) - 1  # int64: negative numbers as their two's complement (10 bytes)
+    out = bytearray()
+    while v > 0x7F:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+def _len_field(field: int, size: int) -> bytes:
+    return _varint(field << 3 | _LEN) + _varint(size)
+
+
+def encode(config: bytes = b"", ids: np.ndarray | None = None, rows: np.ndarray | None = None,
+           counts: np.ndarray | None = None, deleted_ids: np.ndarray | None = None,
+           total_rows: int = 0, applied_request_ids=()) -> bytes:
+    """Wire bytes of a ``RowBatch``: ``config`` a serialized ``TableConfig``, ``ids`` int64,
+    ``rows`` float32 [n, row_width] (the store's layout), ``counts`` uint32 [n]. Each
+    array is copied once, into the result."""
+    parts: list = []
+    if config:
+        parts += [_len_field(_CONFIG, len(config)), config]
+    for field, arr, dtype in ((_IDS, ids, "<i8"), (_ROWS, rows, "<f4"),
+                              (_DELETED, deleted_ids, "<i8"), (_COUNTS, counts, "<u4")):
+        if arr is None or arr.size == 0:
+            continue
+        arr = np.ascontiguousarray(arr, dtype=dtype)
+        parts += [_len_field(field, arr.nbytes), memoryview(arr).cast("B")]
+    for rid in applied_request_ids:
+        b = rid.encode()
+        parts += [_len_field(_APPLIED, len(b)), b]
+    if total_rows:
+        parts += [_varint(_TOTAL << 3 | _VARINT), _varint(int(total_rows))]
+    return b"".join(parts)
+
+
+class RowBatchView:
+    """A parsed ``RowBatch`` whose bytes fields are memoryviews of the received message
+    (same attribute names as the generated class; ``config`` is parsed on first use)."""
+
+    __slots__ = ("_config", "ids", "rows", "deleted_ids", "origin", "reset", "origin_sequence",
+                 "applied_request_ids", "end", "total_rows", "counts")
+
+    def __init__(self):
+        self._config = b""
+        self.ids = self.rows = self.deleted_ids = self.counts = b""
+        self.origin = ""
+        self.reset = self.end = False
+        self.origin_sequence = self.total_rows = 0
+        self.applied_request_ids: list[str] = []
+
+    @property
+    def config(self) -> ps_pb2.TableConfig:
+        c = self._config
+        if not isinstance(c, ps_pb2.TableConfig):
+            c = self._config = ps_pb2.TableConfig.FromString(bytes(c))
+        return c
+
+
+def _read_varint(mv: memoryview, i: int, n: int) -> tuple[int, int]:
+    v = shift = 0
+    while True:
+        if i >= n or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        b = mv[i]
+        i += 1
+        v |= (b & 0x7F) << shift
+        if b < 0x80:
+            return v, i
+        shift += 7
+
+
+def _int64(v: int) -> int:
+    v &= (1 << 64) - 1
+    return v - (1 << 64) if v >> 63 else v
+
+
+def parse(raw) -> RowBatchView:
+    """``RowBatch`` wire bytes -> :class:`RowBatchView` (no copy of the row buffers).
+    Raises ValueError on bytes that are not a ``RowBatch``."""
+    mv = memoryview(raw).cast("B")
+    n, i = len(mv), 0
+    out = RowBatchView()
+    while i < n:
+        tag, i = _read_varint(mv, i, n)
+        field, wt = tag >> 3, tag & 7
+        if field == 0:
+            raise ValueError("field number 0")
+        if wt == _LEN:
+            size, i = _read_varint(mv, i, n)
+            j = i + size
+            if j > n:
+                raise ValueError(f"field {field}: {size} bytes past the end of the message")
+            val = mv[i:j]
+            i = j
+        elif wt == _VARINT:
+            val, i = _read_varint(mv, i, n)
+        elif wt in (1, 5):  # fixed64 / fixed32: no such field in RowBatch, skipped
+            i += 8 if wt == 1 else 4
+            if i > n:
+                raise ValueError(f"field {field}: truncated")
+            continue
+        else:
+            raise ValueError(f"field {field}: wire type {wt}")
+        expected_len = field in (_CONFIG, _IDS, _ROWS, _DELETED, _ORIGIN, _APPLIED, _COUNTS)
+        if expected_len != (wt == _LEN) and field <= _COUNTS:
+            raise ValueError(f"field {field}: wire type {wt}")
+        if field == _CONFIG:
+            out._config = val
+        elif field == _IDS:
+            out.ids = val
+        elif field == _ROWS:
+            out.rows = val
+        elif field == _DELETED:
+            out.deleted_ids = val
+        elif field == _ORIGIN:
+            out.origin = str(val, "utf-8")
+        elif field == _RESET:
+            out.reset = bool(val)
+        elif field == _ORIGIN_SEQ:
+            out.origin_sequence = _int64(val)
+        elif field == _APPLIED:
+            out.applied_request_ids.append(str(val, "utf-8"))
+        elif field == _END:
+            out.end = bool(val)
+        elif field == _TOTAL:
+            out.total_rows = _int64(val)
+        elif field == _COUNTS:
+            out.counts = val
+    if not isinstance(out._config, bytes):  # check the nested message here, not in the handler
+        out.config  # noqa: B018 - raises on bytes that are not a TableConfig
+    return out

@@ -1,0 +1,284 @@
+"""Migration rows on the wire and into the store: ``rowwire`` (RowBatch bytes without
+protobuf copies), ``EmbeddingTable.reserve_import`` / ``import_block`` (the destination
+sized once, one bulk index pass), and ``MigrateSlots`` -> ``ImportRows`` between two real
+PS processes, counting every row and refusing bad batches while the PS keeps serving."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from deeprec_ext import rowwire
+from deeprec_ext.hashing import slot_of
+from deeprec_ext.proto import ps_pb2 as pb
+from deeprec_ext.proto import ps_pb2_grpc as pbg
+from deeprec_ext.store import EmbeddingStore
+from deeprec_ext.store.hash_index import HashIndex
+from tests.conftest import ROOT
+
+ADAGRAD = {"name": "adagrad", "learning_rate": 0.1}
+
+
+# -- rowwire -------------------------------------------------------------------------------
+def test_rowwire_bytes_are_the_generated_message_both_ways():
+    cfg = pb.TableConfig(name="emb", dim=4, optimizer_json='"sgd"')
+    ids = np.array([-(2**63), -1, 0, 7, 2**63 - 1], np.int64)
+    rows = np.arange(20, dtype=np.float32).reshape(5, 4)
+    counts = np.array([0, 1, 2, 3, 2**32 - 1], np.uint32)
+    wire = rowwire.encode(cfg.SerializeToString(), ids, rows, counts, np.array([5, -6]),
+                          total_rows=2**40, applied_request_ids=["r-1", "ü"])
+    m = pb.RowBatch.FromString(wire)
+    assert m.config == cfg and m.ids == ids.tobytes() and m.rows == rows.tobytes()
+    assert m.counts == counts.tobytes() and m.deleted_ids == np.array([5, -6], np.int64).tobytes()
+    assert m.total_rows == 2**40 and list(m.applied_request_ids) == ["r-1", "ü"]
+
+    full = pb.RowBatch(config=cfg, ids=ids.tobytes(), rows=rows.tobytes(), origin="ps-1",
+                       reset=True, origin_sequence=-3, end=True, counts=counts.tobytes(),
+                       total_rows=9, applied_request_ids=["a"])
+    v = rowwire.parse(full.SerializeToString())
+    assert v.config == cfg and bytes(v.ids) == ids.tobytes() and bytes(v.rows) == rows.tobytes()
+    assert bytes(v.counts) == counts.tobytes() and v.total_rows == 9 and v.origin == "ps-1"
+    assert v.reset and v.end and v.origin_sequence == -3 and v.applied_request_ids == ["a"]
+    empty = rowwire.parse(b"")
+    assert empty.config.name == "" and len(empty.ids) == 0 and empty.total_rows == 0
+
+
+@pytest.mark.parametrize("raw", [b"\xff\xff", b"\x12\x05ab", b"\x0a\x02\xff\xff", b"\x13",
+                                 b"\x10\x05", b"\x00\x01"])
+def test_rowwire_refuses_bytes_that_are_not_a_row_batch(raw):
+    with pytest.raises(Exception) as exc:
+        rowwire.parse(raw)
+    assert str(exc.value)
+
+
+# -- the store -----------------------------------------------------------------------------
+def _rows(n: int, width: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((n, width)).astype(np.float32),
+            rng.integers(0, 1000, n).astype(np.uint32))
+
+
+def test_import_block_into_a_sized_table_never_grows_and_keeps_every_row():
+    rng = np.random.default_rng(1)
+    keys = np.unique(rng.integers(-2**62, 2**62, 300_000))
+    t = EmbeddingStore().create_table("t", 8, "zeros", ADAGRAD)
+    rows, counts = _rows(keys.size, t.row_width)
+    t.reserve_import(keys.size)
+    cap, arena = t._index.capacity, t._arena.shape[0]
+    for i in range(0, keys.size, 1 << 14):
+        t.import_block(keys[i:i + (1 << 14)], rows[i:i + (1 << 14)], counts[i:i + (1 << 14)])
+        assert t._index.capacity == cap and not t._index.growing  # sized once
+        assert t._arena.shape[0] == arena
+    assert len(t) == keys.size
+    got, block, _ = t.export_rows(with_counts=True)
+    order = np.argsort(got)
+    assert np.array_equal(got[order], keys)
+    assert np.array_equal(block[order, :t.row_width], rows)
+    assert np.array_equal(block[order, t.row_width].astype(np.uint32), counts)
+    assert np.array_equal(t.counts(keys), counts)
+
+
+def test_announcements_of_concurrent_streams_add_up():
+    """A scale-out's new PS hears from two sources at once: the second announcement sizes
+    the index for both, so it does not grow halfway through (and every chunk takes the
+    bulk pass)."""
+    rng = np.random.default_rng(4)
+    # 190k rows fit an index of 2**19 positions at load 3/8, 380k do not fit it at 1/2
+    keys = np.unique(rng.integers(-2**62, 2**62, 380_100))[:380_000]
+    a, b = keys[::2], keys[1::2]
+    t = EmbeddingStore().create_table("t", 8, "zeros", ADAGRAD)
+    rows, counts = _rows(keys.size, t.row_width)
+    t.reserve_import(a.size)
+    t.import_block(a[:5000], rows[:5000], counts[:5000])  # the first stream began
+    t.reserve_import(b.size)
+    cap, arena = t._index.capacity, t._arena
+    ra, rb = rows[:a.size], rows[a.size:]
+    ca, cb = counts[:a.size], counts[a.size:]
+    for i in range(5000, a.size, 1 << 14):  # both streams, interleaved
+        t.import_block(a[i:i + (1 << 14)], ra[i:i + (1 << 14)], ca[i:i + (1 << 14)])
+        j = i - 5000
+        t.import_block(b[j:j + (1 << 14)], rb[j:j + (1 << 14)], cb[j:j + (1 << 14)])
+        assert t._index.capacity == cap and not t._index.growing
+        assert np.shares_memory(t._arena[:1], arena[:1])  # never re-allocated
+    j = a.size - 5000
+    t.import_block(b[j:], rb[j:], cb[j:])
+    assert len(t) == keys.size
+    assert np.array_equal(t.counts(a), ca) and np.array_equal(t.counts(b), cb)
+    assert np.array_equal(t.export_keys(b)[1], rb)
+
+
+def test_import_block_matches_import_rows_with_present_and_repeated_keys():
+    """A key already here is overwritten, a key repeated in a batch keeps its last row:
+    the bulk path (room in the index) and the probing one give the same table."""
+    rng = np.random.default_rng(2)
+    old = np.unique(rng.integers(-2**40, 2**40, 5000))
+    batch = np.concatenate([old[:1000], rng.integers(2**41, 2**42, 3000), old[:10]])
+    tables = []
+    for bulk in (True, False):
+        t = EmbeddingStore().create_table("t", 4, "zeros", ADAGRAD)
+        t.lookup(old, insert_missing=True)
+        if bulk:
+            t.reserve_import(batch.size)
+            assert t._index.can_place_rows(batch.size)
+        else:
+            t.delete(old[-1:])  # a deleted position: the bulk pass cannot run
+            t.lookup(old[-1:], insert_missing=True)
+            assert not t._index.can_place_rows(batch.size)
+        rows, counts = _rows(batch.size, t.row_width, 3)
+        t.import_block(batch, rows, counts)
+        tables.append(t)
+    for t in tables:
+        assert len(t) == np.union1d(old, batch).size
+    keys = np.union1d(old, batch)
+    a, b = (t.export_keys(keys, with_counts=True)[1] for t in tables)
+    assert np.array_equal(a, b)
+    rows, counts = _rows(batch.size, tables[0].row_width, 3)
+    last = {k: i for i, k in enumerate(batch)}  # the last occurrence of each key
+    k = batch[-1]  # repeated (also in old[:10]): the last row won
+    assert np.array_equal(tables[0].export_keys(np.array([k]))[1][0], rows[last[k]])
+    for t in tables:  # present keys took the imported counts and rows
+        assert np.array_equal(t.counts(batch[10:1000]), counts[10:1000])
+        assert np.array_equal(t.export_keys(batch[10:1000])[1], rows[10:1000])
+
+
+def test_import_block_refuses_bad_rows_and_changes_nothing():
+    t = EmbeddingStore().create_table("t", 4, "zeros", ADAGRAD)
+    t.lookup(np.arange(10), insert_missing=True)
+    before = t.export_rows(with_counts=True)
+    rows, counts = _rows(5, t.row_width)
+    rows[3, 2] = np.nan
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        t.import_block(np.arange(100, 105), rows, counts)
+    with pytest.raises(ValueError, match="counts"):
+        t.import_block(np.arange(100, 105), np.zeros((5, t.row_width), np.float32),
+                       counts[:4])
+    after = t.export_rows(with_counts=True)
+    assert all(np.array_equal(x, y) for x, y in zip(before, after))
+
+
+def test_reserve_import_on_a_large_index_starts_growth_without_moving_it_all():
+    idx = HashIndex(16)
+    keys = np.arange(200_000, dtype=np.int64) * 7919
+    idx.insert(keys, np.arange(keys.size))
+    cap = idx.capacity
+    idx.reserve(1_000_000, step=0)
+    assert idx.growing and idx.capacity > cap and len(idx) == keys.size
+    assert 8 * (keys.size + 1_000_000) <= 3 * idx.capacity  # the final size, at once
+    assert np.array_equal(idx.find(keys), np.arange(keys.size))
+    new = np.arange(1, 300_001, dtype=np.int64) * -31
+    idx.insert(new, np.arange(keys.size, keys.size + new.size))
+    assert np.array_equal(idx.find(keys), np.arange(keys.size))
+    assert np.array_equal(idx.find(new), np.arange(keys.size, keys.size + new.size))
+
+
+# -- two PS processes ------------------------------------------------------------------------
+def _start_ps(tmp_path, name):
+    port_file = tmp_path / f"{name}.port"
+    proc = subprocess.Popen([sys.executable, "-m", "deeprec_ext.ps", "--port", "0",
+                             "--port-file", str(port_file)], cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not (port_file.exists() and port_file.read_text().strip()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{name} did not start")
+        time.sleep(0.05)
+    return proc, f"127.0.0.1:{int(port_file.read_text())}"
+
+
+@pytest.fixture
+def two_ps(tmp_path):
+    procs = []
+    try:
+        src, a = _start_ps(tmp_path, "src")
+        procs.append(src)
+        dst, b = _start_ps(tmp_path, "dst")
+        procs.append(dst)
+        chans = [grpc.insecure_channel(x) for x in (a, b)]
+        yield (pbg.ParameterServerStub(chans[0]), a), (pbg.ParameterServerStub(chans[1]), b)
+        for c in chans:
+            c.close()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(30)
+
+
+CFG = pb.TableConfig(name="emb", dim=4, initializer_json=json.dumps({"name": "normal", "seed": 1}),
+                     optimizer_json=json.dumps(ADAGRAD))
+
+
+def _lookup(stub, ids, insert=False):
+    r = stub.Lookup(pb.LookupRequest(tables=[pb.TableIds(table="emb", ids=ids.tobytes())],
+                                     insert_missing=insert), timeout=30)
+    return np.frombuffer(r.values[0], np.float32).reshape(ids.size, 4)
+
+
+def test_migration_moves_every_row_of_its_slots_exactly(two_ps):
+    (src, _), (dst, dst_addr) = two_ps
+    src.CreateTable(pb.CreateTableRequest(config=CFG), timeout=30)
+    ids = np.unique(np.random.default_rng(5).integers(-2**62, 2**62, 120_000))
+    _lookup(src, ids, insert=True)
+    mask = np.zeros(4096, np.uint8)
+    mask[::3] = 1
+    moving = ids[mask[slot_of(ids, 4096)].astype(bool)]
+    r = src.MigrateSlots(pb.MigrateSlotsRequest(dst_address=dst_addr, slots=mask.tobytes(),
+                                                num_slots=4096, since_seq=-1), timeout=60)
+    assert r.rows == moving.size
+    # pushes after the snapshot: the catch-up round carries them, counts included
+    touched = moving[:2000]
+    for _ in range(3):
+        src.Push(pb.PushRequest(tables=[pb.TableUpdate(
+            table="emb", ids=touched.tobytes(),
+            values=np.full((touched.size, 4), 0.5, np.float32).tobytes())]), timeout=30)
+    r2 = src.MigrateSlots(pb.MigrateSlotsRequest(dst_address=dst_addr, slots=mask.tobytes(),
+                                                 num_slots=4096, since_seq=r.watermark),
+                          timeout=60)
+    assert r2.rows == touched.size
+    st = {t.name: t.rows for t in dst.Stats(pb.StatsRequest(), timeout=30).tables}
+    assert st["emb"] == moving.size  # every moved row, once
+    assert np.array_equal(_lookup(dst, moving), _lookup(src, moving))
+
+
+def test_bad_import_batches_are_refused_by_name_and_the_ps_keeps_serving(two_ps):
+    _, (dst, dst_addr) = two_ps
+    ch = grpc.insecure_channel(dst_addr)
+    send = ch.stream_unary("/deeprec_ext.ps.ParameterServer/ImportRows", request_serializer=None,
+                           response_deserializer=pb.ImportRowsResponse.FromString)
+    cfg = CFG.SerializeToString()
+    good_rows = np.ones((3, 8), np.float32)
+    ids = np.array([1, 2, 3], np.int64)
+    nan_rows = good_rows.copy()
+    nan_rows[1, 1] = np.inf
+    cases = [
+        ([rowwire.encode(cfg, ids, good_rows, np.zeros(2, np.uint32))], "counts"),
+        ([rowwire.encode(cfg, ids, nan_rows, np.zeros(3, np.uint32))], "NaN or Inf"),
+        ([rowwire.encode(cfg, ids, good_rows[:, :5], np.zeros(3, np.uint32))], "rows"),
+        ([b"\x12\x7fab"], "not a message"),
+    ]
+    for batches, word in cases:
+        with pytest.raises(grpc.RpcError) as exc:
+            send(iter(batches), timeout=30)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.value.details()
+        assert word in exc.value.details(), exc.value.details()
+    # a huge announced row count is only a (capped) sizing hint
+    r = send(iter([rowwire.encode(cfg, total_rows=2**62),
+                   rowwire.encode(cfg, ids, good_rows, np.arange(3, dtype=np.uint32))]),
+             timeout=30)
+    assert r.rows == 3
+    # a sender from before the counts field: counts in the rows' last column
+    old = pb.RowBatch(config=CFG, ids=np.array([9], np.int64).tobytes(),
+                      rows=np.full((1, 9), 2.0, np.float32).tobytes())
+    assert dst.ImportRows(iter([old]), timeout=30).rows == 1
+    got = _lookup(dst, np.array([1, 2, 3, 9], np.int64))
+    assert np.array_equal(got, np.array([[1] * 4] * 3 + [[2] * 4], np.float32))
+    st = {t.name: t.rows for t in dst.Stats(pb.StatsRequest(), timeout=30).tables}
+    assert st["emb"] == 4  # the refused batches changed nothing
+    ch.close()
