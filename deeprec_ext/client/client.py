@@ -422,13 +422,15 @@ class PSClient:
                 req = build(payload) if rid is None else build(payload, rid)
                 rpc = method(self._stub(routing.ps_addresses[p]))
                 if k < last:  # the others run while this thread makes the last call
-                    answer = rpc.future(req, timeout=self.rpc_timeout).result
+                    calls.append((parts, getattr(req, "request_id", None),
+                                  rpc.future(req, timeout=self.rpc_timeout).result))
                 else:
-                    # the last (with 1 PS the only) call blocks in this thread: a future
-                    # costs a channel spin thread started per call and a hand-off back,
-                    # measured at twice the client CPU of a blocking call
-                    answer = (lambda rpc=rpc, req=req: rpc(req, timeout=self.rpc_timeout))
-                calls.append((parts, getattr(req, "request_id", None), answer))
+                    # the last (with 1 PS the only) call blocks in this thread, and is
+                    # collected first (the futures are in flight by then): a future costs
+                    # a channel spin thread started per call and a hand-off back, measured
+                    # at twice the client CPU of a blocking call
+                    calls.insert(0, (parts, getattr(req, "request_id", None),
+                                     lambda rpc=rpc, req=req: rpc(req, timeout=self.rpc_timeout)))
                 self.stats["rpcs"] += 1
             retry, failure = [], None
             for parts, sent_rid, answer in calls:
