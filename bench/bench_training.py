@@ -843,6 +843,87 @@ def write_job(path: str, name: str, data_dir: str, args, profile: bool,
         yaml.safe_dump(job, f, sort_keys=False)
 
 
+
+class _CpuSampler:
+    """CPU seconds of every process of an ours run (psutil, every 0.2 s): the AIMaster,
+    each PS and each worker. On 2 shared cores what limits throughput is the CPU a step
+    costs in all processes together, not where the wall time overlaps."""
+
+    def __init__(self, root_pid: int, period: float = 0.2):
+        import threading
+        self.root, self.period = root_pid, period
+        self.samples: dict[int, tuple[str, list]] = {}  # pid -> (role, [(t, cpu_s)])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _role(proc, root: int) -> str:
+        cmd = " ".join(proc.cmdline())
+        if "--_child" in cmd:
+            return "process"
+        if proc.pid == root:
+            return "aimaster"
+        if "deeprec_ext.ps" in cmd:
+            return "ps"
+        if "--_ours-worker" in cmd:
+            return "worker"
+        return "other"
+
+    def _run(self):
+        import psutil
+        try:
+            root = psutil.Process(self.root)
+        except psutil.Error:
+            return
+        procs: dict[int, object] = {}
+        while not self._stop.is_set():
+            try:
+                for p in [root] + root.children(recursive=True):
+                    procs.setdefault(p.pid, p)
+            except psutil.Error:
+                pass
+            now = time.time()
+            for pid, p in list(procs.items()):
+                try:
+                    c = p.cpu_times()
+                    if pid not in self.samples:
+                        self.samples[pid] = (self._role(p, self.root), [])
+                    self.samples[pid][1].append((now, c.user + c.system))
+                except psutil.Error:
+                    procs.pop(pid)
+            self._stop.wait(self.period)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def per_step(self, series_list: list, warmup: int) -> dict | None:
+        """CPU ms per step of each role (summed over its processes) in the steady window
+        (the one ``steady_rate`` uses), and their total."""
+        import numpy as np
+        series = [np.asarray(s, dtype=np.float64) for s in series_list if len(s)]
+        if not series or any(len(s) <= warmup + 1 for s in series):
+            return None
+        t0 = max(s[warmup - 1, 0] if warmup else s[0, 0] for s in series)
+        t1 = min(s[-1, 0] for s in series)
+        steps = sum(int(((s[:, 0] > t0) & (s[:, 0] <= t1)).sum()) for s in series)
+        if t1 <= t0 or not steps:
+            return None
+        out: dict[str, float] = {}
+        for role, pts in self.samples.values():
+            a = np.asarray(pts)
+            if len(a) < 2 or a[0, 0] > t0 or a[-1, 0] < t1:
+                continue  # not alive over the whole window
+            cpu = float(np.interp(t1, a[:, 0], a[:, 1]) - np.interp(t0, a[:, 0], a[:, 1]))
+            out[role] = out.get(role, 0.0) + cpu
+        res = {f"{k}_cpu_ms_per_step": 1e3 * v / steps for k, v in sorted(out.items())}
+        res["total_cpu_ms_per_step"] = 1e3 * sum(out.values()) / steps
+        res["wall_ms_per_step"] = 1e3 * (t1 - t0) / steps * len(series)
+        res["steps"] = steps
+        return res
+
+
 def _aimaster_cmd() -> list[str]:
     exe = os.path.join(os.path.dirname(sys.executable), "aimaster")
     return [exe] if os.path.exists(exe) else [sys.executable, "-m", "aimaster.cli"]
@@ -869,6 +950,7 @@ def run_ours(args, data: dict, ps: int, workers: int, profile: bool = False,
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        cpu = _CpuSampler(proc.pid)
         try:
             if profile and args.py_spy:
                 pyspy = _start_py_spy(state_dir, ps, workers, args.timeout)
@@ -877,6 +959,7 @@ def run_ours(args, data: dict, ps: int, workers: int, profile: bool = False,
             _stop_group(proc)
             raise RuntimeError(f"ours {tag}: timed out after {args.timeout}s; see {log_path}")
         finally:
+            cpu.stop()
             if proc.poll() is None:
                 _stop_group(proc)
             for p in pyspy or []:
@@ -904,7 +987,8 @@ def run_ours(args, data: dict, ps: int, workers: int, profile: bool = False,
            "fit_seconds": max(m["train_seconds"] for m in metrics),
            "steps": sum(m["steps"] for m in metrics),
            "worker_metrics": metrics, "state_dir": os.path.relpath(state_dir, REPO),
-           "optimizer": optimizer}
+           "optimizer": optimizer,
+           "cpu": cpu.per_step([s["series"] for s in steps], args.warmup_steps)}
     if data.get("test"):
         import numpy as np
         if not os.path.exists(predictions):
@@ -1017,16 +1101,21 @@ def run_child(args, kind: str, vocab: int, data: dict, log_dir: str, inner: int 
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        cpu = _CpuSampler(proc.pid)
         try:
             proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"{kind}: timed out after {args.timeout}s; see {log_path}")
         finally:
+            cpu.stop()
             _stop_group(proc)  # also reaps tf.distribute.Server grandchildren
     if not os.path.exists(result_path):
         raise RuntimeError(f"{kind}: no result (exit code {proc.returncode}); see {log_path}")
     with open(result_path) as f:
-        return json.load(f)
+        out = json.load(f)
+    if not out.get("pre_warmed"):  # PSS children report only a pre-warmed window
+        out["cpu"] = cpu.per_step(out["series"], args.warmup_steps)
+    return out
 
 
 def _pss_cluster_of(args, kind: str) -> str:
@@ -1051,7 +1140,7 @@ def _summarize(name: str, raw: dict, warmup: int) -> dict:
            "steady": steady}
     for k in ("auc", "test_rows", "eval_seconds", "final_loss", "optimizer", "pss_cluster",
               "versions", "table_sizes", "worker_metrics", "variable_devices", "jit_compile",
-              "state_dir", "profile", "py_spy"):
+              "state_dir", "profile", "py_spy", "cpu"):
         if k in raw:
             out[k] = raw[k]
     return out
@@ -1236,6 +1325,11 @@ def main(argv=None) -> int:
                       f"{res['end_to_end_samples_per_s']:,.0f} end-to-end"
                       + (f", AUC {res['auc']:.4f}" if res.get("auc") is not None else ""),
                       flush=True)
+                if res.get("cpu"):
+                    print("  CPU ms/step: " + ", ".join(
+                        f"{k.replace('_cpu_ms_per_step', '')} {v:.1f}"
+                        for k, v in res["cpu"].items() if k.endswith("_cpu_ms_per_step"))
+                        + f" (wall {res['cpu']['wall_ms_per_step']:.1f})", flush=True)
             elif "error" not in res:
                 print(f"  no steady-state figure: {res['steady'].get('reason')}", flush=True)
     load_after = os.getloadavg()

@@ -139,7 +139,10 @@ def test_client_resends_a_failed_part_under_its_first_id_even_when_split(monkeyp
                     sent.append((stub.address, req.request_id,
                                  codec.ids_from_bytes(req.tables[0].ids)))
                     return Future(stub.address, req)
-            return Call
+
+                def __call__(self, req, timeout=None):  # the client's blocking call
+                    return self.future(req, timeout).result()
+            return Call()
 
     client = PSClient("127.0.0.1:1", retry=RetryPolicy(deadline=5))
     monkeypatch.setattr(grpc, "RpcError", _Unavailable)

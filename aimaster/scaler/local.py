@@ -24,6 +24,25 @@ from deeprec_ext.member import MASTER_ENV, MEMBER_ID_ENV
 
 log = logging.getLogger(__name__)
 
+TF_THREAD_VARS = ("TF_NUM_INTEROP_THREADS", "TF_NUM_INTRAOP_THREADS")
+
+
+def tf_thread_env(env: dict, processes: int, cores: int | None = None) -> dict:
+    """TensorFlow thread counts for a worker sharing this host with ``processes`` job
+    processes (PS and workers): its share of the cores, at least 1. TF sizes its pools to
+    every core by default, and on a shared host its idle pool threads spin on cores the
+    PS needs (measured, 1 PS + 1 worker on 2 cores: about 3 ms of worker CPU per step
+    less at 1 thread each, the same throughput). Nothing when the job's env or the
+    environment sets either variable, or when the worker has the host to itself."""
+    if any(k in env for k in TF_THREAD_VARS):
+        return {}
+    cores = cores or len(os.sched_getaffinity(0))
+    if processes <= 1 or cores <= 0:
+        return {}
+    share = str(max(1, cores // processes))
+    return {k: share for k in TF_THREAD_VARS}
+
+
 @dataclass
 class _Node:
     role: str
@@ -62,6 +81,7 @@ class LocalProcessScaler(Scaler):
         # largest part of the detection time of a dead PS)
         self.on_exit: Callable[[], None] | None = None
         self._eval_env = ""
+        self._host_processes = 0  # PS + workers the last plan runs on this host
 
     def _command(self, role: str, node_id: str) -> list[str]:
         if role == "ps":
@@ -87,6 +107,8 @@ class LocalProcessScaler(Scaler):
         if role == "evaluator":  # the worker command, told to evaluate (deeprec_ext.evaluation)
             env["DEEPREC_ROLE"] = "evaluator"
             env["DEEPREC_EVAL"] = self._eval_env
+        if role != "ps":  # every role here shares this host's cores
+            env.update(tf_thread_env(env, self._host_processes + (role == "evaluator")))
         env.update(auth.child_env())  # the token FILE (never the token) and TLS dir
         return env
 
@@ -144,6 +166,8 @@ class LocalProcessScaler(Scaler):
     def apply(self, plan: ScalePlan) -> ScaleResult:
         started, stopped = [], []
         with self._lock:
+            self._host_processes = sum(len(self._live(r)) if want is None else want
+                                       for r, want in (("ps", plan.ps), ("worker", plan.workers)))
             for role, want in (("ps", plan.ps), ("worker", plan.workers)):
                 if want is None:
                     continue
