@@ -63,6 +63,7 @@ log = logging.getLogger("aimaster")
 
 MAX_EVENTS = 1000  # kept in memory
 MAX_COUNTER = 2**63 - 1  # int64 fields of the status answer
+ROUTING_WAITERS = 4  # GetRouting long polls at once, of the AIMaster's 8 handler threads
 
 __all__ = ["JobMaster", "JobPhase", "FINAL_PHASES", "Busy", "NotRunning", "OperationRefused",
            "Preempted", "ScaleRefused"]
@@ -81,7 +82,11 @@ class JobMaster:
         self.store = StateStore(config.state_dir)
         self.phase = JobPhase.STARTING
         self.message = ""
-        self.routing: RoutingTable | None = None
+        self._routing: RoutingTable | None = None
+        self._routing_changed = threading.Condition(threading.Lock())
+        # long polls of GetRouting hold a handler thread each: a few at most, the others
+        # are answered at once and poll as before, so heartbeats always find a thread
+        self._routing_waiters = threading.BoundedSemaphore(ROUTING_WAITERS)
         self.epoch = 0
         # the recent events (status shows the last 100, the state keeps the last 200): a job
         # that runs for weeks must not grow its event list without bound
@@ -250,6 +255,33 @@ class JobMaster:
     def _member_dict(m: Member) -> dict:
         return {"role": m.role, "id": m.id, "pid": m.pid, "address": m.address,
                 "state": m.state.value, "steps": m.steps, "samples": m.samples}
+
+    @property
+    def routing(self) -> RoutingTable | None:
+        return self._routing
+
+    @routing.setter
+    def routing(self, routing: RoutingTable | None) -> None:
+        with self._routing_changed:
+            self._routing = routing
+            self._routing_changed.notify_all()
+
+    def wait_routing(self, after_epoch: int, timeout: float) -> RoutingTable | None:
+        """The routing once its epoch is above ``after_epoch``, or after ``timeout`` s:
+        whatever it is then (None before the first). Answers at once when every waiting
+        place is taken."""
+        routing = self._routing
+        if (routing is not None and routing.epoch > after_epoch) or timeout <= 0 \
+                or not self._routing_waiters.acquire(blocking=False):
+            return routing
+        try:
+            with self._routing_changed:
+                self._routing_changed.wait_for(
+                    lambda: self._routing is not None and self._routing.epoch > after_epoch,
+                    timeout)
+                return self._routing
+        finally:
+            self._routing_waiters.release()
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> str:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
 MAX_MODEL_JSON = 16 << 20
 MAX_INDEX = 2**31 - 1   # a member's rank (its id's index) is an int32 on the wire
 MAX_STEPS = 2**53       # counters beyond any real job (sums of them stay within int64)
+MAX_ROUTING_WAIT_MS = 250  # a GetRouting long poll holds one of the AIMaster's handler threads
 
 
 class MasterServicer(master_pb2_grpc.MasterServicer):
@@ -71,7 +72,11 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return master_pb2.DeregisterResponse()
 
     def GetRouting(self, request, context):
-        routing = self.m.routing
+        if request.wait_ms > 0:  # a long poll: answer once the epoch is above after_epoch
+            routing = self.m.wait_routing(request.after_epoch,
+                                          min(request.wait_ms, MAX_ROUTING_WAIT_MS) / 1000)
+        else:
+            routing = self.m.routing
         if routing is None:
             ready = len(self.m.live_ps())
             context.abort(grpc.StatusCode.UNAVAILABLE,

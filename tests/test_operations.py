@@ -468,3 +468,77 @@ def test_a_failed_migration_leaves_no_copied_rows_on_its_destination(two_ps, fai
         assert dst.routing.epoch == src.routing.epoch == published[-1] > old.epoch
         assert dst.routing.owned.sum() == 8 and not dst.routing.owned[[0, 2, 4]].any()
     fleet.close()
+
+
+def test_get_routing_long_poll_answers_when_the_epoch_is_published(tmp_path, two_ps):
+    """A client that lost a PS asks for an epoch above its own and is answered the moment
+    the new routing is published, not at its next poll; a poll with no new epoch ends at
+    the cap; beyond the AIMaster's few waiting places a call is answered at once."""
+    from aimaster.master import ROUTING_WAITERS
+    from deeprec_ext.client.client import PSClient
+    from deeprec_ext.proto import master_pb2, master_pb2_grpc
+
+    master = _running_master(tmp_path, two_ps)
+    channel = grpc.insecure_channel(master.address)
+    stub = master_pb2_grpc.MasterStub(channel)
+    try:
+        old = master.routing
+        # already above: at once
+        t = time.monotonic()
+        r = stub.GetRouting(master_pb2.GetRoutingRequest(after_epoch=old.epoch - 1, wait_ms=5000),
+                            timeout=10)
+        assert r.epoch == old.epoch and time.monotonic() - t < 0.2
+        # nothing published: the wait ends at the cap (250 ms), with the current routing
+        t = time.monotonic()
+        r = stub.GetRouting(master_pb2.GetRoutingRequest(after_epoch=old.epoch, wait_ms=60_000),
+                            timeout=10)
+        took = time.monotonic() - t
+        assert r.epoch == old.epoch and 0.2 <= took < 2.0, took
+
+        def publish_later(epoch, after):
+            time.sleep(after)
+            master.routing = RoutingTable(epoch, old.num_slots, old.ps_ids, old.ps_addresses,
+                                          old.slot_owner)
+            return time.monotonic()
+
+        # a raw long poll returns right after the publish
+        answers = {}
+
+        def ask(k):
+            answers[k] = stub.GetRouting(master_pb2.GetRoutingRequest(
+                after_epoch=old.epoch, wait_ms=250), timeout=10).epoch, time.monotonic()
+        # more askers than waiting places: the extra ones are answered at once, old epoch
+        askers = [threading.Thread(target=ask, args=(k,)) for k in range(ROUTING_WAITERS + 2)]
+        for a in askers:
+            a.start()
+        published = publish_later(old.epoch + 1, 0.1)
+        for a in askers:
+            a.join(10)
+        late = sorted(at - published for epoch, at in answers.values() if epoch == old.epoch + 1)
+        early = [epoch for epoch, at in answers.values() if epoch == old.epoch]
+        assert len(answers) == ROUTING_WAITERS + 2
+        assert len(late) == ROUTING_WAITERS and len(early) == 2, answers
+        assert max(late) < 0.1, late  # answered when published, not at the cap
+
+        # the PS client's wait after an unreachable PS returns the published routing
+        client = PSClient.connect(master.address, timeout=10)
+        try:
+            assert client.routing.epoch == old.epoch + 1
+            publisher = threading.Thread(target=publish_later, args=(old.epoch + 2, 0.05))
+            publisher.start()
+            t = time.monotonic()
+            routing = client._await_new_epoch(2.0)
+            took = time.monotonic() - t
+            publisher.join(5)
+            assert routing is not None and routing.epoch == old.epoch + 2
+            assert took < 0.2, took
+            # bad input: a negative wait is an ordinary immediate answer
+            r = stub.GetRouting(master_pb2.GetRoutingRequest(after_epoch=10**12, wait_ms=-5),
+                                timeout=10)
+            assert r.epoch == old.epoch + 2
+        finally:
+            client.close()
+    finally:
+        channel.close()
+        master.stop()
+        master.shutdown()

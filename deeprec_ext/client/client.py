@@ -101,8 +101,17 @@ class PSClient:
         delays = self.retry.sleeps()
         routing_seen = False
         while True:
+            # waiting for an epoch being published is a fence in progress: the AIMaster
+            # answers the moment it is (a long poll), it is the stall every request
+            # touching the moved slots sees
+            fenced = min_epoch >= 0 and routing_seen
+            req = master_pb2.GetRoutingRequest(
+                after_epoch=min_epoch - 1,
+                wait_ms=int(self.ROUTING_LONG_POLL_SECONDS * 1000)) if fenced \
+                else master_pb2.GetRoutingRequest()
+            asked = time.monotonic()
             try:
-                resp = self._master.GetRouting(master_pb2.GetRoutingRequest(), timeout=10)
+                resp = self._master.GetRouting(req, timeout=10)
                 routing = RoutingTable.from_proto(resp)
                 routing_seen = True
                 if routing.ps_addresses and routing.epoch >= min_epoch:
@@ -118,22 +127,25 @@ class PSClient:
             if delay is None or time.monotonic() > deadline:
                 raise RoutingNotReadyError(
                     f"AIMaster {self.master_address} gave no usable routing: {problem}")
-            # Waiting for an epoch being published is a fence in progress: poll tightly,
-            # it is the stall every request touching the moved slots sees.
-            time.sleep(0.005 if min_epoch >= 0 and routing_seen else delay)
+            if not (min_epoch >= 0 and routing_seen):
+                time.sleep(delay)  # no routing yet, or the AIMaster unreachable
+            elif fenced and time.monotonic() - asked < self.ROUTING_LONG_POLL_SECONDS / 2:
+                time.sleep(0.005)  # answered at once (no waiting place free): poll
 
     ROUTING_POLL_SECONDS = 0.02
     ROUTING_POLL_FIRST_SECONDS = 0.002
+    ROUTING_LONG_POLL_SECONDS = 0.25
 
     def _await_new_epoch(self, delay: float) -> RoutingTable | None:
         """Wait up to ``delay`` s after a PS was unreachable, returning early once the
         AIMaster publishes a newer routing epoch: a dead PS's slots are promoted on its
         peer within a few ms of the death being noticed, and a blind backoff sleep (up to
-        0.25 s) was most of the training stall. Polls start 2 ms apart and double up to
-        ROUTING_POLL_SECONDS: the new epoch usually lands within the first few, where a
-        fixed 20 ms poll cost 10 ms on average (a third of a recovery's kill -> resumed),
-        and a longer outage still costs the AIMaster only one call per 20 ms per client.
-        Returns the newer routing it fetched (the caller need not ask again), else None."""
+        0.25 s) was most of the training stall. The AIMaster holds the call until the
+        epoch changes (a long poll: the new routing arrives when it is published, where
+        polls 2, 4, 8 ms apart found it 4-6 ms late, a seventh of a recovery's kill ->
+        resumed). When it answers at once (its few waiting places taken), polls start
+        2 ms apart and double up to ROUTING_POLL_SECONDS, as before. Returns the newer
+        routing it fetched (the caller need not ask again), else None."""
         end = time.monotonic() + delay
         epoch = self.routing.epoch if self.routing is not None else -1
         pause = self.ROUTING_POLL_FIRST_SECONDS
@@ -141,17 +153,22 @@ class PSClient:
             left = end - time.monotonic()
             if left <= 0:
                 return None
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, self.ROUTING_POLL_SECONDS)
+            wait = min(left, self.ROUTING_LONG_POLL_SECONDS)
+            asked = time.monotonic()
             try:
-                resp = self._master.GetRouting(master_pb2.GetRoutingRequest(), timeout=min(left, 5.0) + 1.0)
+                resp = self._master.GetRouting(
+                    master_pb2.GetRoutingRequest(after_epoch=epoch, wait_ms=max(1, int(wait * 1000))),
+                    timeout=wait + 5.0)
             except Exception:  # noqa: BLE001 - only a hint: the backoff is waited out anyway
-                continue
-            if resp.epoch > epoch:
+                resp = None
+            if resp is not None and resp.epoch > epoch:
                 try:
                     return RoutingTable.from_proto(resp)
                 except Exception:  # noqa: BLE001 - the caller fetches it again
                     return None
+            if time.monotonic() - asked < wait / 2:  # answered at once: poll
+                time.sleep(min(pause, max(0.0, end - time.monotonic())))
+                pause = min(pause * 2, self.ROUTING_POLL_SECONDS)
 
     def _stub(self, address: str) -> ps_pb2_grpc.ParameterServerStub:
         stub = self._stubs.get(address)
