@@ -21,9 +21,6 @@ Configurations (same DeepFM: dim 8, hidden (128, 64), Adam lr 1e-3, same data, s
   tf-pss-x10  the same with 10 steps inside each scheduled ``tf.function`` (fewer
             coordinator round trips; TF's own advice for small steps), informational only
   ours-1x1  ``aimaster run <job> --ps 1 --workers 1`` running examples/criteo/train.py
-            (its defaults: ``ElasticCallback(overlap=True)``, fresh lookups)
-  ours-1x1-sync  the same with ``--overlap off`` (each step waits for its push);
-            ours-1x1-overlap-stale with ``--overlap stale``
   ours-2x2  ``aimaster run <job> --ps 2 --workers 2``
 
   The TF 2.16 configurations run in ``bench/.venv-tfra`` (``bench/tfra/setup-venv``: TF
@@ -815,7 +812,7 @@ def _summarize_profile(prof: dict) -> dict:
 # ----------------------------------------------------------------------------------------
 
 def write_job(path: str, name: str, data_dir: str, args, profile: bool,
-              overlap: bool | str = True, optimizer: str = "adam", lr: float | None = None,
+              overlap: bool | str = False, optimizer: str = "adam", lr: float | None = None,
               test: str | None = None, predictions: str | None = None) -> None:
     import yaml
     env = {"BENCH_PROFILE": "1"} if profile else {}
@@ -831,8 +828,8 @@ def write_job(path: str, name: str, data_dir: str, args, profile: bool,
             "command": ["{python}", os.path.abspath(__file__), "--_ours-worker",
                         "--batch-size", str(args.batch_size), "--dim", str(DIM),
                         "--lr", str(args.lr if lr is None else lr)]
-                       + ["--overlap", {True: "fresh", False: "off", "stale": "stale"}[overlap]]
-                       + eval_args,
+                       + (["--overlap"] + (["stale"] if overlap == "stale" else [])
+                          if overlap else []) + eval_args,
             "max_restarts": 0,
             "env": env,
         },
@@ -933,9 +930,10 @@ def _aimaster_cmd() -> list[str]:
 
 
 def run_ours(args, data: dict, ps: int, workers: int, profile: bool = False,
-             tag: str | None = None, overlap: bool | str = True, optimizer: str = "adam",
+             tag: str | None = None, overlap: bool | str = False, optimizer: str = "adam",
              lr: float | None = None) -> dict:
-    tag = tag or (f"{ps}x{workers}" + {True: "", False: "-sync", "stale": "-overlap-stale"}[overlap]
+    tag = tag or (f"{ps}x{workers}" + ({"stale": "-overlap-stale"}.get(overlap, "-overlap")
+                                       if overlap else "")
                   + ("" if optimizer == "adam" else f"-{optimizer}"))
     state_dir = os.path.join(REPO, "runs", f"bench-ours-{tag}")
     shutil.rmtree(state_dir, ignore_errors=True)
@@ -1153,16 +1151,15 @@ def _fmt(x, spec=",.0f"):
 
 
 CONFIGS = ("single", "pss", "tfk-single", "tfk-pss", "tfra-single", "tfra-pss", "ours-1x1",
-           "ours-1x1-sync", "ours-1x1-overlap", "ours-1x1-overlap-stale", "ours-2x2")
-DEFAULT_CONFIGS = "single,pss,ours-1x1,ours-1x1-sync,ours-2x2"
+           "ours-1x1-overlap", "ours-1x1-overlap-stale", "ours-2x2")
+DEFAULT_CONFIGS = "single,pss,ours-1x1,ours-1x1-overlap,ours-2x2"
 # --configs tfra: TFRA and the stock TF baselines in both Keras flavours next to ours
 TFRA_PRESET = ("tfra-single", "tfra-pss", "tfk-single", "tfk-pss", "single", "pss",
                "ours-1x1", "ours-2x2")
 # row name of each configuration (the existing names are kept for the JSON's readers)
 ROW = {"single": "single", "pss": "tf-pss", "tfk-single": "tfk-single", "tfk-pss": "tfk-pss",
        "tfra-single": "tfra-single", "tfra-pss": "tfra-pss", "ours-1x1": "ours-1x1",
-       "ours-1x1-sync": "ours-1x1-sync", "ours-1x1-overlap": "ours-1x1-overlap",
-       "ours-1x1-overlap-stale": "ours-1x1-overlap-stale",
+       "ours-1x1-overlap": "ours-1x1-overlap", "ours-1x1-overlap-stale": "ours-1x1-overlap-stale",
        "ours-2x2": "ours-2x2"}
 QUICK = {"rows": 60_000, "test_rows": 10_000, "repeat": 1, "extra_vocab": 0,
          "extra_pss_inner_steps": 0, "timeout": 300.0, "warmup_steps": 10}
@@ -1288,7 +1285,7 @@ def main(argv=None) -> int:
             # the fair rows: the stock baselines de-duplicate ids like TFRA and ours do
             return lambda: run_child(args, kind, vocab, data, log_dir, inner, opt, lr, unique)
 
-        def ours(ps, workers, overlap=True, opt=opt, lr=lr):  # True: the users' default
+        def ours(ps, workers, overlap=False, opt=opt, lr=lr):
             return lambda: run_ours(args, data, ps, workers, overlap=overlap, optimizer=opt,
                                     lr=lr)
 
@@ -1305,8 +1302,6 @@ def main(argv=None) -> int:
                                  child("pss", inner=args.extra_pss_inner_steps)))
             elif c == "ours-1x1":
                 plan.append(("ours-1x1" + sfx, sfx, ours(1, 1)))
-            elif c == "ours-1x1-sync":
-                plan.append(("ours-1x1-sync" + sfx, sfx, ours(1, 1, False)))
             elif c == "ours-1x1-overlap":
                 plan.append(("ours-1x1-overlap" + sfx, sfx, ours(1, 1, True)))
             elif c == "ours-1x1-overlap-stale":
@@ -1369,8 +1364,7 @@ def main(argv=None) -> int:
         f"tf-pss-x{args.extra_pss_inner_steps}":
             f"TF PSS, {args.extra_pss_inner_steps} steps per schedule() (info)",
         "ours-1x1": "ours 1 worker + 1 PS",
-        "ours-1x1-sync": "ours 1 worker + 1 PS, --overlap off (every push waited for)",
-        "ours-1x1-overlap": "ours 1 worker + 1 PS, --overlap fresh (= the default)",
+        "ours-1x1-overlap": "ours 1 worker + 1 PS, --overlap (fresh lookups)",
         "ours-1x1-overlap-stale": "ours 1 worker + 1 PS, --overlap stale",
         "ours-2x2": "ours 2 workers + 2 PS",
     }

@@ -170,16 +170,13 @@ class ElasticCallback(keras.callbacks.Callback):
       at the next step boundary.
     """
 
-    def __init__(self, sync_every: int = 1, overlap: bool | str = True):
-        """``overlap=True`` (the default): a step's push (embedding gradients and, with
-        ``sync_every=1``, the dense deltas in the same call) stays in flight while the next
-        step reads its input and runs its forward pass. Lookups stay fresh: rows the push
-        in flight changes are taken from its answer (the PS returns them), so a worker
-        reads what a synchronous push would have left; its merged dense values are adopted
-        one step later (other workers' deltas arrive a step later than with ``False``).
-        ``overlap=False``: every step waits for its push. ``overlap="stale"`` skips the
-        fresh rows (less data on the wire, but each step reads embeddings one step
-        stale)."""
+    def __init__(self, sync_every: int = 1, overlap: bool | str = False):
+        """``overlap=True``: a step's embedding push stays in flight while the next step
+        reads its input and looks its rows up, and the dense sync runs in the background.
+        Lookups stay fresh: rows the push in flight changes are taken from its answer (the
+        PS returns them), so a worker reads what a synchronous push would have left.
+        ``overlap="stale"`` skips that (less data on the wire, but each step reads
+        embeddings one step stale: about -0.02 AUC on the example)."""
         super().__init__()
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
