@@ -172,7 +172,8 @@ class ElasticCallback(keras.callbacks.Callback):
 
     def __init__(self, sync_every: int = 1, overlap: bool | str = False):
         """``overlap=True``: a step's embedding push stays in flight while the next step
-        reads its input and looks its rows up, and the dense sync runs in the background.
+        reads its input and looks its rows up, and the dense sync runs in the background
+        (with ``sync_every=1`` both leave in one call per PS at the step's end).
         Lookups stay fresh: rows the push in flight changes are taken from its answer (the
         PS returns them), so a worker reads what a synchronous push would have left.
         ``overlap="stale"`` skips that (less data on the wire, but each step reads
