@@ -100,9 +100,10 @@ class StepBatcher:
             self.stats["push_calls"] += 1
         self._send_push(batch)
 
-    def end_step(self, extra: dict | None = None, return_tables=None) -> dict | None:
+    def end_step(self, extra: dict | None = None, return_tables=None, wait: bool = True):
         """The step is over: send what it still holds, plus ``extra`` updates, in one call;
-        returns the values of ``return_tables`` after it. Forgets the step's prefetches."""
+        returns the values of ``return_tables`` after it (``wait=False``: a Future of them,
+        the call left in flight). Forgets the step's prefetches."""
         with self._lock:
             batch, self._pending = self._pending, {}
             self._looked_up.clear()
@@ -112,6 +113,8 @@ class StepBatcher:
             if batch:
                 self.stats["push_calls"] += 1
         if batch:
+            if not wait:
+                return self._send_push(batch, return_tables, wait=False)
             return self._send_push(batch, return_tables)
         return None
 

@@ -209,25 +209,42 @@ class WorkerContext:
                                "model read-only")
         self.batcher.push(table, ids, grads)
 
-    def _send_push(self, batch: dict, return_tables=None) -> dict | None:
+    def _send_push(self, batch: dict, return_tables=None, wait: bool = True):
         """In overlap mode (``async_pushes``), send without waiting, at most one push in
         flight per table (otherwise synchronously): a table's next push first waits for
         the previous one (and re-raises its error), so a step's lookups see every update
-        older than one step (asynchronous PS training)."""
-        if not self.async_pushes or return_tables:
-            return self.client.push_many(batch, unique=True, return_tables=return_tables)
+        older than one step (asynchronous PS training).
+
+        ``wait=False`` (overlap mode, the step's one fused call of embedding gradients and
+        dense deltas): returns a Future of the values of ``return_tables`` (plus, with
+        fresh lookups, the pushed rows of the other tables, which the next step's lookups
+        take while the call is in flight)."""
+        if not self.async_pushes or (return_tables and wait):
+            out = self.client.push_many(batch, unique=True, return_tables=return_tables)
+            if wait:
+                return out
+            done: Future = Future()
+            done.set_result(out)
+            return done
         with self._push_lock:
             prev = {id(f): f for f in (self._push_inflight.get(t) for t in batch) if f is not None}
         for f in prev.values():
             f.result()
         fresh = self.fresh_lookups
-        fut = self._push_pool.submit(self.client.push_many, batch, unique=True,
-                                     return_values=fresh)
+        keep = set(return_tables or ())
+        rows = [t for t in batch if t not in keep]  # the embedding tables of the call
+        if return_tables:
+            fut = self._push_pool.submit(self.client.push_many, batch, unique=True,
+                                         return_tables=keep | set(rows if fresh else ()))
+        else:
+            fut = self._push_pool.submit(self.client.push_many, batch, unique=True,
+                                         return_values=fresh)
         with self._push_lock:
             for t, (ids, _) in batch.items():
                 self._push_inflight[t] = fut
-                if fresh:
+                if fresh and t in rows:
                     self._push_rows[t] = (fut, np.asarray(ids).ravel())
+        return None if wait else fut
 
     def step_done(self, steps: int = 1) -> None:
         """A training step ended. Its pushes may still be in flight, so its records count

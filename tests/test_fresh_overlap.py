@@ -58,3 +58,61 @@ def test_overlap_takes_only_its_three_values():
         dtf.ElasticCallback(overlap=good)
     with pytest.raises(ValueError, match="overlap must be False, True or 'stale'"):
         dtf.ElasticCallback(overlap="fresh")
+
+
+def _fit(job, table: str, overlap, steps: int = 12, slow: float = 0.0):
+    """Train a small Keras model in this process against the job's real PS with
+    ``ElasticCallback(overlap=overlap)``: the final embedding rows, dense weights and
+    the batcher's push count."""
+    import os
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+    import tensorflow as tf
+
+    import deeprec_ext.tf as dtf
+    from deeprec_ext.worker import set_context
+
+    ctx = WorkerContext(master_address=job.address, member_id="worker-0")
+    set_context(ctx)
+    if slow:
+        _slow_pushes(ctx, slow)  # each step's call is surely in flight at the next lookup
+    try:
+        keras.utils.set_random_seed(0)
+        rng = np.random.default_rng(1)
+        # heavy id reuse between consecutive steps: a stale lookup changes the result
+        ids = rng.integers(0, 300, (steps * 64, 4)).astype(np.int64)
+        labels = (ids.sum(1, keepdims=True) % 3 == 0).astype(np.float32)
+        inp = keras.Input((4,), dtype="int64")
+        emb = dtf.ElasticEmbedding(4, table=table, initializer="zeros",
+                                   optimizer={"name": "sgd", "learning_rate": 20.0})(inp)
+        out = keras.layers.Dense(1, activation="sigmoid", kernel_initializer="ones")(
+            keras.layers.Flatten()(emb))
+        model = keras.Model(inp, out)
+        model.compile(keras.optimizers.SGD(0.5), "binary_crossentropy")
+        model.fit(tf.data.Dataset.from_tensor_slices((ids, labels)).batch(64), epochs=1,
+                  verbose=0, shuffle=False, callbacks=[dtf.ElasticCallback(overlap=overlap)])
+        uniq = np.unique(ids)
+        rows = ctx.client.lookup(table, uniq, insert_missing=False)
+        dense = [np.asarray(v.numpy()) for v in model.layers[-1].weights]
+        return rows, dense, dict(ctx.batcher.stats)
+    finally:
+        set_context(None)
+        ctx.close()
+
+
+def test_keras_overlap_one_call_per_step_reads_like_sync(start_job):
+    """``overlap=True`` with the dense sync every step: the step's embedding gradients and
+    dense deltas leave in one call that stays in flight while the next step starts. One
+    worker must end with exactly what synchronous training leaves (lookups take the rows
+    the call changed from its answer; no dense update lost), with one push call per step;
+    ``overlap="stale"`` reads one step old rows and ends elsewhere (the test can tell)."""
+    job = start_job({"name": "keras-overlap"}, ["--ps", "1", "--workers", "0"])
+    sync_rows, sync_dense, sync_stats = _fit(job, "e_sync", False)
+    rows, dense, stats = _fit(job, "e_fresh", True, slow=0.05)
+    stale_rows, _, _ = _fit(job, "e_stale", "stale", slow=0.05)
+    assert np.abs(sync_rows).max() > 0.01  # the model trained
+    np.testing.assert_allclose(rows, sync_rows, atol=1e-5)
+    for a, b in zip(dense, sync_dense):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert stats["push_calls"] == sync_stats["push_calls"]  # one call per step, as sync
+    assert np.abs(stale_rows - sync_rows).max() > 100 * max(np.abs(rows - sync_rows).max(), 1e-6)

@@ -55,25 +55,37 @@ class DenseSync:
         snapshot = [np.array(v, np.float32, copy=True) for v in local_values]
         self._pending = (snapshot, pool.submit(self.sync, snapshot))
 
+    def start_sync_with(self, local_values: list[np.ndarray], send_async) -> None:
+        """Like ``start_sync``, but ``send_async(updates, return_tables)`` sends the deltas
+        and returns a Future of the PS' answer (the worker's step batcher: the step's
+        embedding push and the dense deltas leave in one call that the next step overlaps)."""
+        snapshot = [np.array(v, np.float32, copy=True) for v in local_values]
+        self._pending = (snapshot, send_async(self._deltas(snapshot), self.names), True)
+
     def finish_sync(self, local_values: list[np.ndarray]) -> list[np.ndarray] | None:
         """Collect a background sync: the merged value plus whatever the local optimizer
         changed since the snapshot was sent (that change is in the next delta), or None."""
         pending, self._pending = getattr(self, "_pending", None), None
         if pending is None:
             return None
-        snapshot, fut = pending
-        merged = fut.result()
+        snapshot, fut = pending[:2]
+        merged = self._adopt(fut.result()) if len(pending) > 2 else fut.result()
         return [m + (np.asarray(v, np.float32) - s) for m, v, s in zip(merged, local_values, snapshot)]
 
-    def sync(self, local_values: list[np.ndarray], send=None) -> list[np.ndarray]:
-        """Send local - base for every variable; returns (and adopts) the merged values.
-        ``send(updates, return_tables)`` replaces the push: the worker's step batcher
-        uses it to carry the step's embedding gradients in the same call."""
+    def _deltas(self, local_values) -> dict:
         updates = {}
         for name, (rows, dim), ids, local, base in zip(self.names, self.layouts, self.ids,
                                                        local_values, self.base):
             delta = (np.asarray(local, np.float32) - base).reshape(rows, dim)
             updates[name] = (ids, delta)
-        merged = (send or self._push)(updates, self.names)
-        self.base = [merged[n].reshape(s) for n, s in zip(self.names, self.shapes)]
+        return updates
+
+    def _adopt(self, answer: dict) -> list[np.ndarray]:
+        self.base = [answer[n].reshape(s) for n, s in zip(self.names, self.shapes)]
         return self.base
+
+    def sync(self, local_values: list[np.ndarray], send=None) -> list[np.ndarray]:
+        """Send local - base for every variable; returns (and adopts) the merged values.
+        ``send(updates, return_tables)`` replaces the push: the worker's step batcher
+        uses it to carry the step's embedding gradients in the same call."""
+        return self._adopt((send or self._push)(self._deltas(local_values), self.names))

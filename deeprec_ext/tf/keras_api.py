@@ -172,7 +172,8 @@ class ElasticCallback(keras.callbacks.Callback):
 
     def __init__(self, sync_every: int = 1, overlap: bool | str = False):
         """``overlap=True``: a step's embedding push stays in flight while the next step
-        reads its input and looks its rows up, and the dense sync runs in the background.
+        reads its input and looks its rows up, and the dense sync runs in the background
+        (with ``sync_every=1`` both leave in one call per PS at the step's end).
         Lookups stay fresh: rows the push in flight changes are taken from its answer (the
         PS returns them), so a worker reads what a synchronous push would have left.
         ``overlap="stale"`` skips that (less data on the wire, but each step reads
@@ -189,6 +190,7 @@ class ElasticCallback(keras.callbacks.Callback):
         self._since_sync = 0
         self._last_batch = -1
         self._pool = None
+        self._fused = False
         self._ops = None  # Gazer per-op sampler
         self._loss_curve = LossCurve.from_env(get_context)
 
@@ -210,7 +212,11 @@ class ElasticCallback(keras.callbacks.Callback):
         self._vars = [v for v in self.model.trainable_variables if id(v) not in anchors]
         # synchronous every step: the step's embedding gradients and dense deltas share one
         # push per PS (held by the batcher until on_train_batch_end)
-        ctx.batcher.hold_pushes = not bool(self.overlap) and self.sync_every == 1 and bool(self._vars)
+        # overlap, syncing every step: the same one call, left in flight while the next
+        # step reads its input and runs its forward pass (lookups stay fresh: they take
+        # the rows the call changed from its answer)
+        self._fused = bool(self.overlap) and self.sync_every == 1 and bool(self._vars)
+        ctx.batcher.hold_pushes = self.sync_every == 1 and bool(self._vars)
         if self._dense is None:
             self._dense = DenseSync(ctx.client, [v.path for v in self._vars],
                                     [tuple(v.shape) for v in self._vars])
@@ -249,7 +255,16 @@ class ElasticCallback(keras.callbacks.Callback):
             self._ops.end_trace(steps)
         if self._loss_curve is not None and logs and "loss" in logs:
             self._loss_curve.step(steps, logs["loss"])
-        if ctx.batcher.hold_pushes and self._dense is not None:
+        if self._fused and self._dense is not None:
+            local = self._local()
+            merged = self._dense.finish_sync(local)  # the previous step's call
+            if merged is not None:
+                self._assign(merged)
+                local = merged
+            self._dense.start_sync_with(
+                local, lambda updates, names: ctx.batcher.end_step(updates, names, wait=False))
+            ctx.step_done(steps)
+        elif ctx.batcher.hold_pushes and self._dense is not None:
             self._assign(self._dense.sync(self._local(), send=ctx.batcher.end_step))
             ctx.step_done(steps)
         else:
