@@ -20,8 +20,10 @@ The ranged reads of ``s3://`` objects (every shard's bytes: text, TFRecord, Parq
 groups, gzip streams) go through botocore's synchronous client, not s3fs: the same
 library under s3fs (same credentials chain, endpoint, region and addressing; retries
 in botocore's ``standard`` mode), without its asyncio layer, which cost this process
-about 1.5x the CPU (docs/BENCHMARKS.md). A request costs botocore about 1.9 ms of CPU,
-as much as 7 MB of data: few, large requests. Listing and sizes stay on fsspec.
+about 1.5x the CPU (docs/BENCHMARKS.md). Each is a GET of a presigned URL on the
+client's HTTP session, ``get_object`` being the fallback (``_s3_get``): about 1 ms of
+CPU a request, as much as 4 MB of data: few, large requests. Listing and sizes stay on
+fsspec.
 """
 from __future__ import annotations
 
