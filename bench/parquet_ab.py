@@ -54,7 +54,8 @@ def main() -> int:
     ap.add_argument("--mb", type=int, default=32)
     ap.add_argument("--files", type=int, default=4)
     ap.add_argument("--root", default="/tmp/bench-input")
-    ap.add_argument("--s3", action="store_true", help="read the Parquet files from a local S3 server")
+    ap.add_argument("--s3", action="store_true",
+                    help="read the Parquet files from a local S3 server")
     a = ap.parse_args()
     if a.s3:
         from bench_input import S3Server, upload
