@@ -305,3 +305,68 @@ def test_s3_read_errors_name_the_url_and_the_rest_is_read(s3, monkeypatch):
         read_shard(good, 0, 6, "text")
     monkeypatch.undo()
     assert read_shard(good, 0, 6, "text")[0] == [b"1", b"2", b"3"]
+
+
+def test_s3_ranged_reads_presigned_and_their_fallback(s3, monkeypatch):
+    """A ranged read is one GET of a presigned URL on botocore's HTTP session (no
+    ``get_object`` call); an answer that is not the whole range (an error status, a body cut
+    short by the server, no connection) is read again through ``get_object``: the bytes
+    come out right, and the URL is signed again on the next read."""
+    import threading
+
+    data = bytes(range(256)) * 4096  # 1 MiB
+    url = f"s3://{BUCKET}/presigned/obj.bin"
+    s3.pipe(url[5:], data)
+    client, _ = fs._s3_client()
+    calls = []
+    orig = client.get_object
+
+    def counted(**k):
+        calls.append(k["Range"])
+        return orig(**k)
+    monkeypatch.setattr(client, "get_object", counted)
+    ukey = (id(client), BUCKET, "presigned/obj.bin")
+    fs._urls.pop(ukey, None)
+    n = len(data)
+    for start, end in ((0, 1), (1000, 300_000), (300_000, n), (n - 5, n + 9)):
+        assert fs._s3_get(url, start, end) == data[start:end]
+    assert calls == [] and ukey in fs._urls
+    signed = fs._urls[ukey]
+    # past the end: the server's 416 goes to get_object, whose InvalidRange reads nothing
+    assert fs._s3_get(url, len(data), len(data) + 10) == b"" and len(calls) == 1
+
+    # a URL the server refuses (here a missing object's: 404): read again right through
+    # get_object, signed again next time
+    gone = client.generate_presigned_url(
+        "get_object", Params={"Bucket": BUCKET, "Key": "presigned/gone.bin"}, ExpiresIn=60)
+    fs._urls[ukey] = (gone, signed[1])
+    calls.clear()
+    assert fs._s3_get(url, 10, 5000) == data[10:5000] and calls == ["bytes=10-4999"]
+    assert ukey not in fs._urls
+    assert fs._s3_get(url, 10, 5000) == data[10:5000] and len(calls) == 1
+
+    # a server that sends half the body it announced, then closes
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(4)
+    served = []
+
+    def serve():
+        conn, _ = sock.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 4990\r\n"
+                         b"Connection: close\r\n\r\n" + data[10:2000])
+            served.append(1)
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    cut = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    fs._urls[ukey] = (f"{cut}/{BUCKET}/presigned/obj.bin", signed[1])
+    calls.clear()
+    assert fs._s3_get(url, 10, 5000) == data[10:5000] and calls == ["bytes=10-4999"]
+    t.join(10)
+    sock.close()
+    assert served == [1] and ukey not in fs._urls
+    # nobody listens there now: no connection, read through get_object all the same
+    fs._urls[ukey] = (f"{cut}/x", signed[1])
+    assert fs._s3_get(url, 0, 100) == data[:100] and len(calls) == 2

@@ -20,14 +20,17 @@ The ranged reads of ``s3://`` objects (every shard's bytes: text, TFRecord, Parq
 groups, gzip streams) go through botocore's synchronous client, not s3fs: the same
 library under s3fs (same credentials chain, endpoint, region and addressing; retries
 in botocore's ``standard`` mode), without its asyncio layer, which cost this process
-about 1.5x the CPU (docs/BENCHMARKS.md). A request costs botocore about 1.9 ms of CPU,
-as much as 7 MB of data: few, large requests. Listing and sizes stay on fsspec.
+about 1.5x the CPU (docs/BENCHMARKS.md). Each is a GET of a presigned URL on the
+client's HTTP session, ``get_object`` being the fallback (``_s3_get``): about 1 ms of
+CPU a request, as much as 4 MB of data: few, large requests. Listing and sizes stay on
+fsspec.
 """
 from __future__ import annotations
 
 import io
 import os
 import threading
+import time
 
 _BLOCK = 1 << 20
 # small remote reads (the rest of the record that crosses a shard's end) fetch this much:
@@ -78,21 +81,95 @@ def _s3_client():
             import botocore.session
             retries = None if os.environ.get("AWS_RETRY_MODE") or \
                 os.environ.get("AWS_MAX_ATTEMPTS") else {"mode": "standard"}
-            # a pool per tf.data reading thread, so parallel shards do not wait on a socket
-            config = botocore.config.Config(retries=retries, max_pool_connections=32)
+            # a pool per tf.data reading thread, so parallel shards do not wait on a socket;
+            # SigV4 for the presigned URLs of ``_s3_get`` (botocore signs requests so anyway)
+            config = botocore.config.Config(retries=retries, max_pool_connections=32,
+                                            signature_version="s3v4")
             client = botocore.session.get_session().create_client(
                 "s3", endpoint_url=endpoint, config=config)
             _filesystems[key] = client
     return client, endpoint
 
 
+# a presigned URL is signed for this long and used for at most _URL_REUSE of it: less
+# than botocore's refresh margin of temporary credentials (10-15 min), so a URL is never
+# signed with credentials about to expire
+_URL_EXPIRES = 900
+_URL_REUSE = 300.0
+_URL_MAX = 4096
+_urls: dict = {}
+
+
 def _s3_get(url: str, start: int, end: int) -> bytes:
     """Bytes ``[start, end)`` of an ``s3://`` object in one ranged GET (fewer at the end
     of the object; none when ``start`` is at or past it). A missing object, refused
-    credentials or an unreachable endpoint is an ``OSError`` naming the URL."""
-    from botocore.exceptions import BotoCoreError, ClientError
+    credentials or an unreachable endpoint is an ``OSError`` naming the URL.
+
+    The GET is a presigned URL (botocore's signer, endpoint, addressing and credentials;
+    one per object, kept ``_URL_REUSE`` seconds) sent on the client's own HTTP session
+    (its pool, proxies, TLS settings and timeouts): botocore's per-request pipeline (event
+    hooks, endpoint rules, user agent, response parsing) cost about 1.5 ms of CPU per
+    request, as much as the 6 MB of a Parquet row group (docs/BENCHMARKS.md). Anything
+    but a whole 206/200 answer (an error status, a redirect, a cut or short body, no
+    connection) is done again through ``client.get_object``, whose retries, region
+    redirects and errors are the reference."""
     bucket, _, key = url.split("://", 1)[1].partition("/")
     client, endpoint = _s3_client()
+    data = _s3_get_presigned(client, endpoint, bucket, key, start, end)
+    if data is not None:
+        return data
+    return _s3_get_object(url, client, endpoint, bucket, key, start, end)
+
+
+def _s3_get_presigned(client, endpoint, bucket: str, key: str, start: int,
+                      end: int) -> bytes | None:
+    """``_s3_get``'s fast path; None when it cannot give the whole answer."""
+    session = getattr(getattr(client, "_endpoint", None), "http_session", None)
+    if session is None or end <= start:
+        return None
+    from botocore.awsrequest import AWSRequest
+    ukey = (id(client), bucket, key)
+    now = time.monotonic()
+    resp, whole = None, False
+    try:
+        hit = _urls.get(ukey)
+        if hit is None or hit[1] <= now:
+            hit = (client.generate_presigned_url(
+                "get_object", Params={"Bucket": bucket, "Key": key},
+                ExpiresIn=_URL_EXPIRES), now + _URL_REUSE)
+            with _lock:
+                if len(_urls) >= _URL_MAX:
+                    _urls.clear()
+                _urls[ukey] = hit
+        # only the host is signed in a presigned URL: the Range header may be added
+        req = AWSRequest("GET", hit[0], headers={"Range": f"bytes={start}-{end - 1}"}).prepare()
+        req.stream_output = True
+        resp = session.send(req)
+        if resp.status_code not in (200, 206):
+            _urls.pop(ukey, None)  # e.g. rotated keys: signed again next time
+            return None
+        data = resp.raw.read()
+        length = resp.headers.get("content-length")
+        if length is None or len(data) != int(length):
+            return None  # a cut body: botocore reads it again
+        whole = True
+        if resp.status_code == 200:  # a server that ignored the range sent the object
+            data = data[start:end]
+        return data
+    except Exception:  # noqa: BLE001 - any failure is retried, and reported, by botocore
+        _urls.pop(ukey, None)
+        return None
+    finally:
+        if resp is not None:
+            if not whole:  # an unread or cut body: the connection is not reused
+                resp.raw.close()
+            resp.raw.release_conn()
+
+
+def _s3_get_object(url: str, client, endpoint, bucket: str, key: str, start: int,
+                   end: int) -> bytes:
+    """``_s3_get`` through botocore's ``get_object`` (retries, redirects, errors)."""
+    from botocore.exceptions import BotoCoreError, ClientError
     try:
         resp = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")
         return resp["Body"].read()
