@@ -590,18 +590,23 @@ class CheckpointWriter:
         per = max(1024, min(ROWS_PER_CHUNK, CHUNK_RAW_BYTES // (8 + 4 * w)))
         # small exports (incrementals): still one chunk per compression thread
         per = min(per, max(4096, -(-m // self.threads)))
+        # format 4: rows and counts gathered apart, into the arrays written (the counted
+        # block was cut into two new copies here: 25 MB more per 200k-row incremental)
+        apart = with_counts and self.version >= 4
         for s in range(0, m, per):
             _check_cancelled(cancelled)
-            keys, rows, slots = table.gather_planned(codes[s:s + per], row_bits, self.num_slots,
-                                                     with_counts=with_counts)
-            if rows.shape[1] != w:
+            keys, rows, slots = table.gather_planned(
+                codes[s:s + per], row_bits, self.num_slots,
+                with_counts="apart" if apart else with_counts)
+            counts = None
+            if apart:
+                rows, counts = rows
+            if rows.shape[1] + (counts is not None) != w:
                 raise ValueError(f"table '{table.name}' was reconfigured while being written")
             if keys.size:
                 written[0] += int(keys.size)
-                if with_counts and self.version >= 4:  # the store's columns (format 4)
-                    counts = np.clip(rows[:, -1], 0, 2**32 - 1).astype(np.uint32)
-                    yield (KIND_ROWS, [keys], [np.ascontiguousarray(rows[:, :-1])],
-                           int(slots[0]), int(slots[-1]), [counts])
+                if apart:  # the store's columns (format 4)
+                    yield (KIND_ROWS, [keys], [rows], int(slots[0]), int(slots[-1]), [counts])
                 else:
                     yield KIND_ROWS, [keys], [rows], int(slots[0]), int(slots[-1])
 
