@@ -1015,13 +1015,13 @@ def test_retention_checks_only_the_new_checkpoint_yet_catches_it_corrupt(tmp_pat
     mutate(s, rng)
     write(tmp_path, 2, s, "incr", parent=1, cuts=cuts)
     read = []
-    real = reader._read_chunk
+    real = reader._check_chunk
 
     def spy(fd, entry, *a, **k):
         read.append(entry["path"])
         return real(fd, entry, *a, **k)
 
-    monkeypatch.setattr(reader, "_read_chunk", spy)
+    monkeypatch.setattr(reader, "_check_chunk", spy)
     assert apply_retention(tmp_path, keep_chains=1) == []
     m2 = load_manifest(tmp_path / "ckpt-00000002-incr")
     assert read and set(read) <= {e["path"] for e in m2["files"]}
