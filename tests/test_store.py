@@ -769,6 +769,14 @@ class TestChangeLog:
         np.testing.assert_array_equal(counts, block[:, -1].astype(np.uint32))
         assert set(np.unique(counts).tolist()) == {1, 4}
         np.testing.assert_array_equal(counts, t.counts(k2))
+        # the arena converted between the plan and the gather (set_dtype)
+        t.set_dtype("float16" if dtype == "float32" else "float32")
+        k3, (rows3, counts3), _ = t.gather_planned(codes, bits, 64, with_counts="apart")
+        k4, block4, _ = t.gather_planned(codes, bits, 64, with_counts=True)
+        np.testing.assert_array_equal(k3, k2)
+        np.testing.assert_array_equal(rows3, block4[:, :-1])
+        np.testing.assert_array_equal(counts3, counts)
+        np.testing.assert_allclose(rows3, rows, rtol=1e-3, atol=1e-3)
 
     def test_moved_tombstones_never_cost_a_checkpoint_its_incremental(self):
         """Migration clean-up logs "moved" tombstones for the replica only: without a

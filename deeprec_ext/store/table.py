@@ -1822,9 +1822,9 @@ class EmbeddingTable:
         counts = np.empty(n, dtype=np.uint32) if apart else None
         live = np.empty(n, dtype=bool)
         # apart, float32 rows are gathered into ``block`` itself (mode="clip": the default
-        # mode gathers into a temporary first; the rows are in range)
-        direct = apart and not self._fp16
-        flat = block.view(self._row_dtype).reshape(-1) if direct else None
+        # mode gathers into a temporary first; the rows are in range: an arena never
+        # shrinks). Checked per hold: set_dtype may convert the arena in between.
+        flat = block.view(np.dtype((np.void, 4 * width))).reshape(-1) if apart else None
         step = _GATHER_ROWS_PER_HOLD
         for s in range(0, n, step):  # short lock holds: lookups and pushes go in between
             r = rows[s:s + step]
@@ -1845,7 +1845,7 @@ class EmbeddingTable:
                     continue
                 live[s:s + step] = self._row_seq.take(r) > 0
                 self._row_key.take(r, out=keys[s:s + step], mode="clip")
-                if direct:
+                if apart and not self._fp16:
                     self._arena_v.take(r, out=flat[s:s + r.size], mode="clip")
                 else:
                     block[s:s + step, :width] = self._gather_rows(r)
