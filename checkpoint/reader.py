@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -1098,9 +1099,30 @@ def _apply(plan: _Plan, chain, sink, slot_mask):
 
 
 # ----------------------------------------------------------------------------- retention
-def _check_chunk(*args) -> None:
-    """:func:`_read_chunk` for its checks only (the bytes are dropped at once)."""
-    _read_chunk(*args)
+_scratch = threading.local()  # each verify thread's read buffer (see _check_chunk)
+
+
+def _check_chunk(fd: int, entry: dict, ci: int, name: str, manifest: dict, w: int,
+                 where_f: str) -> None:
+    """:func:`_read_chunk`'s checks (header, payload crc), reading into a buffer this
+    thread reuses: the bytes are dropped at once, and a fresh ``bytes`` per chunk was a
+    new allocation, page-faulted for the copy and freed again (the 28 MB of a 5%
+    incremental of 4M rows: ~5 -> 1.5 ms of CPU; ~13 -> 3 ms under a PS's 1 MB mmap
+    threshold). The buffer goes with the thread (:func:`_check_new`'s pool)."""
+    ch = entry["chunks"][ci]
+    where = f"{where_f}: chunk {ci} at offset {ch[0]}"
+    hlen = header_size(name.encode("utf-8"))
+    want = hlen + ch[_CI["comp_len"]]
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or len(buf) < want:
+        buf = _scratch.buf = bytearray(want)
+    view = memoryview(buf)[:want]
+    got = os.preadv(fd, [view], ch[0])
+    if got != want:
+        raise CheckpointError(f"{where}: truncated")
+    h = _check_chunk_header(view, ch[0], ch, name, manifest["num_slots"], w, where)
+    if payload_crc(view[hlen:], h["version"]) != h["crc32"]:
+        raise CheckpointError(f"{where}: payload {_crc_name(h)} mismatch (corrupt data)")
 
 
 def _check_new(c: Checkpoint) -> None:

@@ -57,6 +57,32 @@ WRITEBACK_BYTES = 4 << 20         # start the disk write-back of every ~4 MB as 
 # (32 MB left an incremental of 28 MB all to its closing fsync: 150 vs 185 ms median)
 PREALLOCATE_MIN = 16 << 20       # smaller files gain little from _preallocate
 _EXTRA_IN_FLIGHT = 1              # chunks being encoded: one per thread, plus this
+
+
+def _env_mmap_threshold() -> int | None:
+    try:
+        v = int(os.environ.get("MALLOC_MMAP_THRESHOLD_", ""))
+    except ValueError:
+        return None
+    return v if v > 0 else None
+
+
+# glibc's mmap threshold when the process fixed one (a PS: set_malloc_mmap_threshold, or
+# the MALLOC_MMAP_THRESHOLD_ variable), else None (glibc's dynamic threshold)
+_MMAP_THRESHOLD = _env_mmap_threshold()
+
+
+def set_malloc_mmap_threshold(nbytes: int | None) -> None:
+    """Tell the writer the process's fixed malloc mmap threshold (``None``: glibc's dynamic
+    one). An incremental's chunks are then sized so each chunk's rows stay under it: they
+    come from the heap, reused chunk after chunk, instead of a new mapping per chunk,
+    page-faulted and zeroed (a 200k-row incremental under a PS's 1 MB threshold: median
+    74.7 -> 59.8 ms; with glibc's dynamic threshold the smaller chunks cost more than they
+    save, so they are used only when a threshold is fixed)."""
+    global _MMAP_THRESHOLD
+    _MMAP_THRESHOLD = int(nbytes) if nbytes else None
+
+
 _IO_QUEUE = 2                     # chunks waiting for the I/O thread beyond those
 _LITTLE = sys.byteorder == "little"
 
@@ -590,18 +616,25 @@ class CheckpointWriter:
         per = max(1024, min(ROWS_PER_CHUNK, CHUNK_RAW_BYTES // (8 + 4 * w)))
         # small exports (incrementals): still one chunk per compression thread
         per = min(per, max(4096, -(-m // self.threads)))
+        if _MMAP_THRESHOLD:  # a chunk's rows under the mmap threshold (see above)
+            per = min(per, max(1024, (_MMAP_THRESHOLD - 65536) // (4 * w)))
+        # format 4: rows and counts gathered apart, into the arrays written (the counted
+        # block was cut into two new copies here: 25 MB more per 200k-row incremental)
+        apart = with_counts and self.version >= 4
         for s in range(0, m, per):
             _check_cancelled(cancelled)
-            keys, rows, slots = table.gather_planned(codes[s:s + per], row_bits, self.num_slots,
-                                                     with_counts=with_counts)
-            if rows.shape[1] != w:
+            keys, rows, slots = table.gather_planned(
+                codes[s:s + per], row_bits, self.num_slots,
+                with_counts="apart" if apart else with_counts)
+            counts = None
+            if apart:
+                rows, counts = rows
+            if rows.shape[1] + (counts is not None) != w:
                 raise ValueError(f"table '{table.name}' was reconfigured while being written")
             if keys.size:
                 written[0] += int(keys.size)
-                if with_counts and self.version >= 4:  # the store's columns (format 4)
-                    counts = np.clip(rows[:, -1], 0, 2**32 - 1).astype(np.uint32)
-                    yield (KIND_ROWS, [keys], [np.ascontiguousarray(rows[:, :-1])],
-                           int(slots[0]), int(slots[-1]), [counts])
+                if apart:  # the store's columns (format 4)
+                    yield (KIND_ROWS, [keys], [rows], int(slots[0]), int(slots[-1]), [counts])
                 else:
                     yield KIND_ROWS, [keys], [rows], int(slots[0]), int(slots[-1])
 

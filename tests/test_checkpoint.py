@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -1015,13 +1016,13 @@ def test_retention_checks_only_the_new_checkpoint_yet_catches_it_corrupt(tmp_pat
     mutate(s, rng)
     write(tmp_path, 2, s, "incr", parent=1, cuts=cuts)
     read = []
-    real = reader._read_chunk
+    real = reader._check_chunk
 
     def spy(fd, entry, *a, **k):
         read.append(entry["path"])
         return real(fd, entry, *a, **k)
 
-    monkeypatch.setattr(reader, "_read_chunk", spy)
+    monkeypatch.setattr(reader, "_check_chunk", spy)
     assert apply_retention(tmp_path, keep_chains=1) == []
     m2 = load_manifest(tmp_path / "ckpt-00000002-incr")
     assert read and set(read) <= {e["path"] for e in m2["files"]}
@@ -1380,3 +1381,47 @@ def test_full_checkpoint_reuses_its_slice_buffers(tmp_path, monkeypatch):
     assert 0 < made[0].allocated <= 40 < slices
     s2, _ = restored(tmp_path)
     assert_same(snap(s2), snap(s))
+
+
+def test_incremental_chunks_stay_under_a_fixed_mmap_threshold(tmp_path):
+    """In a process with a fixed malloc mmap threshold (a PS), an incremental's chunks
+    are sized so each chunk's rows stay under it (heap buffers reused, not a mapping per
+    chunk); the chain restores exactly, counts included."""
+    import checkpoint.writer as cw
+    rng = np.random.default_rng(21)
+    s = make_store(rng, 20_000)
+    cuts = write(tmp_path, 1, s)
+    mutate(s, rng, frac=0.5)
+    assert cw._MMAP_THRESHOLD is None or "MALLOC_MMAP_THRESHOLD_" in os.environ
+    before = cw._MMAP_THRESHOLD
+    cw.set_malloc_mmap_threshold(128 * 1024)
+    try:
+        write(tmp_path, 2, s, "incr", parent=1, cuts=cuts)
+    finally:
+        cw.set_malloc_mmap_threshold(before)
+    m = load_manifest(tmp_path / "ckpt-00000002-incr")
+    e = next(e for e in m["files"] if e["table"] == "emb")
+    width = m["tables"]["emb"]["row_width"]
+    rows = [ch[2] for ch in e["chunks"] if ch[1] == 1]  # (offset, kind, n, ...): rows chunks
+    assert len(rows) > 1 and sum(rows) == e["rows"]
+    assert max(rows) * 4 * width < 128 * 1024, (rows, width)
+    got, info = restored(tmp_path)
+    assert info.chain == [1, 2]
+    assert_same(snap(got), snap(s))
+    for name, t in s.tables().items():
+        k, _, _ = t.export_rows()
+        np.testing.assert_array_equal(got[name].counts(k), t.counts(k))
+
+
+def test_a_ps_malloc_bound_sizes_the_writers_chunks():
+    """The PS's malloc bound (``bound_malloc_retention``) tells the checkpoint writer its
+    threshold; a process that leaves glibc's policy alone keeps the larger chunks."""
+    code = ("import checkpoint.writer as w; from deeprec_ext.ps.__main__ import "
+            "bound_malloc_retention as b; print(w._MMAP_THRESHOLD, b(1.0), w._MMAP_THRESHOLD)")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["None", "True", str(1 << 20)]

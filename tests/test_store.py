@@ -744,6 +744,40 @@ class TestChangeLog:
         codes, bits = t.plan_export(mask, since)
         assert codes.size == int(mask[slot_of(keys[:500], 64)].sum())
 
+    @pytest.mark.parametrize("dtype", ["float32", "float16"])
+    def test_gather_planned_apart_matches_the_counted_block(self, dtype):
+        """``with_counts="apart"`` (format 4's columns, gathered straight into the arrays
+        written) gives the counted block's rows and counts, skipping the same rows."""
+        from deeprec_ext.hashing import slot_of
+        rng = np.random.default_rng(3)
+        t = EmbeddingTable("t", 4, optimizer="adagrad", dtype=dtype)
+        keys = rand_keys(rng, 30_000)
+        for _ in range(3):
+            t.apply_gradients(keys[:20_000], rng.normal(size=(20_000, 4)).astype(np.float32))
+        t.apply_gradients(keys, rng.normal(size=(keys.size, 4)).astype(np.float32))
+        mask = rng.random(64) < 0.5
+        codes, bits = t.plan_export(mask)
+        t.delete(keys[:700])  # planned rows freed: skipped by both
+        k1, block, s1 = t.gather_planned(codes, bits, 64, with_counts=True)
+        k2, (rows, counts), s2 = t.gather_planned(codes, bits, 64, with_counts="apart")
+        assert k1.size == codes.size - int(mask[slot_of(keys[:700], 64)].sum())
+        np.testing.assert_array_equal(k1, k2)
+        np.testing.assert_array_equal(s1, s2)
+        assert rows.dtype == np.float32 and rows.flags.c_contiguous
+        np.testing.assert_array_equal(rows, block[:, :-1])
+        assert counts.dtype == np.uint32
+        np.testing.assert_array_equal(counts, block[:, -1].astype(np.uint32))
+        assert set(np.unique(counts).tolist()) == {1, 4}
+        np.testing.assert_array_equal(counts, t.counts(k2))
+        # the arena converted between the plan and the gather (set_dtype)
+        t.set_dtype("float16" if dtype == "float32" else "float32")
+        k3, (rows3, counts3), _ = t.gather_planned(codes, bits, 64, with_counts="apart")
+        k4, block4, _ = t.gather_planned(codes, bits, 64, with_counts=True)
+        np.testing.assert_array_equal(k3, k2)
+        np.testing.assert_array_equal(rows3, block4[:, :-1])
+        np.testing.assert_array_equal(counts3, counts)
+        np.testing.assert_allclose(rows3, rows, rtol=1e-3, atol=1e-3)
+
     def test_moved_tombstones_never_cost_a_checkpoint_its_incremental(self):
         """Migration clean-up logs "moved" tombstones for the replica only: without a
         replica they are dropped at once, and over the cap they go before any deletion,

@@ -93,7 +93,11 @@ def bound_malloc_retention(threshold_mb: float) -> bool:
     size = int(threshold_mb * 1024 * 1024)
     # 32 MB is glibc's most for the threshold; trimming at 2x is its own dynamic ratio
     size = max(128 * 1024, min(size, 32 * 1024 * 1024))
-    return bool(mallopt(_M_MMAP_THRESHOLD, size)) and bool(mallopt(_M_TRIM_THRESHOLD, 2 * size))
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, size)) and bool(mallopt(_M_TRIM_THRESHOLD, 2 * size))
+    if ok:  # checkpoint chunks sized under it (checkpoint.writer.set_malloc_mmap_threshold)
+        from checkpoint.writer import set_malloc_mmap_threshold
+        set_malloc_mmap_threshold(size)
+    return ok
 
 
 def main(argv: list[str] | None = None) -> int:

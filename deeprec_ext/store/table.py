@@ -1797,7 +1797,14 @@ class EmbeddingTable:
         ``(keys, rows, slots)`` of the planned rows that still hold a key of the planned
         slot (a row freed, or reused by another slot's key, since the plan is skipped: it
         was deleted or rewritten after the plan, i.e. after the caller's cut). ``rows`` is
-        float32 [n, row_width (+1 count)]; each row is self-consistent."""
+        float32 [n, row_width (+1 count)]; each row is self-consistent.
+        ``with_counts="apart"``: ``rows`` is a pair ``(float32 [n, row_width], uint32
+        counts [n])``, the store's layout (format 4), each gathered straight into its
+        final array (no count column to cut off again: one copy of the rows less)."""
+        apart = with_counts == "apart"
+        return self._gather_planned(codes, row_bits, num_slots, bool(with_counts), apart)
+
+    def _gather_planned(self, codes, row_bits, num_slots, with_counts, apart):
         rows = codes & np.int64((1 << row_bits) - 1)
         n = int(rows.size)
         in_seg = None
@@ -1810,8 +1817,14 @@ class EmbeddingTable:
                 in_seg = None
         width = self._width
         keys = np.empty(n, dtype=np.int64)
-        block = np.empty((n, width + (1 if with_counts else 0)), dtype=np.float32)
+        block = np.empty((n, width + (1 if with_counts and not apart else 0)),
+                         dtype=np.float32)
+        counts = np.empty(n, dtype=np.uint32) if apart else None
         live = np.empty(n, dtype=bool)
+        # apart, float32 rows are gathered into ``block`` itself (mode="clip": the default
+        # mode gathers into a temporary first; the rows are in range: an arena never
+        # shrinks). Checked per hold: set_dtype may convert the arena in between.
+        flat = block.view(np.dtype((np.void, 4 * width))).reshape(-1) if apart else None
         step = _GATHER_ROWS_PER_HOLD
         for s in range(0, n, step):  # short lock holds: lookups and pushes go in between
             r = rows[s:s + step]
@@ -1819,14 +1832,26 @@ class EmbeddingTable:
                 if self._width != width:
                     raise ValueError(f"table '{self.name}' was reconfigured during an export")
                 if in_seg is not None:
-                    self._gather_mixed(r, in_seg[s:s + step], keys[s:s + step],
-                                       block[s:s + step], live[s:s + step], with_counts)
+                    if apart:  # rare (a promoted segment): the counted path, then split
+                        tmp = np.empty((r.size, width + 1), dtype=np.float32)
+                        self._gather_mixed(r, in_seg[s:s + step], keys[s:s + step], tmp,
+                                           live[s:s + step], True)
+                        block[s:s + step] = tmp[:, :width]
+                        counts[s:s + step] = np.clip(tmp[:, width], 0, 2**32 - 1)
+                    else:
+                        self._gather_mixed(r, in_seg[s:s + step], keys[s:s + step],
+                                           block[s:s + step], live[s:s + step], with_counts)
                     _yield()
                     continue
                 live[s:s + step] = self._row_seq.take(r) > 0
-                keys[s:s + step] = self._row_key.take(r)
-                block[s:s + step, :width] = self._gather_rows(r)
-                if with_counts:
+                self._row_key.take(r, out=keys[s:s + step], mode="clip")
+                if apart and not self._fp16:
+                    self._arena_v.take(r, out=flat[s:s + r.size], mode="clip")
+                else:
+                    block[s:s + step, :width] = self._gather_rows(r)
+                if apart:
+                    self._row_count.take(r, out=counts[s:s + step], mode="clip")
+                elif with_counts:
                     block[s:s + step, width] = self._row_count.take(r)
             _yield()  # a waiting lookup gets the lock now, not after the whole chunk
         slots = slot_of(keys, num_slots)
@@ -1834,7 +1859,9 @@ class EmbeddingTable:
         if not ok.all():
             keep = np.flatnonzero(ok)
             keys, block, slots = keys.take(keep), block.take(keep, axis=0), slots.take(keep)
-        return keys, block, slots
+            if apart:
+                counts = counts.take(keep)
+        return keys, (block, counts) if apart else block, slots
 
     def _gather_mixed(self, r, in_seg, keys, block, live, with_counts: bool) -> None:
         """One hold of :meth:`gather_planned` for a plan with segment rows (under the
