@@ -327,8 +327,9 @@ def test_full_copy_streams_from_the_primary_in_bounded_memory():
 
     class Peer:  # consumes the stream message by message, as gRPC does
         def Replicate(self, batches, **kw):
-            for b in batches:
-                received["rows"] += len(b.ids) // 8
+            from deeprec_ext import rowwire
+            for b in batches:  # wire bytes, as the channel sends them
+                received["rows"] += len(rowwire.parse(b).ids) // 8
             return ps_pb2.ReplicateResponse(rows=received["rows"])
 
     rep = Replicator(store, {})
@@ -571,7 +572,7 @@ def test_large_deltas_are_read_outside_the_apply_gate_and_the_copy_stays_exact(m
 
     def delta_batches(since):
         out = real(since)
-        reads.append(sum(len(b.ids) // 8 for b in out))
+        reads.append(sum(b.ids.size for b in out))
         if next(writes, None) is not None:  # "pushes" land while the copy streams
             t.apply_gradients(np.arange(1000), np.ones((1000, 4), np.float32))
             t.delete(np.arange(4990 - len(reads), 5000 - len(reads) * 5))
