@@ -210,6 +210,10 @@ class Replicator:
         self.shipped_rows = 0
         self.full_copies = 0
         self.errors = 0
+        # background full copies pace themselves with what this returns (a function called
+        # between chunks; the PS sets it): a scale event's new ring makes two full copies
+        # of 1.3M rows each right after the publish, which took the CPU from training
+        self.pace_factory = None
         self._thread = threading.Thread(target=self._loop, name="replication", daemon=True)
         self._thread.start()
 
@@ -318,8 +322,10 @@ class Replicator:
             since = mark
         return out, since
 
-    def ship(self, timeout: float = 60.0) -> int:
-        """Send everything changed since the last shipment; returns rows sent."""
+    def ship(self, timeout: float = 60.0, paced: bool = False) -> int:
+        """Send everything changed since the last shipment; returns rows sent. ``paced``:
+        a full copy yields to training between its chunks (the background loop; never in
+        sync mode, where pushes wait for the copy)."""
         with self._lock:
             self._follow_peer()
             self._send_drops()
@@ -331,7 +337,7 @@ class Replicator:
                 except _NeedsFull as exc:
                     log.info("%s: full copy to %s: %s", self.origin, self.peer, exc)
                     self._since, self._full_mode = -1, exc.mode
-            return self._ship_full(timeout)
+            return self._ship_full(timeout, paced and not self.sync)
 
     def _ship_delta(self, timeout: float) -> int:
         since = self._since
@@ -377,12 +383,16 @@ class Replicator:
         self.shipped_rows += resp.rows
         return resp.rows
 
-    def _ship_full(self, timeout: float) -> int:
+    def _ship_full(self, timeout: float, paced: bool = False) -> int:
         """A full copy in slices (no table is copied whole), then, under the apply gate, the
         rows and tombstones written meanwhile and every remembered request id."""
         start = self.store.sequence.value
         self.store.set_consumer("replica", start, moved=True)  # logs from the start on
         done: dict = {}
+        pace = self.pace_factory() if paced and self.pace_factory is not None else None
+        t0 = time.monotonic()
+        log.info("%s: full copy to %s starts (%s)", self.origin, self.peer,
+                 "paced" if pace else "unpaced")
 
         def stream():
             # RowBatch wire bytes straight from the exported arrays (rowwire), rows in the
@@ -403,6 +413,8 @@ class Replicator:
                         everything, None, row, CHUNK_ROWS, with_counts="apart")
                     if keys.size:
                         yield rowwire.encode(cfg, keys, rows, counts, origin=origin)
+                    if pace is not None and row is not None:
+                        pace()
             pre, mark = self._ungated_rounds(start)  # _NeedsFull: this copy fails, try again
             for b in pre:
                 yield b.encode(origin)
@@ -429,6 +441,8 @@ class Replicator:
         self.last_shipped = time.monotonic()
         self.shipped_rows += resp.rows
         self.full_copies += 1
+        log.info("%s: full copy to %s done: %d rows in %.0f ms", self.origin, self.peer,
+                 resp.rows, (time.monotonic() - t0) * 1000)
         return resp.rows
 
     def ship_push(self, tables, request_id: str = "") -> None:
@@ -491,7 +505,7 @@ class Replicator:
                 break
             failed += 1  # unless ship() returns
             try:
-                self.ship()
+                self.ship(paced=True)
                 failed = 0
             except grpc.RpcError as exc:
                 # the peer is unreachable or slow: the next delta starts from the same base
