@@ -36,13 +36,23 @@ def _len_field(field: int, size: int) -> bytes:
 
 def encode(config: bytes = b"", ids: np.ndarray | None = None, rows: np.ndarray | None = None,
            counts: np.ndarray | None = None, deleted_ids: np.ndarray | None = None,
-           total_rows: int = 0, applied_request_ids=()) -> bytes:
+           total_rows: int = 0, applied_request_ids=(), origin: str = "",
+           reset: bool = False, origin_sequence: int = 0, end: bool = False) -> bytes:
     """Wire bytes of a ``RowBatch``: ``config`` a serialized ``TableConfig``, ``ids`` int64,
     ``rows`` float32 [n, row_width] (the store's layout), ``counts`` uint32 [n]. Each
-    array is copied once, into the result."""
+    array is copied once, into the result. ``origin`` .. ``end``: replication's fields."""
     parts: list = []
     if config:
         parts += [_len_field(_CONFIG, len(config)), config]
+    if origin:
+        b = origin.encode()
+        parts += [_len_field(_ORIGIN, len(b)), b]
+    if reset:
+        parts += [_varint(_RESET << 3 | _VARINT), b"\x01"]
+    if origin_sequence:
+        parts += [_varint(_ORIGIN_SEQ << 3 | _VARINT), _varint(int(origin_sequence))]
+    if end:
+        parts += [_varint(_END << 3 | _VARINT), b"\x01"]
     for field, arr, dtype in ((_IDS, ids, "<i8"), (_ROWS, rows, "<f4"),
                               (_DELETED, deleted_ids, "<i8"), (_COUNTS, counts, "<u4")):
         if arr is None or arr.size == 0:

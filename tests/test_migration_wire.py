@@ -282,3 +282,119 @@ def test_bad_import_batches_are_refused_by_name_and_the_ps_keeps_serving(two_ps)
     st = {t.name: t.rows for t in dst.Stats(pb.StatsRequest(), timeout=30).tables}
     assert st["emb"] == 4  # the refused batches changed nothing
     ch.close()
+
+
+# -- replication in the store's layout -------------------------------------------------------
+def test_rowwire_writes_replication_fields_as_the_generated_message():
+    wire = rowwire.encode(origin="ps-ü", reset=True, origin_sequence=-5, end=True,
+                          applied_request_ids=["r"])
+    m = pb.RowBatch.FromString(wire)
+    assert (m.origin, m.reset, m.origin_sequence, m.end) == ("ps-ü", True, -5, True)
+    assert list(m.applied_request_ids) == ["r"]
+    assert rowwire.encode() == b"" and pb.RowBatch.FromString(b"") == pb.RowBatch()
+
+
+def _serve(name):
+    from deeprec_ext.grpc_util import create_server
+    from deeprec_ext.ps.server import ParameterServerServicer
+    from deeprec_ext.ps.validation import DecodeGuard
+    svc = ParameterServerServicer(name)
+    server, port = create_server("127.0.0.1:0", max_workers=8, interceptors=[DecodeGuard()])
+    pbg.add_ParameterServerServicer_to_server(svc, server)
+    server.start()
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+    return svc, server, ch, pbg.ParameterServerStub(ch), f"127.0.0.1:{port}"
+
+
+def _rows_and_counts(table):
+    keys, (rows, counts), _ = table.export_rows(None, with_counts="apart")
+    order = np.argsort(keys)
+    return keys[order], rows[order], counts[order]
+
+
+def test_replica_over_grpc_keeps_rows_and_counts_loses_moved_rows_and_refuses_bad_bytes():
+    """A full copy and a migration clean-up's delta travel as rowwire bytes over real gRPC:
+    the peer's copy equals the primary's rows and update counts, the moved rows are gone
+    from it (a promotion must not bring them back), and bad streams are refused by name
+    without touching the copy."""
+    a, a_srv, a_ch, a_stub, _ = _serve("ps-a")
+    b, b_srv, b_ch, b_stub, b_addr = _serve("ps-b")
+    try:
+        all_slots = np.ones(4096, np.uint8)
+        a_stub.SetRouting(pb.SetRoutingRequest(
+            epoch=1, owned_slots=all_slots.tobytes(), num_slots=4096, replica_peer=b_addr,
+            replication_interval_ms=60_000, ps_id="ps-a"), timeout=30)
+        a_stub.CreateTable(pb.CreateTableRequest(config=CFG), timeout=30)
+        ids = np.unique(np.random.default_rng(7).integers(-2**62, 2**62, 50_000))
+        _lookup(a_stub, ids, insert=True)
+        for _ in range(2):  # update counts 2 on a subset
+            a_stub.Push(pb.PushRequest(tables=[pb.TableUpdate(
+                table="emb", ids=ids[:5000].tobytes(),
+                values=np.full((5000, 4), 0.5, np.float32).tobytes())]), timeout=30)
+        a.replicator.ship()  # the full copy
+        src, copy = a.store["emb"], b.replicas.copies["ps-a"].store["emb"]
+        for x, y in zip(_rows_and_counts(src), _rows_and_counts(copy)):
+            assert np.array_equal(x, y)
+        assert _rows_and_counts(copy)[2].max() == 2
+
+        mask = np.zeros(4096, np.uint8)
+        mask[1::3] = 1
+        moving = ids[mask[slot_of(ids, 4096)].astype(bool)]
+        a_stub.SetRouting(pb.SetRoutingRequest(
+            epoch=2, owned_slots=(1 - mask).tobytes(), num_slots=4096, replica_peer=b_addr,
+            replication_interval_ms=60_000, ps_id="ps-a"), timeout=30)
+        assert a_stub.DropSlots(pb.DropSlotsRequest(slots=mask.tobytes(), num_slots=4096),
+                                timeout=30).rows == moving.size
+        a.replicator.ship()  # the delta: "moved" tombstones
+        assert len(copy) == ids.size - moving.size  # every kept row survived, no moved one
+        assert not copy.export_keys(moving)[0].size
+        for x, y in zip(_rows_and_counts(src), _rows_and_counts(copy)):
+            assert np.array_equal(x, y)
+
+        send = b_ch.stream_unary("/deeprec_ext.ps.ParameterServer/Replicate",
+                                 request_serializer=None,
+                                 response_deserializer=pb.ReplicateResponse.FromString)
+        cfg = CFG.SerializeToString()
+        three = np.array([1, 2, 3], np.int64)
+        base = b.replicas.copies["ps-a"].sequence
+        meta = (("x-replica-kind", "delta"), ("x-replica-base", str(base)))
+        cases = [([b"\x12\x7fab"], "Replicate"),
+                 ([rowwire.encode(cfg, three, np.ones((3, 8), np.float32),
+                                  np.zeros(2, np.uint32), origin="ps-a", end=True)], "counts")]
+        for batches, word in cases:
+            with pytest.raises(grpc.RpcError) as exc:
+                send(iter(batches), timeout=30, metadata=meta)
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.value.details()
+            assert word in exc.value.details(), exc.value.details()
+        assert len(copy) == ids.size - moving.size  # nothing of them applied
+        # ...and replication goes on
+        kept = np.setdiff1d(ids[:5000], moving)[:100]
+        a_stub.Push(pb.PushRequest(tables=[pb.TableUpdate(
+            table="emb", ids=kept.tobytes(),
+            values=np.full((kept.size, 4), 0.5, np.float32).tobytes())]), timeout=30)
+        a.replicator.ship()
+        for x, y in zip(_rows_and_counts(src), _rows_and_counts(copy)):
+            assert np.array_equal(x, y)
+        assert _rows_and_counts(copy)[2].max() == 3
+    finally:
+        for svc, srv, ch in ((a, a_srv, a_ch), (b, b_srv, b_ch)):
+            ch.close()
+            svc.replicator.close()
+            srv.stop(0).wait(10)
+            svc.close()
+
+
+def test_tombstones_undistinct_list_every_logged_key_and_the_replica_frees_each_once():
+    s = EmbeddingStore()
+    t = s.create_table("emb", 4, optimizer="sgd")
+    t.lookup(np.arange(100))
+    seq = s.sequence.value
+    t.delete(np.arange(10), log_tombstone=False, moved=True)
+    t.lookup(np.arange(5))
+    t.delete(np.arange(5), log_tombstone=False, moved=True)  # deleted again
+    raw = t.tombstones_since(seq, include_moved=True, distinct=False)
+    assert sorted(raw.tolist()) == sorted(list(range(10)) + list(range(5)))
+    assert np.array_equal(t.tombstones_since(seq, include_moved=True), np.arange(10))
+    r = EmbeddingStore().create_table("emb", 4, optimizer="sgd")
+    r.lookup(np.arange(100))
+    assert r.delete(raw, log_tombstone=False) == 10 and len(r) == 90

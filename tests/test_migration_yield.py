@@ -55,3 +55,32 @@ def test_bad_migration_share_is_refused_at_start():
                            cwd=ROOT, capture_output=True, text=True, timeout=60,
                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
         assert r.returncode == 2 and "--migration-share" in r.stderr and bad in r.stderr, r.stderr
+
+
+def test_drop_slots_yields_between_chunks_while_training_calls_are_in_flight():
+    """DropSlots (a migration's clean-up) waits between its delete chunks while lookups
+    or pushes are in flight, bounded per chunk, and still drops every row."""
+    import numpy as np
+
+    from deeprec_ext.hashing import slot_of
+    from deeprec_ext.proto import ps_pb2
+    svc = ParameterServerServicer("ps-d")
+    t = svc.store.create_table("emb", 4, optimizer="sgd")
+    keys = np.arange(100_000, dtype=np.int64)
+    t.lookup(keys)
+    mask = np.zeros(64, np.uint8)
+    mask[::2] = 1
+    moving = int(mask[slot_of(keys, 64)].sum())
+    svc.MIGRATE_CHUNK_ROWS = 4096
+    chunks = -(-moving // 4096)
+    svc.MIGRATE_YIELD_SECONDS = 0.01
+    svc._data_call(1)  # a training call in flight the whole time
+    t0 = time.monotonic()
+    r = svc.DropSlots(ps_pb2.DropSlotsRequest(slots=mask.tobytes(), num_slots=64), None)
+    waited = time.monotonic() - t0
+    svc._data_call(-1)
+    assert r.rows == moving and len(t) == keys.size - moving
+    assert waited >= 0.9 * 0.01 * (chunks - 1), (waited, chunks)
+    t0 = time.monotonic()  # idle: no wait
+    svc.DropSlots(ps_pb2.DropSlotsRequest(slots=(1 - mask).tobytes(), num_slots=64), None)
+    assert len(t) == 0 and time.monotonic() - t0 < 0.5 * 0.01 * (chunks - 1)

@@ -327,8 +327,9 @@ def test_full_copy_streams_from_the_primary_in_bounded_memory():
 
     class Peer:  # consumes the stream message by message, as gRPC does
         def Replicate(self, batches, **kw):
-            for b in batches:
-                received["rows"] += len(b.ids) // 8
+            from deeprec_ext import rowwire
+            for b in batches:  # wire bytes, as the channel sends them
+                received["rows"] += len(rowwire.parse(b).ids) // 8
             return ps_pb2.ReplicateResponse(rows=received["rows"])
 
     rep = Replicator(store, {})
@@ -571,7 +572,7 @@ def test_large_deltas_are_read_outside_the_apply_gate_and_the_copy_stays_exact(m
 
     def delta_batches(since):
         out = real(since)
-        reads.append(sum(len(b.ids) // 8 for b in out))
+        reads.append(sum(b.ids.size for b in out))
         if next(writes, None) is not None:  # "pushes" land while the copy streams
             t.apply_gradients(np.arange(1000), np.ones((1000, 4), np.float32))
             t.delete(np.arange(4990 - len(reads), 5000 - len(reads) * 5))
@@ -604,3 +605,24 @@ def test_large_deltas_are_read_outside_the_apply_gate_and_the_copy_stays_exact(m
     rep.ship()
     assert peer.kinds[-1] == "delta" and len(reads) >= 2, (peer.kinds, reads)
     _same_rows(t, peer.replicas.copies["ps-a"].store["c"])
+
+
+def test_background_full_copies_pace_between_chunks_and_stay_exact(monkeypatch):
+    """A background full copy (a scale event's new ring) yields between its chunks; the
+    copy is still exact. In sync mode (pushes wait for the copy) and for a direct
+    shipment (a hand-off) it does not pace."""
+    from deeprec_ext.ps import replication
+    monkeypatch.setattr(replication, "CHUNK_ROWS", 256)
+    t, peer, rep = _table_with_local_peer(3000)
+    paces = []
+    rep.pace_factory = lambda: (lambda: paces.append(time.monotonic()))
+    rep.ship(paced=True)
+    assert peer.kinds == ["full-new"] and len(paces) >= 3000 // 256 - 1, len(paces)
+    _same_rows(t, peer.replicas.copies["ps-a"].store["c"])
+    paces.clear()
+    for kw, sync in (({"paced": True}, True), ({}, False)):
+        rep._since, rep.sync = -1, sync
+        t.apply_gradients(np.arange(100), np.ones((100, 4), np.float32))
+        rep.ship(**kw)
+        assert not paces and peer.kinds[-1].startswith("full")
+        _same_rows(t, peer.replicas.copies["ps-a"].store["c"])

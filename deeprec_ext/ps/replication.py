@@ -40,7 +40,7 @@ from collections import OrderedDict, deque
 import grpc
 import numpy as np
 
-from deeprec_ext import codec, table_spec
+from deeprec_ext import codec, rowwire, table_spec
 from deeprec_ext.grpc_util import insecure_channel
 from deeprec_ext.hashing import DEFAULT_NUM_SLOTS
 from deeprec_ext.proto import ps_pb2, ps_pb2_grpc
@@ -59,6 +59,47 @@ GATED_MAX_ROWS = 1 << 13  # at most about this many changed rows are read under 
 UNGATED_ROUNDS = 3  # ...after up to this many rounds read outside it while deltas are larger
 FULL_TIMEOUT = 3600.0       # a full copy of a large table takes a while
 PROMOTE_WAIT_SECONDS = 60.0  # Promote waits this long for a copy still streaming in
+REPLICATE = "/deeprec_ext.ps.ParameterServer/Replicate"
+# tombstones a replica deletes per table-lock hold, yielding the interpreter in between: a
+# migration's clean-up ships every moved key (666k at 4M rows) in one delta, and deleting
+# them in one pass held the GIL for tens of ms on a PS that is also serving training
+APPLY_DELETE_CHUNK = 1 << 14
+MAX_ANNOUNCED_ROWS = 1 << 24  # a full copy's announced rows are a sizing hint, capped
+
+
+class _Pending:
+    """One ``RowBatch`` to be written as wire bytes (:mod:`deeprec_ext.rowwire`): rows in
+    the store's layout with their counts apart, no generated message and no copy of the
+    exported arrays until the one join into the message."""
+
+    __slots__ = ("name", "config", "ids", "rows", "counts", "deleted", "total_rows")
+
+    def __init__(self, name: str, config: bytes, ids=None, rows=None, counts=None,
+                 deleted=None, total_rows: int = 0):
+        self.name, self.config = name, config
+        self.ids = np.empty(0, np.int64) if ids is None else ids
+        self.rows, self.counts, self.deleted, self.total_rows = rows, counts, deleted, total_rows
+
+    def encode(self, origin: str, **extra) -> bytes:
+        return rowwire.encode(self.config, self.ids, self.rows, self.counts, self.deleted,
+                              total_rows=self.total_rows, origin=origin, **extra)
+
+
+class _ReplicaStub:
+    """``Replicate`` over a channel, sending wire bytes as they are (rowwire) and generated
+    messages serialized (drops, synchronous pushes)."""
+
+    def __init__(self, channel):
+        self._call = channel.stream_unary(
+            REPLICATE, request_serializer=_to_wire,
+            response_deserializer=ps_pb2.ReplicateResponse.FromString)
+
+    def Replicate(self, batches, timeout=None, metadata=()):  # noqa: N802 - gRPC's name
+        return self._call(batches, timeout=timeout, metadata=metadata)
+
+
+def _to_wire(b) -> bytes:
+    return b if isinstance(b, (bytes, bytearray)) else b.SerializeToString()
 
 
 def table_config(store_configs: dict, name: str, table) -> ps_pb2.TableConfig:
@@ -169,6 +210,10 @@ class Replicator:
         self.shipped_rows = 0
         self.full_copies = 0
         self.errors = 0
+        # background full copies pace themselves with what this returns (a function called
+        # between chunks; the PS sets it): a scale event's new ring makes two full copies
+        # of 1.3M rows each right after the publish, which took the CPU from training
+        self.pace_factory = None
         self._thread = threading.Thread(target=self._loop, name="replication", daemon=True)
         self._thread.start()
 
@@ -201,7 +246,7 @@ class Replicator:
         if self._stub_peer and self.origin:
             self._drop_peers.append(self._stub_peer)
         self._channel = insecure_channel(peer) if peer else None
-        self._stub = ps_pb2_grpc.ParameterServerStub(self._channel) if peer else None
+        self._stub = _ReplicaStub(self._channel) if peer else None
         self._stub_peer = peer
         self._since = -1  # new peer: full copy
         self._full_mode = "new"
@@ -239,18 +284,17 @@ class Replicator:
         has not seen. Under the gate."""
         out = []
         for name, table in sorted(self.store.tables().items()):
-            cfg = table_config(self.configs, name, table)
-            deleted = table.tombstones_since(since, include_moved=True)
-            keys, rows, _ = table.export_rows(since, with_counts=True)
+            # not de-duplicated (a sort of every moved key of a clean-up): the peer deletes
+            # each key once whatever the repeats
+            deleted = table.tombstones_since(since, include_moved=True, distinct=False)
+            keys, (rows, counts), _ = table.export_rows(since, with_counts="apart")
             if keys.size or deleted.size or name not in self._known_tables:
-                out.append(ps_pb2.RowBatch(config=cfg, origin=self.origin,
-                                           ids=codec.ids_to_bytes(keys[:CHUNK_ROWS]),
-                                           rows=codec.floats_to_bytes(rows[:CHUNK_ROWS]),
-                                           deleted_ids=codec.ids_to_bytes(deleted)))
+                cfg = table_config(self.configs, name, table).SerializeToString()
+                out.append(_Pending(name, cfg, keys[:CHUNK_ROWS], rows[:CHUNK_ROWS],
+                                    counts[:CHUNK_ROWS], deleted))
                 for i in range(CHUNK_ROWS, keys.size, CHUNK_ROWS):
-                    out.append(ps_pb2.RowBatch(config=cfg, origin=self.origin,
-                                               ids=codec.ids_to_bytes(keys[i:i + CHUNK_ROWS]),
-                                               rows=codec.floats_to_bytes(rows[i:i + CHUNK_ROWS])))
+                    out.append(_Pending(name, cfg, keys[i:i + CHUNK_ROWS],
+                                        rows[i:i + CHUNK_ROWS], counts[i:i + CHUNK_ROWS]))
         return out
 
     def _ungated_rounds(self, since: int) -> tuple[list, int]:
@@ -278,8 +322,10 @@ class Replicator:
             since = mark
         return out, since
 
-    def ship(self, timeout: float = 60.0) -> int:
-        """Send everything changed since the last shipment; returns rows sent."""
+    def ship(self, timeout: float = 60.0, paced: bool = False) -> int:
+        """Send everything changed since the last shipment; returns rows sent. ``paced``:
+        a full copy yields to training between its chunks (the background loop; never in
+        sync mode, where pushes wait for the copy)."""
         with self._lock:
             self._follow_peer()
             self._send_drops()
@@ -291,7 +337,7 @@ class Replicator:
                 except _NeedsFull as exc:
                     log.info("%s: full copy to %s: %s", self.origin, self.peer, exc)
                     self._since, self._full_mode = -1, exc.mode
-            return self._ship_full(timeout)
+            return self._ship_full(timeout, paced and not self.sync)
 
     def _ship_delta(self, timeout: float) -> int:
         since = self._since
@@ -316,61 +362,74 @@ class Replicator:
                 self.applied.requeue(ids)
                 raise _NeedsFull("refresh", str(exc)) from None
         if not batches:
-            batches = [ps_pb2.RowBatch(origin=self.origin)]
-        for b in batches:
-            b.origin_sequence = watermark
-        batches[0].applied_request_ids.extend(ids)
-        batches[-1].end = True
+            batches = [_Pending("", b"")]
+        last = len(batches) - 1
+        # encoded as the stream is sent: one message's bytes alive at a time
+        wire = (b.encode(self.origin, origin_sequence=watermark, end=i == last,
+                         applied_request_ids=ids if i == 0 else ())
+                for i, b in enumerate(batches))
         try:
-            resp = self._stub.Replicate(iter(batches), timeout=timeout,
+            resp = self._stub.Replicate(wire, timeout=timeout,
                                         metadata=self._meta("delta", since))
         except grpc.RpcError as exc:
             self.applied.requeue(ids)
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the peer lacks the base
                 raise _NeedsFull("new", f"the peer refused the delta: {exc.details()}") from None
             raise
-        self._known_tables.update(b.config.name for b in batches if b.config.name)
+        self._known_tables.update(b.name for b in batches if b.name)
         self._since = watermark
         self.store.set_consumer("replica", watermark, moved=True)
         self.last_shipped = time.monotonic()
         self.shipped_rows += resp.rows
         return resp.rows
 
-    def _ship_full(self, timeout: float) -> int:
+    def _ship_full(self, timeout: float, paced: bool = False) -> int:
         """A full copy in slices (no table is copied whole), then, under the apply gate, the
         rows and tombstones written meanwhile and every remembered request id."""
         start = self.store.sequence.value
         self.store.set_consumer("replica", start, moved=True)  # logs from the start on
         done: dict = {}
+        pace = self.pace_factory() if paced and self.pace_factory is not None else None
+        t0 = time.monotonic()
+        log.info("%s: full copy to %s starts (%s)", self.origin, self.peer,
+                 "paced" if pace else "unpaced")
 
         def stream():
-            yield ps_pb2.RowBatch(origin=self.origin, reset=True)
+            # RowBatch wire bytes straight from the exported arrays (rowwire), rows in the
+            # store's layout: the protobuf copies of this stream were most of a new PS's
+            # CPU during a scale-out (its full copy to the ring peer)
+            origin = self.origin
+            yield rowwire.encode(origin=origin, reset=True)
             everything = np.ones(1, dtype=bool)  # with one slot every key maps to slot 0
             for name, table in sorted(self.store.tables().items()):
-                cfg = table_config(self.configs, name, table)
-                yield ps_pb2.RowBatch(config=cfg, origin=self.origin)  # empty tables too
+                cfg = table_config(self.configs, name, table).SerializeToString()
+                # empty tables too; the rows coming are announced so that the peer sizes
+                # the copy's table once (+2%: rows written while the copy streams)
+                yield rowwire.encode(cfg, origin=origin,
+                                     total_rows=int(len(table) * 1.02) + 64)
                 row = 0
                 while row is not None:
-                    keys, rows, _, row = table.export_slots(everything, None, row, CHUNK_ROWS,
-                                                            with_counts=True)
+                    keys, (rows, counts), _, row = table.export_slots(
+                        everything, None, row, CHUNK_ROWS, with_counts="apart")
                     if keys.size:
-                        yield ps_pb2.RowBatch(config=cfg, origin=self.origin,
-                                              ids=codec.ids_to_bytes(keys),
-                                              rows=codec.floats_to_bytes(rows))
+                        yield rowwire.encode(cfg, keys, rows, counts, origin=origin)
+                    if pace is not None and row is not None:
+                        pace()
             pre, mark = self._ungated_rounds(start)  # _NeedsFull: this copy fails, try again
-            yield from pre
+            for b in pre:
+                yield b.encode(origin)
             with self.gate.exclusive():
                 self.applied.take_unshipped()  # all of them are in the snapshot
                 ids = self.applied.snapshot()
                 watermark = self.store.sequence.value
                 tail = self._delta_batches(mark)  # LogTrimmed: this copy fails, try again
             done["watermark"] = watermark
-            done["tables"] = {b.config.name for b in tail if b.config.name}
+            done["tables"] = {b.name for b in tail if b.name}
             done["tables"].update(self.store.tables())
             for b in tail:
-                yield b
-            yield ps_pb2.RowBatch(origin=self.origin, origin_sequence=watermark,
-                                  applied_request_ids=ids, end=True)
+                yield b.encode(origin)
+            yield rowwire.encode(origin=origin, origin_sequence=watermark,
+                                 applied_request_ids=ids, end=True)
 
         self._known_tables = set(self.store.tables())  # the copy sends every config
         resp = self._stub.Replicate(stream(), timeout=max(timeout, FULL_TIMEOUT),
@@ -382,6 +441,8 @@ class Replicator:
         self.last_shipped = time.monotonic()
         self.shipped_rows += resp.rows
         self.full_copies += 1
+        log.info("%s: full copy to %s done: %d rows in %.0f ms", self.origin, self.peer,
+                 resp.rows, (time.monotonic() - t0) * 1000)
         return resp.rows
 
     def ship_push(self, tables, request_id: str = "") -> None:
@@ -444,7 +505,7 @@ class Replicator:
                 break
             failed += 1  # unless ship() returns
             try:
-                self.ship()
+                self.ship(paced=True)
                 failed = 0
             except grpc.RpcError as exc:
                 # the peer is unreachable or slow: the next delta starts from the same base
@@ -504,10 +565,16 @@ def _apply_batch(store: EmbeddingStore, b, decoded=None) -> int:
     table = store.ensure_table(cfg.name, cfg.dim, init, opt, **table_spec.policies(cfg))
     if decoded is None:
         decoded = _decode(b, table.row_width)
-    deleted, ids, rows = decoded
-    if deleted.size:
-        table.delete(deleted, log_tombstone=False)
-    if ids.size:
+    deleted, ids, rows, counts = decoded
+    for i in range(0, deleted.size, APPLY_DELETE_CHUNK):
+        if i:
+            time.sleep(0)  # let the PS's serving threads run between the slices
+        table.delete(deleted[i:i + APPLY_DELETE_CHUNK], log_tombstone=False)
+    if b.total_rows > 0:  # a full copy's table: sized once for the rows announced
+        table.reserve_import(min(int(b.total_rows), MAX_ANNOUNCED_ROWS))
+    if ids.size and counts is not None:  # the store's layout, counts apart (rowwire)
+        table.import_block(ids, rows, counts)
+    elif ids.size:  # rows with their counts last (synchronous pushes, older primaries)
         table.import_rows(ids, rows)
     return int(ids.size)
 
@@ -515,8 +582,19 @@ def _apply_batch(store: EmbeddingStore, b, decoded=None) -> int:
 def _decode(b, row_width: int):
     deleted = codec.ids_from_bytes(b.deleted_ids, "deleted_ids")
     ids = codec.ids_from_bytes(b.ids)
-    rows = codec.rows_from_bytes(b.rows, ids.size, row_width) if ids.size else None
-    return deleted, ids, rows
+    rows = counts = None
+    if ids.size and len(b.counts):
+        rows = codec.floats_from_bytes(b.rows, ids.size, row_width, "rows")
+        counts = codec.counts_from_bytes(b.counts, ids.size)
+    elif ids.size:
+        rows = codec.rows_from_bytes(b.rows, ids.size, row_width)
+    return deleted, ids, rows, counts
+
+
+def _parsed(batches):
+    """Batches as messages: wire bytes (an in-process sender) are parsed as views."""
+    for b in batches:
+        yield rowwire.parse(b) if isinstance(b, (bytes, bytearray, memoryview)) else b
 
 
 class ReplicaSet:
@@ -534,7 +612,7 @@ class ReplicaSet:
     def apply(self, batches, kind: str = "", base: int = -1) -> int:
         """Apply one ``Replicate`` stream; returns rows received. ``kind`` from the call's
         metadata (empty: an older primary; inferred from the first batch)."""
-        it = iter(batches)
+        it = _parsed(batches)
         first = next(it, None)
         if first is None:
             return 0

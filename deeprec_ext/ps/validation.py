@@ -182,8 +182,10 @@ class _Undecodable:
 
 def _fast_deserializers() -> dict:
     from deeprec_ext import rowwire
-    # a migration's row stream: fields read as views of the received bytes (no copy)
-    return {"/deeprec_ext.ps.ParameterServer/ImportRows": rowwire.parse}
+    # a migration's row stream and replication's (full copies, deltas): fields read as
+    # views of the received bytes (no copy)
+    return {"/deeprec_ext.ps.ParameterServer/ImportRows": rowwire.parse,
+            "/deeprec_ext.ps.ParameterServer/Replicate": rowwire.parse}
 
 
 FAST_DESERIALIZERS = _fast_deserializers()
