@@ -16,7 +16,7 @@ from deeprec_ext import auth
 from deeprec_ext.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, create_server
 from deeprec_ext.member import MASTER_ENV, MEMBER_ID_ENV, MasterSession
 from deeprec_ext.proto import ps_pb2_grpc, sync_pb2_grpc
-from deeprec_ext.ps.server import ParameterServerServicer
+from deeprec_ext.ps.server import ParameterServerServicer, set_malloc_mmap_threshold
 from deeprec_ext.ps.validation import DecodeGuard
 from deeprec_ext.launcher import launcher_alive, watch_launcher
 from deeprec_ext.stats import StatsInterceptor
@@ -94,8 +94,7 @@ def bound_malloc_retention(threshold_mb: float) -> bool:
     # 32 MB is glibc's most for the threshold; trimming at 2x is its own dynamic ratio
     size = max(128 * 1024, min(size, 32 * 1024 * 1024))
     ok = bool(mallopt(_M_MMAP_THRESHOLD, size)) and bool(mallopt(_M_TRIM_THRESHOLD, 2 * size))
-    if ok:  # checkpoint chunks sized under it (checkpoint.writer.set_malloc_mmap_threshold)
-        from checkpoint.writer import set_malloc_mmap_threshold
+    if ok:  # checkpoint chunks sized under it
         set_malloc_mmap_threshold(size)
     return ok
 

@@ -90,6 +90,14 @@ class Routing:
 
 
 @validation.answers_refusals(ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"])
+def set_malloc_mmap_threshold(nbytes: int | None) -> None:
+    """The process's fixed malloc mmap threshold (``ps.__main__`` sets one): the checkpoint
+    writer sizes an incremental's chunks under it. Here because the PS server is the one
+    part of ``deeprec_ext`` that drives the checkpoint package."""
+    from checkpoint.writer import set_malloc_mmap_threshold as tell_writer
+    tell_writer(nbytes)
+
+
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, ps_id: str = "ps", store: EmbeddingStore | None = None,
                  memory_limit_bytes: int = 0, migration_share: float = 1.0):
