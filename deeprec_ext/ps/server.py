@@ -89,7 +89,6 @@ class Routing:
                           f"stale routing: key {bad} is not owned by this PS at epoch {epoch}")
 
 
-@validation.answers_refusals(ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"])
 def set_malloc_mmap_threshold(nbytes: int | None) -> None:
     """The process's fixed malloc mmap threshold (``ps.__main__`` sets one): the checkpoint
     writer sizes an incremental's chunks under it. Here because the PS server is the one
@@ -98,6 +97,7 @@ def set_malloc_mmap_threshold(nbytes: int | None) -> None:
     tell_writer(nbytes)
 
 
+@validation.answers_refusals(ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"])
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, ps_id: str = "ps", store: EmbeddingStore | None = None,
                  memory_limit_bytes: int = 0, migration_share: float = 1.0):
