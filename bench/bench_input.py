@@ -14,8 +14,9 @@
    of the objects (this TensorFlow has no s3:// file system), and a plain
    ``TextLineDataset`` over the text files of the same records for Parquet (TensorFlow
    has no Parquet reader), with the line parse; the plain text reader is also given for
-   every row as information. Reference runs alternate with ours, so all see the same load (the target's
-   reference next to ours, before it in even rounds and after it in odd ones).
+   every row as information. Reference runs alternate with ours, so all see the same
+   load (the target's reference next to ours, before it in even rounds and after it in
+   odd ones; every pipeline run once before timing).
 2. Read amplification (bytes read by all workers / bytes of the files) with 1, 2 and 4
    workers: shards dealt round-robin, every worker a fresh subprocess reading its shards
    with ``read_shard`` (the worker's path). Local files: ``/proc/self/io`` ``rchar``
