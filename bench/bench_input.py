@@ -14,7 +14,9 @@
    of the objects (this TensorFlow has no s3:// file system), and a plain
    ``TextLineDataset`` over the text files of the same records for Parquet (TensorFlow
    has no Parquet reader), with the line parse; the plain text reader is also given for
-   every row as information. Reference runs alternate with ours, so all see the same load.
+   every row as information. Reference runs alternate with ours, so all see the same
+   load (the target's reference next to ours, before it in even rounds and after it in
+   odd ones; every pipeline run once before timing).
 2. Read amplification (bytes read by all workers / bytes of the files) with 1, 2 and 4
    workers: shards dealt round-robin, every worker a fresh subprocess reading its shards
    with ``read_shard`` (the worker's path). Local files: ``/proc/self/io`` ``rchar``
@@ -246,8 +248,10 @@ def ours(fmt: str, ranges):
 def rates(data, where: str, shard_bytes: int, repeat: int, records: int, local,
           formats=FORMATS) -> list[dict]:
     """Per format: our runs alternate with the reference pipelines (``references``), so all
-    see the same load; medians of ``repeat`` each, of the wall time and of this process's
-    CPU time (less sensitive to other jobs on the machine than the wall time)."""
+    see the same load, the target's reference next to ours and before it in every other
+    round; every pipeline run once before timing; medians of ``repeat`` each, of the wall
+    time and of this process's CPU time (less sensitive to other jobs on the machine than
+    the wall time)."""
     from aimaster.shards import make_shards
     rows = []
     for fmt in formats:
@@ -256,18 +260,20 @@ def rates(data, where: str, shard_bytes: int, repeat: int, records: int, local,
         ranges = [(s.path, s.start, s.end) for s in shards]
         run = ours(fmt, ranges)
         refs = references(fmt, where, local)
-        run()  # warm: graph tracing, imports, page cache
-        wall, cpu = {"ours": []}, {"ours": []}
-        for _ in range(repeat):
-            for role, _, fn in refs:
+        # the target's reference runs next to ours, before it in even rounds and after it
+        # in odd ones: no pipeline always follows the other (whatever one leaves behind,
+        # TensorFlow's spinning pool threads, a drift of the load, falls on both)
+        order = [(role, fn) for role, _, fn in refs[::-1]] + [("ours", run)]
+        for _, fn in order:
+            fn()  # warm every pipeline: graph tracing, imports, page cache, connections
+        wall = {role: [] for role, _ in order}
+        cpu = {role: [] for role, _ in order}
+        for k in range(repeat):
+            for role, fn in order if k % 2 == 0 else order[::-1]:
                 t, c, n = timed(fn)
-                assert n == records, (role, n, records)
-                wall.setdefault(role, []).append(t)
-                cpu.setdefault(role, []).append(c)
-            t, c, n = timed(run)
-            assert n == records, (fmt, where, n, records)
-            wall["ours"].append(t)
-            cpu["ours"].append(c)
+                assert n == records, (fmt, where, role, n, records)
+                wall[role].append(t)
+                cpu[role].append(c)
         med = {k: statistics.median(v) for k, v in cpu.items()}
         medw = {k: statistics.median(v) for k, v in wall.items()}
         row = {"format": fmt, "where": where, "shards": len(shards), "records": records,

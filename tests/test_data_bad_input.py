@@ -331,3 +331,32 @@ def test_tfrecord_data_crcs_checked_over_the_whole_shard_find_every_bad_record(t
         assert got == [p for k, p in enumerate(payloads) if k not in hit], (trial, hit)
         assert [b["offset"] for b in bad] == [int(offsets[k]) for k in hit], trial
         assert {b["reason"] for b in bad} == {"corrupt TFRecord data (CRC mismatch)"}
+
+
+def test_tfrecord_one_crc_pass_catches_any_flipped_bit(tmp_path):
+    """Both CRCs of every record are checked by one C pass per run (``_all_crcs_match``):
+    clean records pass; one flipped bit anywhere (a length, a length CRC, a payload, a data
+    CRC) fails it; and through the reader a flipped length-CRC bit (the length itself
+    intact, so the framing walks on) still ends the shard there, naming the record."""
+    from deeprec_ext.data import ranges
+    rng = np.random.default_rng(11)
+    sizes = [0, 1, 8, 4096, 4097, 9000] + rng.integers(0, 300, 60).tolist()
+    frames = [tfrecord_frame(rng.integers(0, 256, n, dtype=np.uint8).tobytes()) for n in sizes]
+    heads = np.cumsum([0] + [len(f) for f in frames])[:-1].astype(np.int64)
+    lengths = np.array(sizes, np.int64)
+    clean = np.frombuffer(b"".join(frames), np.uint8)
+    assert ranges._all_crcs_match(clean, heads, lengths)
+    for at in rng.choice(len(clean), 300, replace=False).tolist() + [0, len(clean) - 1]:
+        data = clean.copy()
+        data[at] ^= np.uint8(1 << int(rng.integers(8)))
+        assert not ranges._all_crcs_match(data, heads, lengths), at
+    # the reader: a length CRC byte flipped in record 20
+    data = bytearray(clean.tobytes())
+    data[int(heads[20]) + 9] ^= 0x10
+    path = tmp_path / "f.tfrecord"
+    path.write_bytes(bytes(data))
+    bad = []
+    records, _ = read_shard(str(path), 0, len(data), "tfrecord", bad=bad)
+    assert len(records) == 20
+    assert bad == [{"path": str(path), "offset": int(heads[20]),
+                    "reason": "corrupt TFRecord length (CRC mismatch)"}]
