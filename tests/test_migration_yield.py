@@ -84,3 +84,41 @@ def test_drop_slots_yields_between_chunks_while_training_calls_are_in_flight():
     t0 = time.monotonic()  # idle: no wait
     svc.DropSlots(ps_pb2.DropSlotsRequest(slots=(1 - mask).tobytes(), num_slots=64), None)
     assert len(t) == 0 and time.monotonic() - t0 < 0.5 * 0.01 * (chunks - 1)
+
+
+def test_migration_priority_is_lowered_for_the_exporting_thread_only():
+    import os
+    from deeprec_ext.ps.server import _lower_thread_priority
+    me = threading.get_native_id()
+    before = os.getpriority(os.PRIO_PROCESS, me)
+    seen = {}
+
+    def export_thread():
+        tid = threading.get_native_id()
+        _lower_thread_priority(5)
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, tid)
+        _lower_thread_priority(40)  # capped at 19
+        seen["capped"] = os.getpriority(os.PRIO_PROCESS, tid)
+    t = threading.Thread(target=export_thread)
+    t.start()
+    t.join()
+    assert seen == {"nice": min(19, before + 5), "capped": 19}
+    assert os.getpriority(os.PRIO_PROCESS, me) == before  # the serving threads keep theirs
+    _lower_thread_priority(0)
+    assert os.getpriority(os.PRIO_PROCESS, me) == before
+
+
+def test_bad_migration_nice_is_refused_at_start():
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+    from tests.conftest import ROOT
+    for bad in ("-1", "20"):
+        r = subprocess.run([sys.executable, "-m", "deeprec_ext.ps", "--migration-nice", bad],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert r.returncode == 2 and "--migration-nice" in r.stderr and bad in r.stderr, r.stderr
+    with pytest.raises(ValueError, match="migration_nice"):
+        ParameterServerServicer("ps-n", migration_nice=25)
