@@ -51,11 +51,6 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="most of the wall time a background migration round may keep "
                         "busy, in (0, 1]: the copy paces itself so training keeps the rest "
                         "(1: no pacing; the fenced last round is never paced)")
-    p.add_argument("--migration-nice", type=int,
-                   default=int(os.environ.get("DEEPREC_PS_MIGRATION_NICE", "0")),
-                   help="niceness added to the thread exporting a background migration "
-                        "round (snapshot, catch-up), in [0, 19]: it gets the CPU after "
-                        "training's requests; 0: the PS's own priority")
     p.add_argument("--malloc-mmap-threshold-mb", type=float,
                    # a string default goes through ``type``: a bad environment value is
                    # a usage error naming the flag, not a traceback
@@ -118,13 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --migration-share (DEEPREC_PS_MIGRATION_SHARE) must be in (0, 1], "
               f"got {args.migration_share}", file=sys.stderr)
         return 2
-    if not 0 <= args.migration_nice <= 19:
-        print(f"error: --migration-nice (DEEPREC_PS_MIGRATION_NICE) must be in [0, 19], "
-              f"got {args.migration_nice}", file=sys.stderr)
-        return 2
     servicer = ParameterServerServicer(
         args.id or "ps", memory_limit_bytes=int(max(args.memory_limit_mb, 0) * 1024 * 1024),
-        migration_share=args.migration_share, migration_nice=args.migration_nice)
+        migration_share=args.migration_share)
     try:  # access control: the job token (DEEPREC_TOKEN_FILE) checked on every RPC
         interceptors = auth.server_interceptors()
     except auth.AuthError as exc:

@@ -89,19 +89,6 @@ class Routing:
                           f"stale routing: key {bad} is not owned by this PS at epoch {epoch}")
 
 
-def _lower_thread_priority(nice: int) -> None:
-    """This thread's niceness up by ``nice`` (Linux: per thread), so the export of a
-    background migration round gets the CPU after training's requests, the PS's serving
-    threads and the other processes on the host, not in turn with them."""
-    if nice <= 0 or not hasattr(os, "setpriority"):
-        return
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError as exc:  # not allowed here: the round runs at the PS's priority
-        log.debug("migration thread priority unchanged: %s", exc)
-
-
 def set_malloc_mmap_threshold(nbytes: int | None) -> None:
     """The process's fixed malloc mmap threshold (``ps.__main__`` sets one): the checkpoint
     writer sizes an incremental's chunks under it. Here because the PS server is the one
@@ -113,15 +100,11 @@ def set_malloc_mmap_threshold(nbytes: int | None) -> None:
 @validation.answers_refusals(ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"])
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, ps_id: str = "ps", store: EmbeddingStore | None = None,
-                 memory_limit_bytes: int = 0, migration_share: float = 1.0,
-                 migration_nice: int = 0):
+                 memory_limit_bytes: int = 0, migration_share: float = 1.0):
         self.ps_id = ps_id
         if not 0.0 < migration_share <= 1.0:
             raise ValueError(f"migration_share must be in (0, 1], got {migration_share!r}")
-        if not 0 <= int(migration_nice) <= 19:
-            raise ValueError(f"migration_nice must be in [0, 19], got {migration_nice!r}")
         self.migration_share = float(migration_share)
-        self.migration_nice = int(migration_nice)
         self.memory_limit_bytes = int(memory_limit_bytes)
         self.store = store if store is not None else EmbeddingStore()
         self.routing = Routing()
@@ -444,10 +427,6 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         share = float(np.count_nonzero(mask)) / max(mask.size, 1)
 
         def batches():
-            if background:
-                # gRPC reads this generator on a thread of its own, which ends with the
-                # call: it can lose CPU priority for good (only raising it needs rights)
-                _lower_thread_priority(self.migration_nice)
             # RowBatch wire bytes written straight from the exported arrays (rowwire): rows
             # in the store's layout, counts apart, each buffer copied once into the message
             for name, table in sorted(self.store.tables().items()):
