@@ -51,11 +51,6 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="most of the wall time a background migration round may keep "
                         "busy, in (0, 1]: the copy paces itself so training keeps the rest "
                         "(1: no pacing; the fenced last round is never paced)")
-    p.add_argument("--switch-interval-ms", type=float,
-                   default=float(os.environ.get("DEEPREC_PS_SWITCH_INTERVAL_MS", "5")),
-                   help="the interpreter's thread switch interval (sys.setswitchinterval): "
-                        "how long a serving thread waits for the interpreter lock held by "
-                        "a busy thread (a migration's export or import) before it is handed over")
     p.add_argument("--malloc-mmap-threshold-mb", type=float,
                    # a string default goes through ``type``: a bad environment value is
                    # a usage error naming the flag, not a traceback
@@ -118,11 +113,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --migration-share (DEEPREC_PS_MIGRATION_SHARE) must be in (0, 1], "
               f"got {args.migration_share}", file=sys.stderr)
         return 2
-    if not 0.1 <= args.switch_interval_ms <= 100:
-        print(f"error: --switch-interval-ms (DEEPREC_PS_SWITCH_INTERVAL_MS) must be in "
-              f"[0.1, 100], got {args.switch_interval_ms}", file=sys.stderr)
-        return 2
-    sys.setswitchinterval(args.switch_interval_ms / 1000)
     servicer = ParameterServerServicer(
         args.id or "ps", memory_limit_bytes=int(max(args.memory_limit_mb, 0) * 1024 * 1024),
         migration_share=args.migration_share)
