@@ -400,6 +400,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     # -- live migration -------------------------------------------------------------------
     MIGRATE_CHUNK_ROWS = 1 << 14  # rows per streamed batch / per table-lock hold
+    CATCHUP_UNPACED_ROWS = 2 * MIGRATE_CHUNK_ROWS  # a catch-up round's rows sent before pacing
 
     def _slot_mask(self, raw: bytes, num_slots: int, context, routed: bool = False) -> np.ndarray:
         """A request's slot mask; ``routed``: it must be over this PS's routing slots (once
@@ -419,9 +420,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         since = None if request.since_seq < 0 else request.since_seq
         totals = {"rows": 0, "bytes": 0, "deleted": 0}
         background = not request.send_request_ids  # the last round runs fenced: no yielding
-        # only the snapshot round is paced: a paced catch-up round lets more rows change
-        # meanwhile, the deltas stop shrinking and the fenced last round grows with them
-        paced = background and since is None and self.migration_share < 1.0
+        # The snapshot is paced; a catch-up round only past its first CATCHUP_UNPACED_ROWS.
+        # Small rounds run at full speed, or more rows would change meanwhile and the
+        # deltas stop shrinking (the fenced last round grows with them). The first
+        # catch-up carries the rows written during the snapshot, a fifth of it at 4M rows:
+        # unpaced, training ran at 0.3-0.5x its steady rate while it lasted, and the
+        # event's longest steps fell in it
+        paced = background and self.migration_share < 1.0
         pacer = self._Pacer(self.migration_share if paced else 1.0, lambda: self._paced_rounds)
 
         share = float(np.count_nonzero(mask)) / max(mask.size, 1)
@@ -449,7 +454,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                         totals["bytes"] += rows.nbytes + counts.nbytes + keys.nbytes
                         yield rowwire.encode(cfg, keys, rows, counts)
                     if background and row is not None:
-                        pacer.pace()
+                        if since is None or totals["rows"] > self.CATCHUP_UNPACED_ROWS:
+                            pacer.pace()
+                        else:  # the duty cycle counts from where pacing starts
+                            pacer.mark = time.monotonic()
                         self._yield_to_training()
             if request.send_request_ids:
                 yield rowwire.encode(applied_request_ids=self.applied.snapshot())
