@@ -838,7 +838,10 @@ class JobMaster:
             event.update(ps=[ps_before, ps], moved_rows=result.moved_rows,
                          moved_bytes=result.moved_bytes, moved_slots=result.moved_slots,
                          catchup_rows=result.catchup_rows, rounds=result.rounds,
-                         fence_ms=round(result.fence_ms, 3), epoch=result.routing.epoch)
+                         fence_ms=round(result.fence_ms, 3), epoch=result.routing.epoch,
+                         # what the fence window is made of (fence calls, last delta,
+                         # publish) and the rows of each round: where a long step went
+                         phases_ms=result.phases_ms, round_rows=result.round_rows)
         if workers is not None and workers != workers_before:
             self._workers_started = True
             self._worker_target = workers  # before the change: 0 means "no completion check"

@@ -38,6 +38,7 @@ class MigrationResult:
     # where the time went: snapshot, catchup (all rounds), fence (the SetRouting calls),
     # last_delta, publish; what a move waits on (a slow source shows in each)
     phases_ms: dict = field(default_factory=dict)
+    round_rows: list = field(default_factory=list)  # rows of each round, summed over pairs
 
 
 # Gazer: what the migration in progress (or the last one) is doing, read by the monitor.
@@ -111,12 +112,13 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
     with ThreadPoolExecutor(max_workers=max(1, min(8, max(len(pairs), len(old_ids))))) as pool:
         try:
             # 1. snapshot while serving, 2. catch-up rounds until the deltas are small
-            list(pool.map(lambda p: ship(p, True), pairs))
+            result.round_rows.append(sum(pool.map(lambda p: ship(p, True), pairs)))
             result.rounds = 1
             lap("snapshot")
             for _ in range(max_catchup_rounds):
                 _progress(phase="catchup", pairs_done=0)
                 sent = list(pool.map(lambda p: ship(p, False), pairs))
+                result.round_rows.append(sum(sent))
                 result.rounds += 1
                 if max(sent, default=0) <= small_delta_rows:
                     break
@@ -133,7 +135,7 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
             lap("fence")
             # 4. last delta: nothing can write the fenced slots any more; the new owners
             # also learn which pushes were applied (a push resent to them is not re-applied)
-            list(pool.map(lambda p: ship(p, False, last=True), pairs))
+            result.round_rows.append(sum(pool.map(lambda p: ship(p, False, last=True), pairs)))
             result.rounds += 1
             lap("last_delta")
             # 5. hand over: every PS learns the new layout (and ring) at the next epoch,

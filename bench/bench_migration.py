@@ -460,6 +460,12 @@ def analyze_event(event: dict, state: dict, steps: np.ndarray, steady: float,
     if publish is not None:
         fence_start = publish - event.get("fence_ms", 0.0) / 1000
         phases["snapshot_catchup"] = (copy_start, fence_start)
+        # the migration's own laps (AIMaster side): the catch-up rounds end at the fence
+        laps = event.get("phases_ms") or {}
+        if "catchup" in laps:
+            catchup_start = max(copy_start, fence_start - laps["catchup"] / 1000)
+            phases["snapshot"] = (copy_start, catchup_start)
+            phases["catchup"] = (catchup_start, fence_start)
         phases["fence"] = (fence_start, publish)
         phases["cleanup"] = (publish, end)
     whole = window_stats(steps, start, end, steady)

@@ -79,6 +79,12 @@ def test_ps_scale_under_pushes_counts_exact(start_job):
         assert ev["kind"] == "scale" and ev["ps"] == [2, 3] and ev["workers"] == [0, 0]
         assert ev["moved_rows"] > 0 and ev["moved_bytes"] > 0 and ev["duration_ms"] > 0
         assert 0 < ev["max_stall_ms"] < 5000
+        # the rows of every round (snapshot, catch-ups, the fenced last one) and where
+        # the time went, so a long training step can be placed in the migration
+        assert ev["round_rows"][0] == ev["moved_rows"] and len(ev["round_rows"]) == ev["rounds"]
+        assert sum(ev["round_rows"][1:]) == ev["catchup_rows"]
+        assert {"snapshot", "catchup", "fence", "last_delta", "publish"} <= set(ev["phases_ms"])
+        assert all(v >= 0 for v in ev["phases_ms"].values())
         after = pids(job, "ps")
         assert all(after[i] == before[i] for i in before), "a surviving PS restarted"
         assert scale(job, "--ps", "1")["ps"] == [3, 1]

@@ -247,6 +247,61 @@ def test_migration_moves_every_row_of_its_slots_exactly(two_ps):
     assert np.array_equal(_lookup(dst, moving), _lookup(src, moving))
 
 
+def test_migration_into_a_ps_that_holds_rows_moves_every_row_exactly(two_ps):
+    """A scale-in's destination: it serves rows of its own and holds the deleted positions
+    of an earlier clean-up. The rows arrive in pieces (``IMPORT_PIECE_ROWS``) between its
+    lookups; every moved row lands once, its own rows stay, and a batch with one bad row
+    in its last piece is refused whole."""
+    (src, _), (dst, dst_addr) = two_ps
+    rng = np.random.default_rng(11)
+    ids = rng.permutation(np.unique(rng.integers(-2**62, 2**62, 200_000)))
+    own, moving_pool = ids[:80_000], ids[80_000:]
+    for stub, keys in ((dst, own), (src, moving_pool)):
+        stub.CreateTable(pb.CreateTableRequest(config=CFG), timeout=30)
+        _lookup(stub, keys, insert=True)
+    gone = np.zeros(4096, np.uint8)
+    gone[1::3] = 1  # the destination's earlier clean-up: deleted positions, free rows
+    dropped = dst.DropSlots(pb.DropSlotsRequest(slots=gone.tobytes(), num_slots=4096),
+                            timeout=30).rows
+    kept = own[~gone[slot_of(own, 4096)].astype(bool)]
+    assert dropped == own.size - kept.size > 0
+    kept_before = _lookup(dst, kept)
+    mask = np.zeros(4096, np.uint8)
+    mask[::3] = 1
+    moving = moving_pool[mask[slot_of(moving_pool, 4096)].astype(bool)]
+    assert moving.size > 2 * 16384  # several chunks of several pieces each
+    r = src.MigrateSlots(pb.MigrateSlotsRequest(dst_address=dst_addr, slots=mask.tobytes(),
+                                                num_slots=4096, since_seq=-1), timeout=60)
+    assert r.rows == moving.size
+    touched = moving[::7]
+    src.Push(pb.PushRequest(tables=[pb.TableUpdate(
+        table="emb", ids=touched.tobytes(),
+        values=np.full((touched.size, 4), 0.5, np.float32).tobytes())]), timeout=30)
+    r2 = src.MigrateSlots(pb.MigrateSlotsRequest(dst_address=dst_addr, slots=mask.tobytes(),
+                                                 num_slots=4096, since_seq=r.watermark),
+                          timeout=60)
+    assert r2.rows == touched.size
+    st = {t.name: t.rows for t in dst.Stats(pb.StatsRequest(), timeout=30).tables}
+    assert st["emb"] == kept.size + moving.size  # every moved row once, its own rows kept
+    assert np.array_equal(_lookup(dst, moving), _lookup(src, moving))
+    assert np.array_equal(_lookup(dst, kept), kept_before)
+    # one bad row in the last piece of a large batch: nothing of the batch lands
+    n = 3 * 4096 + 5
+    fresh = np.arange(1, n + 1, dtype=np.int64) * 7919
+    rows = np.ones((n, 8), np.float32)
+    rows[-1, 0] = np.nan
+    send = grpc.insecure_channel(dst_addr).stream_unary(
+        "/deeprec_ext.ps.ParameterServer/ImportRows", request_serializer=None,
+        response_deserializer=pb.ImportRowsResponse.FromString)
+    with pytest.raises(grpc.RpcError) as exc:
+        send(iter([rowwire.encode(CFG.SerializeToString(), fresh, rows,
+                                  np.zeros(n, np.uint32))]), timeout=30)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"row {n - 1}" in exc.value.details(), exc.value.details()
+    st = {t.name: t.rows for t in dst.Stats(pb.StatsRequest(), timeout=30).tables}
+    assert st["emb"] == kept.size + moving.size
+
+
 def test_bad_import_batches_are_refused_by_name_and_the_ps_keeps_serving(two_ps):
     _, (dst, dst_addr) = two_ps
     ch = grpc.insecure_channel(dst_addr)

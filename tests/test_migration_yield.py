@@ -84,3 +84,78 @@ def test_drop_slots_yields_between_chunks_while_training_calls_are_in_flight():
     t0 = time.monotonic()  # idle: no wait
     svc.DropSlots(ps_pb2.DropSlotsRequest(slots=(1 - mask).tobytes(), num_slots=64), None)
     assert len(t) == 0 and time.monotonic() - t0 < 0.5 * 0.01 * (chunks - 1)
+
+
+def test_a_catch_up_round_is_paced_past_its_first_rows_only():
+    """The snapshot is paced to the migration share; a catch-up round only after its first
+    ``CATCHUP_UNPACED_ROWS`` (small rounds converge at full speed, a large first catch-up
+    no longer takes the CPU in one burst). Real gRPC between two in-process PS; every row
+    arrives either way."""
+    import numpy as np
+
+    from deeprec_ext.grpc_util import create_server, insecure_channel
+    from deeprec_ext.hashing import slot_of
+    from deeprec_ext.proto import ps_pb2 as pb
+    from deeprec_ext.proto import ps_pb2_grpc as pbg
+
+    paced = []
+
+    class CountingPacer(ParameterServerServicer._Pacer):
+        def pace(self):
+            if self.share < 1.0:  # a duty cycle in force (1.0: never sleeps)
+                paced.append(self.share)
+            super().pace()
+
+    servers, stubs, addresses, svcs = [], [], [], []
+    try:
+        for name in ("src", "dst"):
+            svc = ParameterServerServicer(name, migration_share=0.9)
+            server, port = create_server("127.0.0.1:0", max_workers=8)
+            pbg.add_ParameterServerServicer_to_server(svc, server)
+            server.start()
+            servers.append(server)
+            svcs.append(svc)
+            addresses.append(f"127.0.0.1:{port}")
+            stubs.append(pbg.ParameterServerStub(insecure_channel(addresses[-1])))
+        src, dst = stubs
+        svcs[0]._Pacer = CountingPacer
+        svcs[0].CATCHUP_UNPACED_ROWS = 8192
+        cfg = pb.TableConfig(name="emb", dim=4, initializer_json='{"name": "zeros"}',
+                             optimizer_json='{"name": "sgd", "learning_rate": 1.0}')
+        src.CreateTable(pb.CreateTableRequest(config=cfg), timeout=30)
+        ids = np.unique(np.random.default_rng(3).integers(-2**62, 2**62, 120_000))
+        src.Lookup(pb.LookupRequest(tables=[pb.TableIds(table="emb", ids=ids.tobytes())],
+                                    insert_missing=True), timeout=60)
+        mask = np.zeros(4096, np.uint8)
+        mask[::3] = 1
+        moving = ids[mask[slot_of(ids, 4096)].astype(bool)]
+
+        def migrate(since):
+            paced.clear()
+            return src.MigrateSlots(pb.MigrateSlotsRequest(
+                dst_address=addresses[1], slots=mask.tobytes(), num_slots=4096,
+                since_seq=since), timeout=60)
+
+        def push(keys):
+            src.Push(pb.PushRequest(tables=[pb.TableUpdate(
+                table="emb", ids=keys.tobytes(),
+                values=np.ones((keys.size, 4), np.float32).tobytes())]), timeout=30)
+
+        r = migrate(-1)
+        assert r.rows == moving.size and len(paced) >= 2  # the snapshot: paced
+        push(moving[:1000])
+        r = migrate(r.watermark)
+        assert r.rows == 1000 and paced == []  # a small catch-up: at full speed
+        push(moving)
+        r = migrate(r.watermark)
+        assert r.rows == moving.size and len(paced) >= 1  # a large one: paced past its start
+        got = dst.Lookup(pb.LookupRequest(tables=[pb.TableIds(table="emb", ids=moving.tobytes())]),
+                         timeout=30)
+        want = src.Lookup(pb.LookupRequest(tables=[pb.TableIds(table="emb", ids=moving.tobytes())]),
+                          timeout=30)
+        assert got.values[0] == want.values[0]
+        st = {t.name: t.rows for t in dst.Stats(pb.StatsRequest(), timeout=30).tables}
+        assert st["emb"] == moving.size
+    finally:
+        for server in servers:
+            server.stop(None)

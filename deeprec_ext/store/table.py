@@ -1168,6 +1168,18 @@ class EmbeddingTable:
             else:
                 idx.reserve(more, step=0)
 
+    def check_block(self, keys, rows, counts):
+        """The checks of :meth:`import_block` (keys, finite rows of this table's width,
+        uint32 counts), raising ValueError/TypeError; returns the checked arrays. A caller
+        importing a batch in pieces checks it whole first, so a bad row refuses all of it."""
+        keys = _check_keys(keys)
+        rows = _check_floats(rows, (keys.size, self._width), f"table '{self.name}': rows")
+        counts = np.asarray(counts)
+        if counts.dtype != np.uint32 or counts.shape != keys.shape:
+            raise ValueError(f"table '{self.name}': counts must be uint32 of shape "
+                             f"{keys.shape}, got {counts.dtype} {counts.shape}")
+        return keys, rows, counts
+
     def import_block(self, keys, rows, counts) -> int:
         """:meth:`import_rows` of rows in the store's layout: float32 ``rows`` [n,
         row_width] and their uint32 update ``counts`` [n] (``export_slots(...,
@@ -1177,12 +1189,7 @@ class EmbeddingTable:
         go to consecutive new arena rows and their keys are placed in one bulk pass
         (``HashIndex.place_rows``; a key already here keeps the imported row). Otherwise
         as :meth:`import_rows`. Returns the sequence number stamped (0: empty batch)."""
-        keys = _check_keys(keys)
-        rows = _check_floats(rows, (keys.size, self._width), f"table '{self.name}': rows")
-        counts = np.asarray(counts)
-        if counts.dtype != np.uint32 or counts.shape != keys.shape:
-            raise ValueError(f"table '{self.name}': counts must be uint32 of shape "
-                             f"{keys.shape}, got {counts.dtype} {counts.shape}")
+        keys, rows, counts = self.check_block(keys, rows, counts)
         n = int(keys.size)
         if n == 0:
             return 0

@@ -1,0 +1,115 @@
+"""In-process: what a migration's import into a PS that serves training does to its
+lookups (issue 16, item 3). A scale-in's destination holds rows of its own and the
+deleted positions of an earlier clean-up (a third of its slots dropped), so the imported
+rows take ``import_block``'s slower path (find, claims, an index that grows). A thread
+looks up 2048 of its live keys every 4 ms (a training step's share) while another
+imports a third as many new rows, in ``MigrateSlots``' 16k-row chunks, each either in
+one table-lock hold (``--pieces 16384``) or in pieces with the interpreter handed over in
+between (the PS's ``IMPORT_PIECE_ROWS``). Variants run in fresh processes, alternating,
+``--repeat`` times; medians.
+
+    python bench/bench_import_pieces.py --rows 2000000 --pieces 16384,4096 --repeat 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHUNK = 1 << 14  # MigrateSlots' rows per streamed batch
+
+
+def measure(rows: int, piece: int, seed: int) -> dict:
+    import threading
+
+    import numpy as np
+
+    from deeprec_ext.store import EmbeddingStore
+    rng = np.random.default_rng(seed)
+    ids = rng.permutation(np.unique(rng.integers(-2**62, 2**62, int(rows * 1.52))))
+    own, incoming = ids[:rows], ids[rows:rows + rows // 3]
+    t = EmbeddingStore().create_table("t", 16, "zeros", {"name": "adagrad", "learning_rate": 0.1})
+    for i in range(0, own.size, 200_000):
+        t.lookup(own[i:i + 200_000], insert_missing=True)
+    mask = np.zeros(4096, bool)
+    mask[rng.choice(4096, 4096 // 3, replace=False)] = True
+    gone = t.keys_in_slots(mask)
+    for i in range(0, gone.size, CHUNK):
+        t.delete(gone[i:i + CHUNK], log_tombstone=False, moved=True)
+    live = np.setdiff1d(own, gone)
+    data = rng.random((incoming.size, t.row_width), dtype=np.float32)
+    counts = np.ones(incoming.size, np.uint32)
+    lat, stop = [], threading.Event()
+
+    def serve():
+        r = np.random.default_rng(seed + 1)
+        while not stop.is_set():
+            q = live[r.integers(0, live.size, 2048)]
+            t0 = time.perf_counter()
+            t.lookup(q, insert_missing=False)
+            lat.append((time.perf_counter() - t0) * 1e3)
+            time.sleep(0.004)
+
+    th = threading.Thread(target=serve)
+    th.start()
+    time.sleep(0.3)
+    n0 = len(lat)
+    t0 = time.perf_counter()
+    t.reserve_import(int(incoming.size * 1.02) + 64)
+    for i in range(0, incoming.size, CHUNK):
+        k, d, c = incoming[i:i + CHUNK], data[i:i + CHUNK], counts[i:i + CHUNK]
+        for j in range(0, k.size, piece):
+            if j:
+                time.sleep(0)
+            t.import_block(k[j:j + piece], d[j:j + piece], c[j:j + piece])
+    import_ms = (time.perf_counter() - t0) * 1e3
+    stop.set()
+    th.join()
+    got = np.asarray(lat[n0:])
+    assert len(t) == live.size + incoming.size
+    return {"piece": piece, "import_ms": import_ms, "lookups": int(got.size),
+            "lookup_p50_ms": float(np.median(got)), "lookup_p99_ms": float(np.percentile(got, 99)),
+            "lookup_max_ms": float(got.max())}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=2_000_000)
+    ap.add_argument("--pieces", default="16384,4096")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        print(json.dumps(measure(a.rows, a.child, a.seed)))
+        return 0
+    import numpy as np
+    pieces = [int(p) for p in a.pieces.split(",")]
+    runs = {p: [] for p in pieces}
+    for r in range(a.repeat):
+        for p in pieces:  # alternating, each in a fresh process
+            out = subprocess.run([sys.executable, __file__, "--rows", str(a.rows), "--child", str(p),
+                                  "--seed", str(a.seed)], capture_output=True, text=True,
+                                 env=dict(os.environ, PYTHONPATH=ROOT), check=True)
+            runs[p].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"run {r + 1} piece {p}: {runs[p][-1]}", flush=True)
+    keys = ["import_ms", "lookups", "lookup_p50_ms", "lookup_p99_ms", "lookup_max_ms"]
+    med = {p: {k: round(float(np.median([x[k] for x in v])), 2) for k in keys} for p, v in runs.items()}
+    print("\nmedians:")
+    for p, m in med.items():
+        print(f"  piece {p:6d}: {m}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "loadavg": os.getloadavg(),
+                       "rows": a.rows, "runs": runs, "medians": med}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
