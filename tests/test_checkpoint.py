@@ -1340,6 +1340,19 @@ def test_scan_by_slot_matches_scan_live_sorted_by_slot():
             np.testing.assert_array_equal(k2, k)
             np.testing.assert_array_equal(r2, r)
             np.testing.assert_array_equal(c2, c)
+            # from a sequential copy of the slice (stage): the same, in out, stage not read
+            # back; a stage that does not fit falls back to the gather under the lock
+            out = np.full((1024, t.row_width), np.nan, np.float32)
+            for stage in (np.full((1024, t.row_width), np.nan, np.float32),
+                          np.zeros((1023, t.row_width), np.float32)):
+                k4, r4, c4, s4, nxt4 = t.scan_by_slot(row, 1024, NUM_SLOTS, m, out=out,
+                                                      stage=stage)
+                assert np.shares_memory(r4, out) and nxt4 == nxt
+                np.testing.assert_array_equal(k4, k)
+                np.testing.assert_array_equal(r4, r)
+                np.testing.assert_array_equal(c4, c)
+                np.testing.assert_array_equal(s4, sl)
+                assert c4.dtype == np.uint32
             # a buffer that does not fit (too narrow, too short) is not written
             for bad in (np.zeros((1024, t.row_width - 1), np.float32),
                         np.zeros((max(k.size - 1, 0), t.row_width), np.float32)):
