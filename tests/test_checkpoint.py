@@ -917,6 +917,64 @@ def test_zstd_probe_backs_off_once_a_table_agrees_and_notices_a_change():
     assert not any(got[:100])
 
 
+def test_zstd_probe_starts_where_the_tables_last_file_ended(tmp_path):
+    """The next file of a table starts from the answer and period its previous file ended
+    with: its first chunk is probed and, if it agrees, the period goes on (no dense
+    streak again); if it disagrees, probing is dense again. Chained incrementals of a
+    table whose rows do not compress probe one chunk each, and still restore exactly."""
+    from checkpoint.writer import PROBE_EVERY, PROBE_STREAK, _VERDICTS, _Probe
+    calls = []
+
+    def pays(i):
+        calls.append(i)
+        return False
+
+    p = _Probe(pays, (False, 4 * PROBE_EVERY))
+    assert not any(p.pays(i) for i in range(4 * PROBE_EVERY))
+    assert calls == [0]  # then a period of 4 * PROBE_EVERY
+    assert p.state() == (False, 8 * PROBE_EVERY)
+    calls.clear()
+    p = _Probe(lambda i: calls.append(i) or i >= 0, (False, 8 * PROBE_EVERY))
+    assert [p.pays(i) for i in range(PROBE_STREAK + 1)] == [True] * (PROBE_STREAK + 1)
+    assert calls == list(range(PROBE_STREAK))  # changed: dense again
+    assert _Probe(pays).state() is None
+
+    rng = np.random.default_rng(47)
+    s = EmbeddingStore()
+    t = s.create_table("probe_memo", 8, optimizer={"name": "adagrad", "learning_rate": 0.1})
+    keys = rand_keys(rng, 20000)
+    t.apply_gradients(keys, rng.normal(size=(keys.size, 8)).astype(np.float32))
+    probes = []
+    real = CheckpointWriter._pays
+
+    def counted(self, views):
+        probes.append(1)
+        return real(self, views)
+
+    CheckpointWriter._pays = counted
+    try:
+        w = CheckpointWriter(tmp_path, 1, "full")
+        cut = w.write_table("ps-0", t)["cut_seq"]
+        w.commit()
+        assert _VERDICTS[("probe_memo", w.level, w.version)][0] is False
+        for i in range(2, 5):
+            t.apply_gradients(keys[:12000], rng.normal(size=(12000, 8)).astype(np.float32))
+            probes.clear()
+            w = CheckpointWriter(tmp_path, i, "incr", parent=i - 1)
+            st = w.write_table("ps-0", t, since_seq=cut)
+            w.commit()
+            cut = st["cut_seq"]
+            assert st["chunks"] > 1 and len(probes) == 1
+    finally:
+        CheckpointWriter._pays = real
+    s2, _ = restored(tmp_path)
+    k0, r0, _ = t.export_rows()
+    k1, r1, _ = s2["probe_memo"].export_rows()
+    o0, o1 = np.argsort(k0), np.argsort(k1)
+    np.testing.assert_array_equal(k0[o0], k1[o1])
+    np.testing.assert_array_equal(r0[o0], r1[o1])
+
+
 @pytest.mark.parametrize("compress", ["never", "always"])
 def test_preallocated_data_file_ends_at_its_end_header(tmp_path, monkeypatch, compress):
     """A full checkpoint's data file is preallocated at the table's expected size; it is
