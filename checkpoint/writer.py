@@ -56,10 +56,13 @@ PROBE_MAX_EVERY = 64              # ... then 16, 32, up to one in 64 while it ag
 WRITEBACK_BYTES = 4 << 20         # start the disk write-back of every ~4 MB as it is written
 # (32 MB left an incremental of 28 MB all to its closing fsync: 150 vs 185 ms median)
 PREALLOCATE_MIN = 16 << 20       # smaller files gain little from _preallocate
-# a stored chunk's crc32c on the I/O thread, just before its writev (the bytes then in
-# cache), not on the pool: one hand-off between threads fewer per chunk, and on 2 cores
-# two busy threads instead of three (1M rows, CPU median 126 -> 115 ms)
-CRC_ON_IO = True
+# a stored chunk's crc32c: on the I/O thread, just before its writev, in files expected
+# under CRC_ON_IO_BYTES (an incremental: no pool threads started, one hand-off between
+# threads fewer per chunk); on the pool in larger ones (a full checkpoint), where the I/O
+# thread is the longest stage: 4M rows, 4 runs alternated at load 8-11, wall best / median
+# 614-943 / 818-1608 ms with the pool against 821-1413 / 1240-1790 on the I/O thread, at
+# the same CPU (~420-520 ms)
+CRC_ON_IO_BYTES = 64 << 20
 # a full export's slice copied sequentially under the lock, sorted by slot from that copy
 # (EmbeddingTable.scan_by_slot(stage=)): the scanning thread's CPU, 4M rows, median
 # ~170 -> ~145 ms
@@ -759,11 +762,11 @@ class CheckpointWriter:
         from format 3 on), raw_bytes, chunk index).
 
         Stages run side by side: this thread produces the chunks (the table scan, the
-        sort by slot, the zstd probe); the pool compresses the chunks zstd pays for; one
-        I/O thread of this file checksums each stored chunk (crc32c, ``CRC_ON_IO``) and
-        writes the chunks, in order, with one writev of header + payload buffers (no
-        joined copy). ``expect``: the file's likely
-        size, preallocated (:func:`_preallocate`). The disk write-back of the file is
+        sort by slot, the zstd probe); the pool compresses the chunks zstd pays for and
+        checksums (crc32c) the others in a large file; one I/O thread of this file
+        checksums the stored chunks of a small one (``CRC_ON_IO_BYTES``) and writes the
+        chunks, in order, with one writev of header + payload buffers (no joined copy).
+        ``expect``: the file's likely size, preallocated (:func:`_preallocate`). The disk write-back of the file is
         started as it grows (:class:`_Writeback`)."""
         bname = name.encode("utf-8")
         pool = self._get_pool()
@@ -798,6 +801,7 @@ class CheckpointWriter:
         window = deque()
         memo = (name, self.level, self.version)
         probe = _Probe(self._pays, _VERDICTS.get(memo))
+        crc_on_io = expect < CRC_ON_IO_BYTES
         try:
             pre = _preallocate(fd, expect)
             wb = _Writeback(fd if self.sync else None)
@@ -815,7 +819,7 @@ class CheckpointWriter:
                     if self.compress == "always" or (self.compress == "auto"
                                                      and probe.pays(views)):
                         job = pool.submit(self._compressed, views, raw_len)
-                    elif CRC_ON_IO:
+                    elif crc_on_io:
                         job = (views, raw_len)
                     else:
                         job = pool.submit(self._stored, views, raw_len)
