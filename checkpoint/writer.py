@@ -176,7 +176,7 @@ class _Probe:
     ``start``: the ``(answer, period)`` the previous file of the same table ended with
     (:data:`_VERDICTS`): the first chunk is probed, and if it agrees the period goes on
     from there instead of ``PROBE_STREAK`` probes in a row again -- an incremental of
-    200k rows is 7 chunks, of which 4 were probed every time (~2.4 ms of the scanning
+    200k rows is 7 chunks, of which 4 were probed every time (~2 ms of the scanning
     thread's, on the critical path)."""
 
     def __init__(self, pays, start=None):
