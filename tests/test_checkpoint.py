@@ -1230,6 +1230,16 @@ def test_format_4_reads_chunks_straight_into_the_table_and_round_trips(tmp_path,
     assert crc32c(memoryview(blob)[7:], crc32c(memoryview(blob)[:7])) == crc32c(blob)
     import checkpoint.format as fmt
     assert fmt._CRC32C is not None  # the C library the wheel ships was found
+    # the writer's writable byte views (sliced too), below and above the size up to which
+    # the GIL is kept, and empty ones
+    wv = memoryview(bytearray(blob))
+    for lim in (1 << 20, 1):
+        monkeypatch.setattr(fmt, "_CRC_GIL_MAX", lim)
+        assert crc32c(wv) == google_crc32c.value(blob)
+        assert crc32c(wv[5:], crc32c(wv[:5])) == google_crc32c.value(blob)
+        assert crc32c(wv[:0], 123) == 123
+        arr = np.frombuffer(bytearray(blob[:100_000]), np.float32)
+        assert crc32c(memoryview(arr).cast("B")) == google_crc32c.value(blob[:100_000])
     monkeypatch.setattr(fmt, "_CRC32C", None)  # without it: the module's (a copy)
     assert crc32c(blob) == google_crc32c.value(blob)
     assert crc32c(np.frombuffer(blob[:100_000], np.float32)) == google_crc32c.value(blob[:100_000])
