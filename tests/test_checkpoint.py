@@ -1233,7 +1233,7 @@ def test_format_4_reads_chunks_straight_into_the_table_and_round_trips(tmp_path,
     # the writer's writable byte views (sliced too), below and above the size up to which
     # the GIL is kept, and empty ones
     wv = memoryview(bytearray(blob))
-    for lim in (1 << 20, 1):
+    for lim in (1 << 20, 64 << 10, 1):
         monkeypatch.setattr(fmt, "_CRC_GIL_MAX", lim)
         assert crc32c(wv) == google_crc32c.value(blob)
         assert crc32c(wv[5:], crc32c(wv[:5])) == google_crc32c.value(blob)
