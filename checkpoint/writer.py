@@ -70,6 +70,15 @@ STAGED = True
 _EXTRA_IN_FLIGHT = 1              # chunks being encoded: one per thread, plus this
 
 
+def _default_threads() -> int:
+    """The pool's size: one thread on 2 cores or fewer, where the scanning thread and the
+    I/O thread already keep both busy (4M rows at load ~0.9, 8 alternated rounds: wall
+    median 328 -> 303 ms, best 319 -> 287, CPU 438 -> 410 with one pool thread instead of
+    two), else as many as the cores, at most 4."""
+    n = os.cpu_count() or 1
+    return 1 if n <= 2 else min(4, n)
+
+
 def _env_mmap_threshold() -> int | None:
     try:
         v = int(os.environ.get("MALLOC_MMAP_THRESHOLD_", ""))
@@ -407,7 +416,7 @@ class CheckpointWriter:
         if compress not in ("auto", "always", "never"):
             raise ValueError(f"compress must be 'auto', 'always' or 'never', got {compress!r}")
         self.compress = compress if self.version >= 3 else "always"
-        self.threads = max(1, int(threads if threads is not None else min(4, os.cpu_count() or 1)))
+        self.threads = max(1, int(threads if threads is not None else _default_threads()))
         self._lock = threading.Lock()
         self._files: dict[str, dict] = {}
         self._created_files: list[Path] = []

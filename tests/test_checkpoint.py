@@ -934,7 +934,8 @@ def test_stored_chunks_checksummed_on_the_pool_or_the_io_thread(tmp_path, monkey
     cut = w.write_table("ps-0", t)["cut_seq"]
     w.commit()
     t.apply_gradients(keys[:9000], rng.normal(size=(9000, 8)).astype(np.float32))
-    w = CheckpointWriter(tmp_path, 2, "incr", parent=1, compress="never")
+    # two pool threads: an incremental is cut into one chunk per thread at least
+    w = CheckpointWriter(tmp_path, 2, "incr", parent=1, compress="never", threads=2)
     assert w.write_table("ps-0", t, since_seq=cut)["chunks"] > 1
     w.commit()
     assert verify(tmp_path)["ok"]
@@ -997,7 +998,7 @@ def test_zstd_probe_starts_where_the_tables_last_file_ended(tmp_path):
         for i in range(2, 5):
             t.apply_gradients(keys[:12000], rng.normal(size=(12000, 8)).astype(np.float32))
             probes.clear()
-            w = CheckpointWriter(tmp_path, i, "incr", parent=i - 1)
+            w = CheckpointWriter(tmp_path, i, "incr", parent=i - 1, threads=2)
             st = w.write_table("ps-0", t, since_seq=cut)
             w.commit()
             cut = st["cut_seq"]
