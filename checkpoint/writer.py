@@ -56,7 +56,27 @@ PROBE_MAX_EVERY = 64              # ... then 16, 32, up to one in 64 while it ag
 WRITEBACK_BYTES = 4 << 20         # start the disk write-back of every ~4 MB as it is written
 # (32 MB left an incremental of 28 MB all to its closing fsync: 150 vs 185 ms median)
 PREALLOCATE_MIN = 16 << 20       # smaller files gain little from _preallocate
+# a stored chunk's crc32c: on the I/O thread, just before its writev, in files expected
+# under CRC_ON_IO_BYTES (an incremental: no pool threads started, one hand-off between
+# threads fewer per chunk); on the pool in larger ones (a full checkpoint), where the I/O
+# thread is the longest stage: 4M rows, 4 runs alternated at load 8-11, wall best / median
+# 614-943 / 818-1608 ms with the pool against 821-1413 / 1240-1790 on the I/O thread, at
+# the same CPU (~420-520 ms)
+CRC_ON_IO_BYTES = 64 << 20
+# a full export's slice copied sequentially under the lock, sorted by slot from that copy
+# (EmbeddingTable.scan_by_slot(stage=)): the scanning thread's CPU, 4M rows, median
+# ~170 -> ~145 ms
+STAGED = True
 _EXTRA_IN_FLIGHT = 1              # chunks being encoded: one per thread, plus this
+
+
+def _default_threads() -> int:
+    """The pool's size: one thread on 2 cores or fewer, where the scanning thread and the
+    I/O thread already keep both busy (4M rows at load ~0.9, 8 alternated rounds: wall
+    median 328 -> 303 ms, best 319 -> 287, CPU 438 -> 410 with one pool thread instead of
+    two), else as many as the cores, at most 4."""
+    n = os.cpu_count() or 1
+    return 1 if n <= 2 else min(4, n)
 
 
 def _env_mmap_threshold() -> int | None:
@@ -160,13 +180,27 @@ class _Probe:
     ``PROBE_MAX_EVERY``, the others taking the last answer: the chunks of one table hold
     the same columns, and the probe was a fifth of the scanning thread's time (at one in
     8 still ~10% of a 4M-row full checkpoint's: 62 probes, ~45 ms). A changed answer
-    makes probing dense again."""
+    makes probing dense again.
 
-    def __init__(self, pays):
+    ``start``: the ``(answer, period)`` the previous file of the same table ended with
+    (:data:`_VERDICTS`): the first chunk is probed, and if it agrees the period goes on
+    from there instead of ``PROBE_STREAK`` probes in a row again -- an incremental of
+    200k rows is 7 chunks, of which 4 were probed every time (~2 ms of the scanning
+    thread's, on the critical path)."""
+
+    def __init__(self, pays, start=None):
         self._pays = pays
         self.last, self.streak, self.skip = None, 0, 0
         self.every = PROBE_EVERY
         self.probed = 0
+        if start is not None:
+            self.last, self.every = start
+            self.streak = PROBE_STREAK
+
+    def state(self):
+        """``(answer, period)`` to start the next file of the same table with (None: no
+        chunk probed)."""
+        return None if self.last is None else (self.last, self.every)
 
     def pays(self, views) -> bool:
         if self.skip:
@@ -184,6 +218,11 @@ class _Probe:
             if self.streak > PROBE_STREAK:
                 self.every = min(2 * self.every, PROBE_MAX_EVERY)
         return got
+
+
+# (table name, level, format) -> _Probe.state() of that table's last file written by this
+# process: the columns of a table compress alike from one checkpoint to the next
+_VERDICTS: dict = {}
 
 
 class _Writeback:
@@ -377,7 +416,7 @@ class CheckpointWriter:
         if compress not in ("auto", "always", "never"):
             raise ValueError(f"compress must be 'auto', 'always' or 'never', got {compress!r}")
         self.compress = compress if self.version >= 3 else "always"
-        self.threads = max(1, int(threads if threads is not None else min(4, os.cpu_count() or 1)))
+        self.threads = max(1, int(threads if threads is not None else _default_threads()))
         self._lock = threading.Lock()
         self._files: dict[str, dict] = {}
         self._created_files: list[Path] = []
@@ -661,6 +700,8 @@ class CheckpointWriter:
         count = np.zeros(nb, dtype=np.int64)
         edges = np.arange(nb + 1, dtype=np.int64) * span
         bufs = _SliceBuffers(SCAN_SLICE_ROWS, w - 1) if apart else None
+        # the slice's sequential copy, gathered from in slot order (scan_by_slot(stage=))
+        stage = np.empty((SCAN_SLICE_ROWS, w - 1), np.float32) if apart and STAGED else None
 
         def emit(b):
             parts = pend[b]
@@ -692,7 +733,7 @@ class CheckpointWriter:
             if apart:  # sorted by slot and filtered by the mask in the lock hold
                 buf = bufs.get()
                 keys, rows, counts, slots, row = table.scan_by_slot(
-                    row, SCAN_SLICE_ROWS, self.num_slots, slot_mask, out=buf[0])
+                    row, SCAN_SLICE_ROWS, self.num_slots, slot_mask, out=buf[0], stage=stage)
                 if rows.shape[1] + 1 != w:
                     raise ValueError(f"table '{table.name}' was reconfigured while being "
                                      "written")
@@ -729,12 +770,12 @@ class CheckpointWriter:
         slot_hi), in slot order); returns the file's manifest entry (size, sha256 (None
         from format 3 on), raw_bytes, chunk index).
 
-        Three stages run side by side: this thread produces the chunks (the table scan,
-        the sort by slot, the zstd probe); the pool checksums each stored chunk (crc32c)
-        or compresses it; one I/O thread of this file writes them, in order, with one
-        writev of header + payload buffers (no joined copy). The crc32c and the copy into
-        the page cache each took about as long as the scan. ``expect``: the file's likely
-        size, preallocated (:func:`_preallocate`). The disk write-back of the file is
+        Stages run side by side: this thread produces the chunks (the table scan, the
+        sort by slot, the zstd probe); the pool compresses the chunks zstd pays for and
+        checksums (crc32c) the others in a large file; one I/O thread of this file
+        checksums the stored chunks of a small one (``CRC_ON_IO_BYTES``) and writes the
+        chunks, in order, with one writev of header + payload buffers (no joined copy).
+        ``expect``: the file's likely size, preallocated (:func:`_preallocate`). The disk write-back of the file is
         started as it grows (:class:`_Writeback`)."""
         bname = name.encode("utf-8")
         pool = self._get_pool()
@@ -745,7 +786,8 @@ class CheckpointWriter:
         def write_one(fd, wb, kind, n, lo, hi, w, job, apart, done):
             # on the I/O thread, one chunk after the other: the file order is the order
             # of submission
-            bufs, raw_len, comp_len, ccrc, flags = job.result()
+            bufs, raw_len, comp_len, ccrc, flags = job.result() if hasattr(job, "result") \
+                else self._stored(*job)
             if apart:
                 flags |= FLAG_COUNTS
             head = encode_header(kind, bname, self.num_slots, lo, hi, n, w, raw_len,
@@ -766,7 +808,9 @@ class CheckpointWriter:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         io = ThreadPoolExecutor(1, thread_name_prefix="ckpt-io")
         window = deque()
-        probe = _Probe(self._pays)
+        memo = (name, self.level, self.version)
+        probe = _Probe(self._pays, _VERDICTS.get(memo))
+        crc_on_io = expect < CRC_ON_IO_BYTES
         try:
             pre = _preallocate(fd, expect)
             wb = _Writeback(fd if self.sync else None)
@@ -784,6 +828,8 @@ class CheckpointWriter:
                     if self.compress == "always" or (self.compress == "auto"
                                                      and probe.pays(views)):
                         job = pool.submit(self._compressed, views, raw_len)
+                    elif crc_on_io:
+                        job = (views, raw_len)
                     else:
                         job = pool.submit(self._stored, views, raw_len)
                     window.append(io.submit(write_one, fd, wb, kind,
@@ -793,6 +839,8 @@ class CheckpointWriter:
             while window:
                 window.popleft().result()
             pos = self._close_file(fd, sha, bname, len(index), state["pos"], pre)
+            if probe.state() is not None and self.compress == "auto":
+                _VERDICTS[memo] = probe.state()
         finally:
             for fut in window:  # an error: do not leave writes queued
                 fut.cancel()

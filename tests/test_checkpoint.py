@@ -917,6 +917,102 @@ def test_zstd_probe_backs_off_once_a_table_agrees_and_notices_a_change():
     assert not any(got[:100])
 
 
+@pytest.mark.parametrize("crc_on_io_bytes", [0, 1 << 40])
+def test_stored_chunks_checksummed_on_the_pool_or_the_io_thread(tmp_path, monkeypatch,
+                                                               crc_on_io_bytes):
+    """A stored chunk's crc32c is computed on the pool (large files) or on the I/O thread
+    (small ones): either way every chunk's checksum verifies, a flipped byte is caught,
+    and the rows come back exactly (a full and an incremental)."""
+    import checkpoint.writer as cw
+    monkeypatch.setattr(cw, "CRC_ON_IO_BYTES", crc_on_io_bytes)
+    rng = np.random.default_rng(48)
+    s = EmbeddingStore()
+    t = s.create_table("emb", 8, optimizer={"name": "adagrad", "learning_rate": 0.1})
+    keys = rand_keys(rng, 30000)
+    t.apply_gradients(keys, rng.normal(size=(keys.size, 8)).astype(np.float32))
+    w = CheckpointWriter(tmp_path, 1, "full", compress="never")
+    cut = w.write_table("ps-0", t)["cut_seq"]
+    w.commit()
+    t.apply_gradients(keys[:9000], rng.normal(size=(9000, 8)).astype(np.float32))
+    # two pool threads: an incremental is cut into one chunk per thread at least
+    w = CheckpointWriter(tmp_path, 2, "incr", parent=1, compress="never", threads=2)
+    assert w.write_table("ps-0", t, since_seq=cut)["chunks"] > 1
+    w.commit()
+    assert verify(tmp_path)["ok"]
+    s2, _ = restored(tmp_path)
+    k0, r0, _ = t.export_rows()
+    k1, r1, _ = s2["emb"].export_rows()
+    o0, o1 = np.argsort(k0), np.argsort(k1)
+    np.testing.assert_array_equal(k0[o0], k1[o1])
+    np.testing.assert_array_equal(r0[o0], r1[o1])
+    f = next((tmp_path / "ckpt-00000002-incr").glob("*.rows"))
+    b = bytearray(f.read_bytes())
+    b[len(b) // 2] ^= 0x40
+    f.write_bytes(bytes(b))
+    rep = verify(tmp_path)
+    bad = [c for c in rep["checkpoints"] if not c["valid"]]
+    assert not rep["ok"] and [c["id"] for c in bad] == [2]
+    assert "crc" in " ".join(bad[0]["problems"]).lower()
+
+
+def test_zstd_probe_starts_where_the_tables_last_file_ended(tmp_path):
+    """The next file of a table starts from the answer and period its previous file ended
+    with: its first chunk is probed and, if it agrees, the period goes on (no dense
+    streak again); if it disagrees, probing is dense again. Chained incrementals of a
+    table whose rows do not compress probe one chunk each, and still restore exactly."""
+    from checkpoint.writer import PROBE_EVERY, PROBE_STREAK, _VERDICTS, _Probe
+    calls = []
+
+    def pays(i):
+        calls.append(i)
+        return False
+
+    p = _Probe(pays, (False, 4 * PROBE_EVERY))
+    assert not any(p.pays(i) for i in range(4 * PROBE_EVERY))
+    assert calls == [0]  # then a period of 4 * PROBE_EVERY
+    assert p.state() == (False, 8 * PROBE_EVERY)
+    calls.clear()
+    p = _Probe(lambda i: calls.append(i) or i >= 0, (False, 8 * PROBE_EVERY))
+    assert [p.pays(i) for i in range(PROBE_STREAK + 1)] == [True] * (PROBE_STREAK + 1)
+    assert calls == list(range(PROBE_STREAK))  # changed: dense again
+    assert _Probe(pays).state() is None
+
+    rng = np.random.default_rng(47)
+    s = EmbeddingStore()
+    t = s.create_table("probe_memo", 8, optimizer={"name": "adagrad", "learning_rate": 0.1})
+    keys = rand_keys(rng, 20000)
+    t.apply_gradients(keys, rng.normal(size=(keys.size, 8)).astype(np.float32))
+    probes = []
+    real = CheckpointWriter._pays
+
+    def counted(self, views):
+        probes.append(1)
+        return real(self, views)
+
+    CheckpointWriter._pays = counted
+    try:
+        w = CheckpointWriter(tmp_path, 1, "full")
+        cut = w.write_table("ps-0", t)["cut_seq"]
+        w.commit()
+        assert _VERDICTS[("probe_memo", w.level, w.version)][0] is False
+        for i in range(2, 5):
+            t.apply_gradients(keys[:12000], rng.normal(size=(12000, 8)).astype(np.float32))
+            probes.clear()
+            w = CheckpointWriter(tmp_path, i, "incr", parent=i - 1, threads=2)
+            st = w.write_table("ps-0", t, since_seq=cut)
+            w.commit()
+            cut = st["cut_seq"]
+            assert st["chunks"] > 1 and len(probes) == 1
+    finally:
+        CheckpointWriter._pays = real
+    s2, _ = restored(tmp_path)
+    k0, r0, _ = t.export_rows()
+    k1, r1, _ = s2["probe_memo"].export_rows()
+    o0, o1 = np.argsort(k0), np.argsort(k1)
+    np.testing.assert_array_equal(k0[o0], k1[o1])
+    np.testing.assert_array_equal(r0[o0], r1[o1])
+
+
 @pytest.mark.parametrize("compress", ["never", "always"])
 def test_preallocated_data_file_ends_at_its_end_header(tmp_path, monkeypatch, compress):
     """A full checkpoint's data file is preallocated at the table's expected size; it is
@@ -1135,6 +1231,16 @@ def test_format_4_reads_chunks_straight_into_the_table_and_round_trips(tmp_path,
     assert crc32c(memoryview(blob)[7:], crc32c(memoryview(blob)[:7])) == crc32c(blob)
     import checkpoint.format as fmt
     assert fmt._CRC32C is not None  # the C library the wheel ships was found
+    # the writer's writable byte views (sliced too), below and above the size up to which
+    # the GIL is kept, and empty ones
+    wv = memoryview(bytearray(blob))
+    for lim in (1 << 20, 64 << 10, 1):
+        monkeypatch.setattr(fmt, "_CRC_GIL_MAX", lim)
+        assert crc32c(wv) == google_crc32c.value(blob)
+        assert crc32c(wv[5:], crc32c(wv[:5])) == google_crc32c.value(blob)
+        assert crc32c(wv[:0], 123) == 123
+        arr = np.frombuffer(bytearray(blob[:100_000]), np.float32)
+        assert crc32c(memoryview(arr).cast("B")) == google_crc32c.value(blob[:100_000])
     monkeypatch.setattr(fmt, "_CRC32C", None)  # without it: the module's (a copy)
     assert crc32c(blob) == google_crc32c.value(blob)
     assert crc32c(np.frombuffer(blob[:100_000], np.float32)) == google_crc32c.value(blob[:100_000])
@@ -1340,6 +1446,19 @@ def test_scan_by_slot_matches_scan_live_sorted_by_slot():
             np.testing.assert_array_equal(k2, k)
             np.testing.assert_array_equal(r2, r)
             np.testing.assert_array_equal(c2, c)
+            # from a sequential copy of the slice (stage): the same, in out, stage not read
+            # back; a stage that does not fit falls back to the gather under the lock
+            out = np.full((1024, t.row_width), np.nan, np.float32)
+            for stage in (np.full((1024, t.row_width), np.nan, np.float32),
+                          np.zeros((1023, t.row_width), np.float32)):
+                k4, r4, c4, s4, nxt4 = t.scan_by_slot(row, 1024, NUM_SLOTS, m, out=out,
+                                                      stage=stage)
+                assert np.shares_memory(r4, out) and nxt4 == nxt
+                np.testing.assert_array_equal(k4, k)
+                np.testing.assert_array_equal(r4, r)
+                np.testing.assert_array_equal(c4, c)
+                np.testing.assert_array_equal(s4, sl)
+                assert c4.dtype == np.uint32
             # a buffer that does not fit (too narrow, too short) is not written
             for bad in (np.zeros((1024, t.row_width - 1), np.float32),
                         np.zeros((max(k.size - 1, 0), t.row_width), np.float32)):
