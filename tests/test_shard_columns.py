@@ -125,7 +125,7 @@ def test_job_trains_and_evaluates_on_parquet_columns(start_job, tmp_path, mode):
     file through the same parse; every training row is trained once."""
     from examples.criteo.generate import generate
     from examples.criteo.reader import tsv_to_parquet
-    data = generate(str(tmp_path / "txt"), rows=24_000, files=2, test_rows=3_000, seed=4)
+    data = generate(str(tmp_path / "txt"), rows=48_000, files=2, test_rows=3_000, seed=4)
     train = []
     rows = 0
     for k, txt in enumerate(data["train"]):
@@ -152,7 +152,9 @@ def test_job_trains_and_evaluates_on_parquet_columns(start_job, tmp_path, mode):
     assert points and points[-1]["final"], points
     assert all(p["examples"] == eval_rows and 0.0 <= p["auc"] <= 1.0 and p["logloss"] > 0
                for p in points), points
-    assert points[-1]["auc"] > 0.6, points  # it learned from the columns it read
+    # it learned from the columns it read: 0.71-0.72 here; 24k rows gave 0.60-0.68, too
+    # close to a threshold that must not be met by chance
+    assert points[-1]["auc"] > 0.65, points
 
 
 def test_a_shard_that_cannot_give_the_columns_is_bad_input_naming_the_file(tmp_path):
