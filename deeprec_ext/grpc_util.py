@@ -36,6 +36,11 @@ def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list:
         # 4 minutes: a long scale, checkpoint or restore must not be cut off
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 20_000),
         ("grpc.http2.max_ping_strikes", 0),
+        # gRPC sets SO_REUSEPORT by default: a second server on a taken port then binds
+        # without an error and takes part of its connections (a PS started twice on one
+        # port), and servers picking free ports at once can end up sharing one
+        # (grpc/grpc#10755). A taken port must be an error instead.
+        ("grpc.so_reuseport", 0),
     ]
 
 

@@ -91,3 +91,15 @@ def test_a_long_call_is_not_cut_off_by_keepalive_pings():
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         plain.stop(0).wait()
+
+
+def test_a_server_on_a_taken_port_is_an_error_naming_the_address():
+    """A second server on a port another one listens on fails to start (gRPC's default
+    SO_REUSEPORT would let it bind and take part of the first one's connections)."""
+    first, port = create_server("127.0.0.1:0")
+    first.start()
+    try:
+        with pytest.raises(OSError, match=f"could not bind 127.0.0.1:{port}"):
+            create_server(f"127.0.0.1:{port}")
+    finally:
+        first.stop(0)
