@@ -196,6 +196,20 @@ def unhash64(h: np.ndarray) -> np.ndarray:
     return z.view(np.int64)
 
 
+def _by_slot(keys: np.ndarray, sel, num_slots: int, slot_mask):
+    """Keys of a run of rows (``sel``: their positions in the run, None for all) kept to
+    ``slot_mask``, with their slots and the stable order that sorts them by slot."""
+    slots = slot_of(keys, num_slots)
+    if slot_mask is not None:
+        keep = np.flatnonzero(slot_mask[slots])
+        if keep.size != keys.size:
+            sel = keep if sel is None else sel.take(keep)
+            keys, slots = keys.take(keep), slots.take(keep)
+    order = (np.argsort(slots.astype(np.uint16), kind="stable")
+             if num_slots <= 1 << 16 else np.argsort(slots, kind="stable"))
+    return keys, slots, sel, order
+
+
 class LogTrimmed(LookupError):
     """The tombstone log no longer reaches back to the requested sequence number: that
     consumer fell too far behind and needs a full copy instead of a delta."""
@@ -1994,14 +2008,7 @@ class EmbeddingTable:
             sel = None if bool(live.all()) else np.flatnonzero(live)
             if sel is not None:
                 keys = keys.take(sel)
-            slots = slot_of(keys, num_slots)
-            if slot_mask is not None:
-                keep = np.flatnonzero(slot_mask[slots])
-                if keep.size != keys.size:
-                    sel = keep if sel is None else sel.take(keep)
-                    keys, slots = keys.take(keep), slots.take(keep)
-            order = (np.argsort(slots.astype(np.uint16), kind="stable")
-                     if num_slots <= 1 << 16 else np.argsort(slots, kind="stable"))
+            keys, slots, sel, order = _by_slot(keys, sel, num_slots, slot_mask)
             at = order if sel is None else sel.take(order)
             rows = out[:at.size]
             stage.view(self._row_dtype).reshape(-1).take(
@@ -2017,14 +2024,7 @@ class EmbeddingTable:
             else:
                 sel = np.flatnonzero(live)
                 keys = self._row_key[start:stop].take(sel)
-            slots = slot_of(keys, num_slots)
-            if slot_mask is not None:
-                keep = np.flatnonzero(slot_mask[slots])
-                if keep.size != keys.size:
-                    sel = keep if sel is None else sel.take(keep)
-                    keys, slots = keys.take(keep), slots.take(keep)
-            order = (np.argsort(slots.astype(np.uint16), kind="stable")
-                     if num_slots <= 1 << 16 else np.argsort(slots, kind="stable"))
+            keys, slots, sel, order = _by_slot(keys, sel, num_slots, slot_mask)
             rows_at = (order if sel is None else sel.take(order)) + start
             n = rows_at.size
             if fits(out, n):
