@@ -63,10 +63,6 @@ PREALLOCATE_MIN = 16 << 20       # smaller files gain little from _preallocate
 # 614-943 / 818-1608 ms with the pool against 821-1413 / 1240-1790 on the I/O thread, at
 # the same CPU (~420-520 ms)
 CRC_ON_IO_BYTES = 64 << 20
-# a full export's slice copied sequentially under the lock, sorted by slot from that copy
-# (EmbeddingTable.scan_by_slot(stage=)): the scanning thread's CPU, 4M rows, median
-# ~170 -> ~145 ms
-STAGED = True
 _EXTRA_IN_FLIGHT = 1              # chunks being encoded: one per thread, plus this
 
 
@@ -700,8 +696,10 @@ class CheckpointWriter:
         count = np.zeros(nb, dtype=np.int64)
         edges = np.arange(nb + 1, dtype=np.int64) * span
         bufs = _SliceBuffers(SCAN_SLICE_ROWS, w - 1) if apart else None
-        # the slice's sequential copy, gathered from in slot order (scan_by_slot(stage=))
-        stage = np.empty((SCAN_SLICE_ROWS, w - 1), np.float32) if apart and STAGED else None
+        # the slice copied sequentially under the lock, then sorted by slot and gathered
+        # from outside it (scan_by_slot(stage=)): the scanning thread's CPU at 4M rows,
+        # median ~170 -> ~145 ms
+        stage = np.empty((SCAN_SLICE_ROWS, w - 1), np.float32) if apart else None
 
         def emit(b):
             parts = pend[b]
