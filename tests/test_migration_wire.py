@@ -221,6 +221,22 @@ def _lookup(stub, ids, insert=False):
     return np.frombuffer(r.values[0], np.float32).reshape(ids.size, 4)
 
 
+def _snapshot_then_catch_up(src, dst_addr, mask, moving, touched, pushes):
+    """A migration's snapshot round of ``mask``'s slots (every row of ``moving``), then
+    ``pushes`` pushes to ``touched`` and the catch-up round, which carries exactly those."""
+    r = src.MigrateSlots(pb.MigrateSlotsRequest(dst_address=dst_addr, slots=mask.tobytes(),
+                                                num_slots=4096, since_seq=-1), timeout=60)
+    assert r.rows == moving.size
+    for _ in range(pushes):
+        src.Push(pb.PushRequest(tables=[pb.TableUpdate(
+            table="emb", ids=touched.tobytes(),
+            values=np.full((touched.size, 4), 0.5, np.float32).tobytes())]), timeout=30)
+    r2 = src.MigrateSlots(pb.MigrateSlotsRequest(dst_address=dst_addr, slots=mask.tobytes(),
+                                                 num_slots=4096, since_seq=r.watermark),
+                          timeout=60)
+    assert r2.rows == touched.size
+
+
 def test_migration_moves_every_row_of_its_slots_exactly(two_ps):
     (src, _), (dst, dst_addr) = two_ps
     src.CreateTable(pb.CreateTableRequest(config=CFG), timeout=30)
@@ -229,19 +245,8 @@ def test_migration_moves_every_row_of_its_slots_exactly(two_ps):
     mask = np.zeros(4096, np.uint8)
     mask[::3] = 1
     moving = ids[mask[slot_of(ids, 4096)].astype(bool)]
-    r = src.MigrateSlots(pb.MigrateSlotsRequest(dst_address=dst_addr, slots=mask.tobytes(),
-                                                num_slots=4096, since_seq=-1), timeout=60)
-    assert r.rows == moving.size
     # pushes after the snapshot: the catch-up round carries them, counts included
-    touched = moving[:2000]
-    for _ in range(3):
-        src.Push(pb.PushRequest(tables=[pb.TableUpdate(
-            table="emb", ids=touched.tobytes(),
-            values=np.full((touched.size, 4), 0.5, np.float32).tobytes())]), timeout=30)
-    r2 = src.MigrateSlots(pb.MigrateSlotsRequest(dst_address=dst_addr, slots=mask.tobytes(),
-                                                 num_slots=4096, since_seq=r.watermark),
-                          timeout=60)
-    assert r2.rows == touched.size
+    _snapshot_then_catch_up(src, dst_addr, mask, moving, moving[:2000], pushes=3)
     st = {t.name: t.rows for t in dst.Stats(pb.StatsRequest(), timeout=30).tables}
     assert st["emb"] == moving.size  # every moved row, once
     assert np.array_equal(_lookup(dst, moving), _lookup(src, moving))
@@ -270,17 +275,7 @@ def test_migration_into_a_ps_that_holds_rows_moves_every_row_exactly(two_ps):
     mask[::3] = 1
     moving = moving_pool[mask[slot_of(moving_pool, 4096)].astype(bool)]
     assert moving.size > 2 * 16384  # several chunks of several pieces each
-    r = src.MigrateSlots(pb.MigrateSlotsRequest(dst_address=dst_addr, slots=mask.tobytes(),
-                                                num_slots=4096, since_seq=-1), timeout=60)
-    assert r.rows == moving.size
-    touched = moving[::7]
-    src.Push(pb.PushRequest(tables=[pb.TableUpdate(
-        table="emb", ids=touched.tobytes(),
-        values=np.full((touched.size, 4), 0.5, np.float32).tobytes())]), timeout=30)
-    r2 = src.MigrateSlots(pb.MigrateSlotsRequest(dst_address=dst_addr, slots=mask.tobytes(),
-                                                 num_slots=4096, since_seq=r.watermark),
-                          timeout=60)
-    assert r2.rows == touched.size
+    _snapshot_then_catch_up(src, dst_addr, mask, moving, moving[::7], pushes=1)
     st = {t.name: t.rows for t in dst.Stats(pb.StatsRequest(), timeout=30).tables}
     assert st["emb"] == kept.size + moving.size  # every moved row once, its own rows kept
     assert np.array_equal(_lookup(dst, moving), _lookup(src, moving))
