@@ -1200,3 +1200,51 @@ def test_probe_tails_longer_than_a_window_against_a_dict():
     q = np.concatenate([keys, absent])
     np.testing.assert_array_equal(idx.find(q), [ref.get(k, -1) for k in q.tolist()])
     assert len(idx) == len(ref)
+
+
+@pytest.mark.parametrize("kind", ["adam", "adagrad", "assign_add", "fp16", "admission",
+                                  "steps_to_live", "segment"])
+def test_apply_and_lookup_matches_apply_then_lookup(kind):
+    """The push handler's one-probe update-and-read leaves the table exactly as
+    apply_gradients + lookup(insert_missing=False) do and returns what that lookup
+    returns: missing keys created, duplicates summed, admission's dropped ids read the
+    default, a promoted segment's rows updated in the segment."""
+    def make():
+        opt = {"fp16": "adam", "admission": "sgd", "steps_to_live": "adagrad",
+               "segment": "adagrad"}.get(kind, kind)
+        kw = {"dtype": "float16"} if kind == "fp16" else {}
+        if kind == "admission":
+            kw["admission"] = {"min_count": 2}
+        if kind == "steps_to_live":
+            kw["eviction"] = {"steps_to_live": 3}
+        store = EmbeddingStore()
+        t = store.create_table("t", 4, {"name": "uniform", "seed": 3}, opt, **kw)
+        if kind == "segment":
+            r = EmbeddingStore(track_changes=False).create_table("t", 4, {"name": "uniform",
+                                                                       "seed": 3}, opt)
+            r.import_rows(np.arange(1000, 1100, dtype=np.int64),
+                          np.full((100, 8), 0.25, np.float32))
+            assert t.adopt_segment(r, np.ones(4, bool), 4) == 100
+        return t
+
+    a, b = make(), make()
+    rng = np.random.default_rng(5)
+    for step in range(6):
+        keys = rng.integers(0, 1200, 700).astype(np.int64)  # duplicates, new and old keys
+        keys[:50] = keys[50:100]
+        grads = rng.standard_normal((keys.size, 4)).astype(np.float32)
+        if kind == "admission":
+            a.lookup(keys[:400]), b.lookup(keys[:400])  # admits some ids: others drop
+        got = a.apply_and_lookup(keys, grads)
+        b.apply_gradients(keys, grads)
+        want = b.lookup(keys, insert_missing=False)
+        np.testing.assert_array_equal(got, want)
+        assert got.dtype == np.float32 and got.shape == (keys.size, 4)
+    probe = np.arange(1200, dtype=np.int64)
+    np.testing.assert_array_equal(a.lookup(probe, False), b.lookup(probe, False))
+    np.testing.assert_array_equal(a.export_rows()[1][np.argsort(a.export_rows()[0])],
+                                  b.export_rows()[1][np.argsort(b.export_rows()[0])])
+    assert a.sequence.value == b.sequence.value and a._clock == b._clock
+    assert a.apply_and_lookup(np.empty(0, np.int64), np.empty((0, 4), np.float32)).shape == (0, 4)
+    with pytest.raises(ValueError, match="gradients"):
+        a.apply_and_lookup(np.array([1], np.int64), np.full((1, 4), np.nan, np.float32))

@@ -369,8 +369,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def _apply(work, returns: list[bool]) -> list[bytes]:
         out = []
         for (table, ids, vals), ret in zip(work, returns):
-            table.apply_gradients(ids, vals)
-            out.append(codec.floats_to_bytes(table.lookup(ids, insert_missing=False)) if ret else b"")
+            if ret:  # one index probe for the update and the answer
+                out.append(codec.floats_to_bytes(table.apply_and_lookup(ids, vals)))
+            else:
+                table.apply_gradients(ids, vals)
+                out.append(b"")
         return out if any(returns) else []
 
     def SetRouting(self, request, context):

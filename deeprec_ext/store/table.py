@@ -1077,11 +1077,32 @@ class EmbeddingTable:
                 if rows.size:
                     self._apply_rows(rows, grads, seq, self._clock)
                 return seq
-            seq = []
-            self._create_missing(keys, rows, seq, log=False)
-            seq = seq[0] if seq else self.sequence.next()
-            self._apply_rows(rows, grads, seq, self._clock)
-            return seq
+            return self._apply_found(keys, rows, grads)
+
+    def _apply_found(self, keys: np.ndarray, rows: np.ndarray, grads: np.ndarray) -> int:
+        """The update of ``keys`` whose rows ``find`` gave (-1: missing, created here and
+        filled into ``rows``); no admission. Returns the stamped sequence number."""
+        seq = []
+        self._create_missing(keys, rows, seq, log=False)
+        seq = seq[0] if seq else self.sequence.next()
+        self._apply_rows(rows, grads, seq, self._clock)
+        return seq
+
+    def apply_and_lookup(self, keys, grads) -> np.ndarray:
+        """``apply_gradients(keys, grads)`` followed by ``lookup(keys, insert_missing=False)``
+        under one lock hold, the values read from the rows the update found: one index
+        probe and one argument check instead of two (a push that returns its rows: every
+        dense sync, fresh overlapped lookups)."""
+        keys = _check_keys(keys)
+        grads = _check_floats(grads, (keys.size, self.dim), f"table '{self.name}': gradients")
+        with self._lock:
+            if keys.size == 0 or self._seg is not None or self.admission is not None:
+                self.apply_gradients(keys, grads)  # rows split or dropped: the general path
+                return self.lookup(keys, insert_missing=False)
+            self._clock += 1  # as apply_gradients
+            rows = self._index.find(keys)
+            self._apply_found(keys, rows, grads)
+            return self._gather_values(rows)
 
     def _apply_rows(self, rows: np.ndarray, grads: np.ndarray, seq: int, step: int) -> None:
         """The optimizer step on existing ``rows`` (duplicates summed), stamped ``seq``
