@@ -236,3 +236,59 @@ def test_status_json_schema(job, client):
     for m in ps:
         assert set(m) >= {"role", "id", "pid", "address", "state"}
         assert m["state"] == "running" and m["pid"] > 0 and m["address"].startswith("127.0.0.1:")
+
+
+def test_push_routing_check_skipped_only_while_every_slot_is_owned():
+    """A PS that owns every slot accepts pushes without hashing each key's slot; once the
+    routing hands some slots away, a push naming a key it lost is refused with stale
+    routing and changes nothing, and owning all again accepts it (real gRPC server)."""
+    from deeprec_ext.grpc_util import create_server
+    from deeprec_ext.ps.server import ParameterServerServicer
+    svc = ParameterServerServicer("ps-r")
+    server, port = create_server("127.0.0.1:0", max_workers=4)
+    ps_pb2_grpc.add_ParameterServerServicer_to_server(svc, server)
+    server.start()
+    try:
+        stub = ps_pb2_grpc.ParameterServerStub(insecure_channel(f"127.0.0.1:{port}"))
+        stub.CreateTable(ps_pb2.CreateTableRequest(config=ps_pb2.TableConfig(
+            name="t", dim=2, optimizer_json=json.dumps({"name": "sgd", "learning_rate": 1.0}))),
+            timeout=10)
+        ids = np.arange(64, dtype=np.int64)
+        lost = ids[slot_of(ids, 16) == 3]
+        assert lost.size
+
+        def route(epoch, mask):
+            stub.SetRouting(ps_pb2.SetRoutingRequest(epoch=epoch, num_slots=16,
+                                                     owned_slots=mask.astype(np.uint8).tobytes()),
+                            timeout=10)
+
+        def push(keys):
+            return stub.Push(ps_pb2.PushRequest(tables=[ps_pb2.TableUpdate(
+                table="t", ids=keys.tobytes(), values=np.full((keys.size, 2), -1.0, np.float32)
+                .tobytes())], return_values=True), timeout=10)
+
+        def value(keys):
+            got = stub.Lookup(ps_pb2.LookupRequest(tables=[ps_pb2.TableIds(
+                table="t", ids=keys.tobytes())], insert_missing=False), timeout=10)
+            return np.frombuffer(got.values[0], np.float32).reshape(-1, 2)
+
+        route(1, np.ones(16, bool))
+        got = push(ids)
+        np.testing.assert_array_equal(np.frombuffer(got.values[0], np.float32), 1.0)
+        partial = np.ones(16, bool)
+        partial[3] = False
+        route(2, partial)
+        with pytest.raises(grpc.RpcError) as info:
+            push(ids)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "stale routing" in info.value.details()
+        kept = ids[slot_of(ids, 16) != 3]
+        np.testing.assert_array_equal(value(kept), 1.0)  # the refused push applied nothing
+        push(kept)
+        np.testing.assert_array_equal(value(kept), 2.0)
+        route(3, np.ones(16, bool))
+        push(ids)
+        np.testing.assert_array_equal(value(lost), 2.0)
+        np.testing.assert_array_equal(value(kept), 3.0)
+    finally:
+        server.stop(0)

@@ -49,13 +49,20 @@ class Routing:
         # matter, so a rare lost update between threads is harmless and takes no lock
         self.lookups_per_slot = np.zeros(DEFAULT_NUM_SLOTS, dtype=np.int64)
         self.counting_since = time.monotonic()
+        # the ``owned`` array known to hold every slot (a lone PS): a push to it needs no
+        # per-key slot hash (compared by identity, so a racing set() never wrongly skips)
+        self._owns_all: np.ndarray | None = None
+
+    def _adopt(self, epoch: int, num_slots: int, owned: np.ndarray | None) -> None:
+        if num_slots != self.lookups_per_slot.size:
+            self.lookups_per_slot = np.zeros(num_slots, dtype=np.int64)
+        self._owns_all = owned if owned is not None and bool(np.all(owned)) else None
+        self.epoch, self.num_slots, self.owned = epoch, num_slots, owned
 
     def set(self, epoch: int, num_slots: int, owned: np.ndarray) -> None:
         self.gate.acquire_exclusive()
         try:
-            if num_slots != self.lookups_per_slot.size:
-                self.lookups_per_slot = np.zeros(num_slots, dtype=np.int64)
-            self.epoch, self.num_slots, self.owned = epoch, num_slots, owned
+            self._adopt(epoch, num_slots, owned)
         finally:
             self.gate.release_exclusive()
 
@@ -65,16 +72,14 @@ class Routing:
         try:
             if epoch <= self.epoch:
                 return False
-            if num_slots != self.lookups_per_slot.size:
-                self.lookups_per_slot = np.zeros(num_slots, dtype=np.int64)
-            self.epoch, self.num_slots, self.owned = epoch, num_slots, owned
+            self._adopt(epoch, num_slots, owned)
             return True
         finally:
             self.gate.release_exclusive()
 
     def check(self, ids: np.ndarray, context, count: bool = False) -> None:
         owned, num_slots, epoch = self.owned, self.num_slots, self.epoch
-        if owned is None or ids.size == 0:
+        if owned is None or ids.size == 0 or (not count and owned is self._owns_all):
             return
         slots = slot_of(ids, num_slots)
         if count:
