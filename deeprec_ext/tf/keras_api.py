@@ -231,8 +231,10 @@ class ElasticCallback(keras.callbacks.Callback):
         return [v for v in model.trainable_variables if id(v) not in anchors]
 
     def _assign(self, values):
-        for v, value in zip(self._vars, values):
-            v.assign(value)
+        if getattr(self, "_writers_of", None) is not self._vars:
+            self._writers, self._writers_of = [_writer(v) for v in self._vars], self._vars
+        for write, value in zip(self._writers, values):
+            write(value)
 
     def _local(self):
         return [np.asarray(v.numpy()) for v in self._vars]
@@ -309,6 +311,30 @@ class ElasticCallback(keras.callbacks.Callback):
         self._sync_now()
 
     on_predict_begin = on_test_begin
+
+
+def _writer(v):
+    """How the dense sync writes variable ``v`` every step: a float32 Keras variable of the
+    TensorFlow backend is its own ``tf.Variable``, and Keras' ``assign`` is that variable's
+    ``assign`` after a conversion, a shape check, a cast and with a read of the value it
+    returns; the same AssignVariableOp without them costs 0.32-0.37 ms a step for DeepFM's
+    8 variables against 0.80-0.96 ms. Anything else (another dtype or backend) keeps
+    Keras' own ``assign``."""
+    raw = getattr(v, "_value", None)
+    if (isinstance(raw, tf.Variable) and raw.dtype == tf.float32
+            and getattr(v, "dtype", None) == "float32"):
+        shape = tuple(raw.shape)
+
+        def write(value):
+            value = np.asarray(value, np.float32)
+            if value.shape != shape:  # Keras' own check, same message
+                raise ValueError(f"The shape of the target variable and the shape of the "
+                                 f"target value in `variable.assign(value)` must match. "
+                                 f"variable.shape={shape}, Received: value.shape={value.shape}. "
+                                 f"Target variable: {v}")
+            raw.assign(value, read_value=False)
+        return write
+    return v.assign
 
 
 def _from_logits(model) -> bool:
