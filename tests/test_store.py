@@ -744,6 +744,50 @@ class TestChangeLog:
         codes, bits = t.plan_export(mask, since)
         assert codes.size == int(mask[slot_of(keys[:500], 64)].sum())
 
+    def test_table_lock_knows_its_waiters_and_exports_yield_only_to_them(self, monkeypatch):
+        """A lookup blocked on the table lock shows as ``contended``; an export's
+        ``_yield`` between lock holds gives the CPU away (a timer sleep, ~70 us at
+        least, often far more on busy cores) only then."""
+        import time as real_time
+
+        import deeprec_ext.store.table as tb
+        sleeps = []
+
+        class Clock:  # the table module's ``time``, counting its sleeps
+            def __getattr__(self, name):
+                return getattr(real_time, name)
+
+            @staticmethod
+            def sleep(s):
+                sleeps.append(s)
+                real_time.sleep(s)
+
+        monkeypatch.setattr(tb, "time", Clock())
+        monkeypatch.setattr(tb, "_GATHER_ROWS_PER_HOLD", 64)
+        rng = np.random.default_rng(5)
+        t = EmbeddingTable("t", 4)
+        keys = rand_keys(rng, 5000)
+        t.lookup(keys)
+        codes, bits = t.plan_export(np.ones(64, bool))
+        got = t.gather_planned(codes, bits, 64)[0]  # 79 holds, nobody waiting
+        assert got.size == keys.size and sleeps == [] and not t._lock.contended
+        done = threading.Event()
+        with t._lock:
+            th = threading.Thread(target=lambda: (t.lookup(keys[:10]), done.set()))
+            th.start()
+            deadline = real_time.monotonic() + 10
+            while not t._lock.contended and real_time.monotonic() < deadline:
+                real_time.sleep(0.001)
+            assert t._lock.contended and not done.is_set()
+            tb._yield(t._lock)  # as an export does after a hold
+            assert sleeps == [0]
+        th.join(10)
+        assert done.is_set() and not t._lock.contended
+        # reentrant, like the RLock it wraps
+        with t._lock:
+            with t._lock:
+                assert t.lookup(keys[:3], insert_missing=False).shape == (3, 4)
+
     @pytest.mark.parametrize("dtype", ["float32", "float16"])
     def test_gather_planned_apart_matches_the_counted_block(self, dtype):
         """``with_counts="apart"`` (format 4's columns, gathered straight into the arrays
