@@ -607,7 +607,7 @@ class CheckpointWriter:
             else:  # the rows changed since since_seq, from the change log: a plan
                 codes, row_bits = table.plan_export(export_mask, since_seq)
                 rows_chunks = self._row_chunks(table, info, codes, row_bits, written,
-                                               cancelled)
+                                               cancelled, since_seq)
                 expect = int(codes.size)
             path = self.dir / fname
             # the expected size (keys, rows, counts; headers are small) for _preallocate
@@ -642,7 +642,7 @@ class CheckpointWriter:
                   int(slots[min(s + per, m) - 1]))] for s in range(0, m, per))
 
     def _row_chunks(self, table: EmbeddingTable, info: dict, codes: np.ndarray, row_bits: int,
-                    written: list, cancelled):
+                    written: list, cancelled, since_seq: int | None = None):
         """Row chunks (kind, keys, rows, slot_lo, slot_hi) of a plan, each read under one
         table-lock hold when it is about to be written (a generator: one chunk at a time)."""
         with_counts = bool(info.get("counts"))
@@ -660,7 +660,7 @@ class CheckpointWriter:
             _check_cancelled(cancelled)
             keys, rows, slots = table.gather_planned(
                 codes[s:s + per], row_bits, self.num_slots,
-                with_counts="apart" if apart else with_counts)
+                with_counts="apart" if apart else with_counts, since_seq=since_seq)
             counts = None
             if apart:
                 rows, counts = rows
