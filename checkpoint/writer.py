@@ -453,7 +453,7 @@ class CheckpointWriter:
                 if self.url is not None:  # its manifest only, into the staging directory
                     pdir.mkdir()
                     remote.get_manifest(self.url, pdir.name, pdir)
-                pm = load_manifest(pdir)
+                pm = load_manifest(pdir, cached=True)  # read only here
                 if pm["num_slots"] != self.num_slots:
                     raise ValueError(f"num_slots={self.num_slots} differs from the parent's "
                                      f"num_slots={pm['num_slots']}")
