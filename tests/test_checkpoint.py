@@ -1145,6 +1145,34 @@ def test_retention_checks_only_the_new_checkpoint_yet_catches_it_corrupt(tmp_pat
     assert info.chain == [4]
 
 
+def test_only_the_writer_that_creates_a_checkpoint_directory_syncs_the_root(tmp_path,
+                                                                              monkeypatch):
+    """The new directory's entry is made durable (fsync of the root) by the writer that
+    created it, before it writes; another writer of the same checkpoint (the AIMaster,
+    committing the PS's files) finds it done. The commit still syncs the directory
+    before and after the manifest."""
+    import checkpoint.writer as cw
+    synced = []
+    real = cw._fsync_dir
+    monkeypatch.setattr(cw, "_fsync_dir", lambda p: (synced.append(Path(p)), real(p)))
+    s = make_store(np.random.default_rng(19), 300)
+    ps = CheckpointWriter(tmp_path, 1, "full", num_slots=NUM_SLOTS)
+    assert synced == [tmp_path]
+    ps.write_table("ps-0", s["emb"])
+    files = ps.file_entries()
+    synced.clear()
+    master = CheckpointWriter(tmp_path, 1, "full", num_slots=NUM_SLOTS)
+    assert synced == []
+    master.add_file_entries(files)
+    master.commit()
+    assert synced == [tmp_path / "ckpt-00000001-full"] * 2
+    _, info = restored(tmp_path)
+    assert info.chain == [1]
+    (tmp_path / "ckpt-00000002-full").write_bytes(b"")  # a file in the way: refused
+    with pytest.raises(FileExistsError):
+        CheckpointWriter(tmp_path, 2, "full", num_slots=NUM_SLOTS)
+
+
 def test_cached_manifest_is_the_file_as_it_is_now(tmp_path):
     """load_manifest(cached=True), as retention and an incremental's writer read their
     manifests: a settled manifest parsed before is not parsed again, and one rewritten
