@@ -1441,8 +1441,22 @@ class JobMaster:
             futures[key] = self.fleet.write_checkpoint(address, ps_pb2.WriteCheckpointRequest(
                 root=data_fs.absolute(self.checkpoint_dir), ckpt_id=ckpt_id, kind=kind,
                 parent=chain["id"] if incr else 0, writer_id=ps_id, since_json=json.dumps(since)))
-        while not all(f.done() for f in futures.values()):
-            if cancel.wait(0.05):
+        # the end of the writes is signalled, not polled: polling every 50 ms added 25 ms
+        # on average (up to 50) to every checkpoint, about a third of a 4M-row
+        # incremental's time; a pre-emption is still seen within 5 ms
+        written, left, counting = threading.Event(), [len(futures)], threading.Lock()
+
+        def one_written(_f) -> None:
+            with counting:
+                left[0] -= 1
+                if left[0] <= 0:
+                    written.set()
+        if not futures:
+            written.set()
+        for f in futures.values():
+            f.add_done_callback(one_written)
+        while not written.wait(0.005):
+            if cancel.is_set():
                 for f in futures.values():
                     f.cancel()
                 # no manifest: the chunks written so far are never part of a checkpoint

@@ -69,7 +69,9 @@ table. A full checkpoint scans the arena in row order (``EmbeddingTable.scan_liv
 slice by slot outside the lock and deals it into the 16 slot ranges; no global sort and
 no random gather over the table. An incremental reads a plan of the changed rows from
 the change log, sorted by slot (``EmbeddingTable.plan_export``: 8 bytes per row), then
-the rows (``gather_planned``, 8k rows per lock hold). Chunks that pay are compressed
+the rows (``gather_planned``, 8k rows per lock hold, each row's sequence number checked
+there against ``since_seq``; between holds the CPU is given away only when a lookup
+or push waits for the table lock). Chunks that pay are compressed
 on a small thread pool while the next is read; one I/O thread per file checksums the
 stored ones and writes every chunk, in order, with one writev each, beside the thread
 that scans and sorts; the disk write-back starts every 32 MB (``sync_file_range``) so that the
@@ -128,9 +130,12 @@ Retention
 ``apply_retention(root, keep_chains)`` keeps the newest ``keep_chains`` restorable
 chains and everything newer than their oldest full. By default (``verify="new"``) it
 checks every manifest and file size but reads only the newest checkpoint's chunks
-(header + crc32): the one just committed. Before it deletes anything it also reads the
-chunks of the chains it keeps (once per new chain), so a checkpoint that rotted after
-its commit never costs the chain that would replace it. Incomplete or corrupt checkpoints
+(header + crc32): the one just committed (under 64 MB, e.g. an incremental, on the
+calling thread; larger ones on a small pool). Manifests are parsed and checked once per
+process while their file is unchanged (``load_manifest(cached=True)``: same device,
+inode, size and times, and older than a second). Before it deletes anything it also
+reads the chunks of the chains it keeps (once per new chain), so a checkpoint that
+rotted after its commit never costs the chain that would replace it. Incomplete or corrupt checkpoints
 in that range are left alone: one may still be in the middle of being written. A
 directory is renamed away before ``rmtree``, so a reader never sees half of one.
 

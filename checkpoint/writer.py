@@ -453,7 +453,7 @@ class CheckpointWriter:
                 if self.url is not None:  # its manifest only, into the staging directory
                     pdir.mkdir()
                     remote.get_manifest(self.url, pdir.name, pdir)
-                pm = load_manifest(pdir)
+                pm = load_manifest(pdir, cached=True)  # read only here
                 if pm["num_slots"] != self.num_slots:
                     raise ValueError(f"num_slots={self.num_slots} differs from the parent's "
                                      f"num_slots={pm['num_slots']}")
@@ -467,8 +467,17 @@ class CheckpointWriter:
             elif parent is not None:
                 raise ValueError("a full checkpoint has no parent")
 
-            self.dir.mkdir(exist_ok=True)
-            if self.sync:
+            try:
+                self.dir.mkdir()
+                created = True
+            except FileExistsError:  # another writer of this checkpoint (a PS) made it
+                if not self.dir.is_dir():
+                    raise
+                created = False
+            # the new directory's entry, made durable by the writer that created it before
+            # it writes (the AIMaster commits after every PS's write returned: its own
+            # fsync of the root found nothing to do, 0.2-4 ms on a shared disk)
+            if self.sync and created:
                 _fsync_dir(self.root)
         except BaseException:
             if self.url is not None:  # no staging directory left behind by a refusal
@@ -607,7 +616,7 @@ class CheckpointWriter:
             else:  # the rows changed since since_seq, from the change log: a plan
                 codes, row_bits = table.plan_export(export_mask, since_seq)
                 rows_chunks = self._row_chunks(table, info, codes, row_bits, written,
-                                               cancelled)
+                                               cancelled, since_seq)
                 expect = int(codes.size)
             path = self.dir / fname
             # the expected size (keys, rows, counts; headers are small) for _preallocate
@@ -642,7 +651,7 @@ class CheckpointWriter:
                   int(slots[min(s + per, m) - 1]))] for s in range(0, m, per))
 
     def _row_chunks(self, table: EmbeddingTable, info: dict, codes: np.ndarray, row_bits: int,
-                    written: list, cancelled):
+                    written: list, cancelled, since_seq: int | None = None):
         """Row chunks (kind, keys, rows, slot_lo, slot_hi) of a plan, each read under one
         table-lock hold when it is about to be written (a generator: one chunk at a time)."""
         with_counts = bool(info.get("counts"))
@@ -660,7 +669,7 @@ class CheckpointWriter:
             _check_cancelled(cancelled)
             keys, rows, slots = table.gather_planned(
                 codes[s:s + per], row_bits, self.num_slots,
-                with_counts="apart" if apart else with_counts)
+                with_counts="apart" if apart else with_counts, since_seq=since_seq)
             counts = None
             if apart:
                 rows, counts = rows

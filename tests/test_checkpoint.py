@@ -1100,12 +1100,17 @@ def cli_ok(root) -> bool:
     return run_cli("inspect", root).returncode == 0
 
 
-def test_retention_checks_only_the_new_checkpoint_yet_catches_it_corrupt(tmp_path, monkeypatch):
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "pool"])
+def test_retention_checks_only_the_new_checkpoint_yet_catches_it_corrupt(tmp_path, monkeypatch,
+                                                                         inline):
     """apply_retention(verify="new"), after each commit: reads the chunks of the newest
     checkpoint only (an incremental's pass does not read the full under it), and a new
     checkpoint that is corrupt is not trusted: the older chain it would have replaced
-    is kept."""
+    is kept. Small checkpoints are checked on the caller's thread, larger ones on a
+    pool: both paths."""
     import checkpoint.reader as reader
+    if not inline:
+        monkeypatch.setattr(reader, "_CHECK_INLINE_BYTES", 0)
     rng = np.random.default_rng(13)
     s = make_store(rng, 3000)
     cuts = write(tmp_path, 1, s)
@@ -1138,6 +1143,65 @@ def test_retention_checks_only_the_new_checkpoint_yet_catches_it_corrupt(tmp_pat
                                                         "ckpt-00000003-full"]
     _, info = restored(tmp_path)
     assert info.chain == [4]
+
+
+def test_only_the_writer_that_creates_a_checkpoint_directory_syncs_the_root(tmp_path,
+                                                                              monkeypatch):
+    """The new directory's entry is made durable (fsync of the root) by the writer that
+    created it, before it writes; another writer of the same checkpoint (the AIMaster,
+    committing the PS's files) finds it done. The commit still syncs the directory
+    before and after the manifest."""
+    import checkpoint.writer as cw
+    synced = []
+    real = cw._fsync_dir
+    monkeypatch.setattr(cw, "_fsync_dir", lambda p: (synced.append(Path(p)), real(p)))
+    s = make_store(np.random.default_rng(19), 300)
+    ps = CheckpointWriter(tmp_path, 1, "full", num_slots=NUM_SLOTS)
+    assert synced == [tmp_path]
+    ps.write_table("ps-0", s["emb"])
+    files = ps.file_entries()
+    synced.clear()
+    master = CheckpointWriter(tmp_path, 1, "full", num_slots=NUM_SLOTS)
+    assert synced == []
+    master.add_file_entries(files)
+    master.commit()
+    assert synced == [tmp_path / "ckpt-00000001-full"] * 2
+    _, info = restored(tmp_path)
+    assert info.chain == [1]
+    (tmp_path / "ckpt-00000002-full").write_bytes(b"")  # a file in the way: refused
+    with pytest.raises(FileExistsError):
+        CheckpointWriter(tmp_path, 2, "full", num_slots=NUM_SLOTS)
+
+
+def test_cached_manifest_is_the_file_as_it_is_now(tmp_path):
+    """load_manifest(cached=True), as retention and an incremental's writer read their
+    manifests: a settled manifest parsed before is not parsed again, and one rewritten
+    in place (same size) or replaced is read afresh, its corruption caught; one written
+    in the last second is never kept (file times come from a coarse clock)."""
+    import checkpoint.reader as reader
+    rng = np.random.default_rng(17)
+    s = make_store(rng, 500)
+    write(tmp_path, 1, s)
+    d = tmp_path / "ckpt-00000001-full"
+    path = d / MANIFEST_NAME
+    fresh = load_manifest(d, cached=True)
+    assert load_manifest(d, cached=True) is not fresh  # just written: not kept
+    old = path.stat().st_mtime - 3600
+    os.utime(path, (old, old))  # settled
+    m = load_manifest(d, cached=True)
+    assert load_manifest(d, cached=True) is m and m == fresh
+    blob = path.read_bytes()
+    i = blob.index(b'"created_iso"')
+    path.write_bytes(blob[:i + 20] + bytes([blob[i + 20] ^ 1]) + blob[i + 21:])
+    with pytest.raises(CheckpointError, match="checksum"):
+        load_manifest(d, cached=True)
+    assert [c.problems for c in reader.scan(tmp_path, "manifest", _cached=True)][0]
+    tmp = d / "replacement"
+    tmp.write_bytes(blob)
+    os.utime(tmp, (old, old))
+    os.replace(tmp, path)  # same bytes and times as the kept one, another file
+    m2 = load_manifest(d, cached=True)
+    assert m2 is not m and m2 == m
 
 
 def test_full_checkpoint_while_pushes_run_is_a_consistent_cut(tmp_path, monkeypatch):

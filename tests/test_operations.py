@@ -408,6 +408,51 @@ def test_an_incremental_a_ps_cannot_cut_is_taken_as_a_full_one(tmp_path):
             s.stop()
 
 
+class _TimedCheckpointPS(ParameterServerServicer):
+    """A PS that notes when each of its checkpoint writes returned."""
+
+    def __init__(self, ps_id):
+        super().__init__(ps_id)
+        self.returned = []
+
+    def WriteCheckpoint(self, request, context):
+        try:
+            return super().WriteCheckpoint(request, context)
+        finally:
+            self.returned.append(time.monotonic())
+
+
+def test_checkpoint_commits_as_soon_as_the_ps_writes_end(tmp_path, monkeypatch):
+    """The master waits for the PS's writes on their completion, not on a poll: it polled
+    every 50 ms, 25 ms on average (a third of a 4M-row incremental) between the last
+    write and the commit."""
+    import checkpoint
+    commits = []
+
+    class Writer(checkpoint.CheckpointWriter):  # the real writer, timed as it is opened
+        def __init__(self, *a, **k):  # (by each PS, then by the master to commit)
+            commits.append(time.monotonic())
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(checkpoint, "CheckpointWriter", Writer)
+    servers = [_PS("ps-0", _TimedCheckpointPS), _PS("ps-1", _TimedCheckpointPS)]
+    master = _running_master(tmp_path, servers, "i")
+    try:
+        gaps = []
+        for _ in range(9):
+            commits.clear()
+            master.checkpoint()
+            last = max(s.servicer.returned[-1] for s in servers)
+            gaps.append(commits[-1] - last)
+        gaps.sort()
+        assert gaps[4] < 0.012, gaps  # with the poll: uniform over 0-50 ms
+    finally:
+        master.stop()
+        master.shutdown()
+        for s in servers:
+            s.stop()
+
+
 class _FailingFleet(PsFleet):
     """A real fleet whose N-th migration round fails (a source or destination lost)."""
 

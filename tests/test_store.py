@@ -744,6 +744,98 @@ class TestChangeLog:
         codes, bits = t.plan_export(mask, since)
         assert codes.size == int(mask[slot_of(keys[:500], 64)].sum())
 
+    def test_change_log_cap_drops_only_the_oldest_batches(self):
+        """Over its cap the change log forgets the oldest batches, as few as needed: a
+        batch of more than half the cap no longer empties the log (which sent the next
+        incremental to a scan of every row's sequence number)."""
+        from deeprec_ext.store.table import _ChangeLog
+        log = _ChangeLog()
+        for seq in (1, 2):
+            log.append(seq, np.arange(600, dtype=np.int64) + 1000 * seq)
+            log.cap(1000)
+        assert len(log) == 600 and log.floor == 1  # batch 1 gone, batch 2 kept
+        np.testing.assert_array_equal(log.since(1), np.arange(600) + 2000)
+        assert log.since(0) is None  # no longer exact that far back
+        log.append(3, np.arange(600, dtype=np.int64) + 3000)
+        log.cap(1000)
+        assert len(log) == 600 and log.floor == 2
+        np.testing.assert_array_equal(log.since(2), np.arange(600) + 3000)
+        log.append(4, np.arange(300, dtype=np.int64))
+        log.cap(1000)
+        assert len(log) == 900 and log.floor == 2  # both fit: nothing dropped
+        log.append(5, np.arange(1500, dtype=np.int64))
+        log.cap(1000)
+        assert len(log) == 0 and log.floor == 5  # one batch over the cap: all of it
+
+    def test_incremental_plan_after_two_large_batches_comes_from_the_log(self):
+        """Two pushes of 5% of the rows each (over half the log's cap, 1/16 of the rows):
+        the plan since the first still reads the change log, and plan + gather with the
+        same ``since_seq`` give exactly the rows the second wrote, freed ones skipped."""
+        from deeprec_ext.hashing import slot_of
+        rng = np.random.default_rng(4)
+        t = EmbeddingTable("t", 4, optimizer="adagrad")
+        keys = rand_keys(rng, 100_000)
+        t.apply_gradients(keys, rng.normal(size=(keys.size, 4)).astype(np.float32))
+        a, b = keys[:5000], keys[5000:10_000]
+        t.apply_gradients(a, np.ones((a.size, 4), np.float32))
+        since = t.sequence.value
+        t.apply_gradients(b, np.ones((b.size, 4), np.float32))
+        assert t._changes.since(since) is not None  # was trimmed away: a full scan
+        t.delete(b[:100])  # planned rows freed before the gather: skipped
+        mask = np.ones(64, bool)
+        codes, bits = t.plan_export(mask, since)
+        k, (rows, counts), slots = t.gather_planned(codes, bits, 64, with_counts="apart",
+                                                     since_seq=since)
+        assert sorted(k.tolist()) == sorted(b[100:].tolist())
+        assert (np.diff(slots) >= 0).all()
+        np.testing.assert_array_equal(slots, slot_of(k, 64))
+        np.testing.assert_array_equal(rows, t.export_keys(k)[1])
+        assert (counts == 2).all()
+
+    def test_table_lock_knows_its_waiters_and_exports_yield_only_to_them(self, monkeypatch):
+        """A lookup blocked on the table lock shows as ``contended``; an export's
+        ``_yield`` between lock holds gives the CPU away (a timer sleep, ~70 us at
+        least, often far more on busy cores) only then."""
+        import time as real_time
+
+        import deeprec_ext.store.table as tb
+        sleeps = []
+
+        class Clock:  # the table module's ``time``, counting its sleeps
+            def __getattr__(self, name):
+                return getattr(real_time, name)
+
+            @staticmethod
+            def sleep(s):
+                sleeps.append(s)
+                real_time.sleep(s)
+
+        monkeypatch.setattr(tb, "time", Clock())
+        monkeypatch.setattr(tb, "_GATHER_ROWS_PER_HOLD", 64)
+        rng = np.random.default_rng(5)
+        t = EmbeddingTable("t", 4)
+        keys = rand_keys(rng, 5000)
+        t.lookup(keys)
+        codes, bits = t.plan_export(np.ones(64, bool))
+        got = t.gather_planned(codes, bits, 64)[0]  # 79 holds, nobody waiting
+        assert got.size == keys.size and sleeps == [] and not t._lock.contended
+        done = threading.Event()
+        with t._lock:
+            th = threading.Thread(target=lambda: (t.lookup(keys[:10]), done.set()))
+            th.start()
+            deadline = real_time.monotonic() + 10
+            while not t._lock.contended and real_time.monotonic() < deadline:
+                real_time.sleep(0.001)
+            assert t._lock.contended and not done.is_set()
+            tb._yield(t._lock)  # as an export does after a hold
+            assert sleeps == [0]
+        th.join(10)
+        assert done.is_set() and not t._lock.contended
+        # reentrant, like the RLock it wraps
+        with t._lock:
+            with t._lock:
+                assert t.lookup(keys[:3], insert_missing=False).shape == (3, 4)
+
     @pytest.mark.parametrize("dtype", ["float32", "float16"])
     def test_gather_planned_apart_matches_the_counted_block(self, dtype):
         """``with_counts="apart"`` (format 4's columns, gathered straight into the arrays
