@@ -9,6 +9,13 @@ between (the PS's ``IMPORT_PIECE_ROWS``). Variants run in fresh processes, alter
 ``--repeat`` times; medians.
 
     python bench/bench_import_pieces.py --rows 2000000 --pieces 16384,4096 --repeat 5
+
+``--growth 16,64``: variants of ``EmbeddingTable.IMPORT_GROWTH_PER_ROW`` (positions of a
+growth under way moved per imported row) instead; ``--base DIR``: a variant ``base`` run
+from the tree exported there (e.g. ``git archive``), alternating with this tree's.
+
+    python bench/bench_import_pieces.py --rows 2000000 --pieces 4096 --growth 16,64 \
+        --base /tmp/base --repeat 3
 """
 from __future__ import annotations
 
@@ -23,12 +30,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHUNK = 1 << 14  # MigrateSlots' rows per streamed batch
 
 
-def measure(rows: int, piece: int, seed: int) -> dict:
+def measure(rows: int, piece: int, seed: int, growth: int = 0) -> dict:
     import threading
 
     import numpy as np
 
-    from deeprec_ext.store import EmbeddingStore
+    from deeprec_ext.store import EmbeddingStore, EmbeddingTable
+    if growth:
+        EmbeddingTable.IMPORT_GROWTH_PER_ROW = growth
     rng = np.random.default_rng(seed)
     ids = rng.permutation(np.unique(rng.integers(-2**62, 2**62, int(rows * 1.52))))
     own, incoming = ids[:rows], ids[rows:rows + rows // 3]
@@ -71,7 +80,8 @@ def measure(rows: int, piece: int, seed: int) -> dict:
     th.join()
     got = np.asarray(lat[n0:])
     assert len(t) == live.size + incoming.size
-    return {"piece": piece, "import_ms": import_ms, "lookups": int(got.size),
+    assert (t.lookup(incoming[::97], insert_missing=False) == data[::97, :16]).all()
+    return {"piece": piece, "growth": growth, "import_ms": import_ms, "lookups": int(got.size),
             "lookup_p50_ms": float(np.median(got)), "lookup_p99_ms": float(np.percentile(got, 99)),
             "lookup_max_ms": float(got.max())}
 
@@ -84,26 +94,35 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="")
+    ap.add_argument("--growth", default="", help="IMPORT_GROWTH_PER_ROW variants, e.g. 16,64")
+    ap.add_argument("--base", default="", help="a tree exported elsewhere, run as variant 'base'")
     ap.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--child-growth", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
-        print(json.dumps(measure(a.rows, a.child, a.seed)))
+        print(json.dumps(measure(a.rows, a.child, a.seed, a.child_growth)))
         return 0
     import numpy as np
     pieces = [int(p) for p in a.pieces.split(",")]
-    runs = {p: [] for p in pieces}
+    growths = [int(g) for g in a.growth.split(",")] if a.growth else [0]
+    variants = [(f"base piece {pieces[0]}", a.base, pieces[0], 0)] if a.base else []
+    variants += [(f"piece {p}" + (f" growth {g}" if g else ""), ROOT, p, g)
+                 for p in pieces for g in growths]
+    runs = {v[0]: [] for v in variants}
     for r in range(a.repeat):
-        for p in pieces:  # alternating, each in a fresh process
+        for name, root, p, g in variants:  # alternating, each in a fresh process
+            # this script, importing the store of the tree on PYTHONPATH
             out = subprocess.run([sys.executable, __file__, "--rows", str(a.rows), "--child", str(p),
-                                  "--seed", str(a.seed)], capture_output=True, text=True,
-                                 env=dict(os.environ, PYTHONPATH=ROOT), check=True)
-            runs[p].append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(f"run {r + 1} piece {p}: {runs[p][-1]}", flush=True)
+                                  "--child-growth", str(g), "--seed", str(a.seed)],
+                                 capture_output=True, text=True,
+                                 env=dict(os.environ, PYTHONPATH=root), check=True)
+            runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"run {r + 1} {name}: {runs[name][-1]}", flush=True)
     keys = ["import_ms", "lookups", "lookup_p50_ms", "lookup_p99_ms", "lookup_max_ms"]
     med = {p: {k: round(float(np.median([x[k] for x in v])), 2) for k in keys} for p, v in runs.items()}
     print("\nmedians:")
     for p, m in med.items():
-        print(f"  piece {p:6d}: {m}")
+        print(f"  {p}: {m}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "loadavg": os.getloadavg(),
