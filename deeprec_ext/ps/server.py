@@ -503,6 +503,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def ImportRows(self, request_iterator, context):
         n = 0
+        snapshot = False  # a snapshot's stream (it announces its rows): its pieces yield
         for batch in request_iterator:
             for rid in batch.applied_request_ids:  # pushes the source applied (migration)
                 self.applied.add(rid, ship=True)   # ...and this PS's peer learns them too
@@ -520,11 +521,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     table.delete(deleted)
                 if batch.total_rows > 0:  # a snapshot's rows: size the table for them once
                     table.reserve_import(min(int(batch.total_rows), self.MAX_ANNOUNCED_ROWS))
+                    snapshot = True
                 ids = codec.ids_from_bytes(batch.ids)
                 if ids.size and len(batch.counts):  # the store's layout, counts apart
                     rows = codec.floats_from_bytes(batch.rows, ids.size, table.row_width, "rows")
                     counts = codec.counts_from_bytes(batch.counts, ids.size)
-                    self._import_pieces(table, ids, rows, counts)
+                    self._import_pieces(table, ids, rows, counts,
+                                        snapshot and self.migration_share < 1.0)
                     n += int(ids.size)
                 elif ids.size:  # rows with their counts last (senders before the counts field)
                     rows = codec.rows_from_bytes(batch.rows, ids.size, table.row_width, "rows")
@@ -541,12 +544,19 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     # interpreter handed to the serving threads between them, about 1 ms.
     IMPORT_PIECE_ROWS = 1 << 12
 
-    def _import_pieces(self, table, ids, rows, counts) -> None:
+    def _import_pieces(self, table, ids, rows, counts, yield_: bool = False) -> None:
+        """``yield_`` (a snapshot's stream, pacing on): between pieces wait, bounded, while
+        training calls are in flight here, as the source does between its chunks. A
+        scale-in's destinations serve all of training while they import; the stream's
+        flow control passes the wait back to the source. Catch-up rounds (the last one
+        runs fenced) are not slowed."""
         piece = self.IMPORT_PIECE_ROWS
         if ids.size > piece:  # checked whole: a bad row refuses the batch, none of it lands
             ids, rows, counts = table.check_block(ids, rows, counts)
         for i in range(0, ids.size, piece):
-            if i:
+            if yield_:
+                self._yield_to_training()
+            elif i:
                 time.sleep(0)  # let a waiting lookup or push take the lock and run
             table.import_block(ids[i:i + piece], rows[i:i + piece], counts[i:i + piece])
 
