@@ -201,6 +201,9 @@ def test_scale_in_destination_purges_its_index_and_imports_into_freed_rows_exact
     # the stream also carries a key this PS holds (a stale copy) and a key twice in a piece
     batch = np.concatenate([incoming, live[5:6], incoming[50_000:50_001]])
     rows, counts = _rows(batch.size, t.row_width, 8)
+    t.reserve_import(1000)  # a few rows: not worth moving every key, nothing starts
+    assert not t._index.growing and t._index.num_deleted == gone.size
+    t._import_target = (0, 0.0)  # (that announcement forgotten)
     t.reserve_import(batch.size)
     assert t._index.growing  # the rebuild began; nothing moved at once
     bulk_pieces = 0

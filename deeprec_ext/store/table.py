@@ -1161,8 +1161,9 @@ class EmbeddingTable:
         An empty or small index is made for all of them at once; a large one starts
         growing to its final size incrementally (the imports move the rest). A large index
         with deleted positions (a scale-in's destination, after an earlier clean-up) is
-        rebuilt without them in the same growth, even where it had room: the imports end
-        it early (:meth:`import_block`) and the rest of their rows are placed in bulk."""
+        rebuilt without them in the same growth, even where it had room, when the rows
+        announced are at least a quarter of its keys: the imports end it early
+        (:meth:`import_block`) and the rest of their rows are placed in bulk."""
         n = int(n)
         if n <= 0:
             return
@@ -1183,7 +1184,10 @@ class EmbeddingTable:
             elif len(idx) < INCREMENTAL_MIN_KEYS:
                 idx.reserve(more)  # small: rebuilt at once for every row announced
             else:
-                idx.reserve(more, step=0, purge=True)
+                # a rebuild moves every key once: worth it for an import of a real share
+                # of the table (a scale-in's destination takes 1/2 to 1/3 more rows), not
+                # for a few rows, which would leave most of the moving to training's inserts
+                idx.reserve(more, step=0, purge=4 * more >= len(idx))
 
     # Positions of a growth under way moved per imported row (import_block): a growth or
     # purge set off by reserve_import then ends within the first ~1/5 of a scale-in's
