@@ -416,6 +416,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         """
         mask = self._slot_mask(request.slots, request.num_slots, context, routed=True)
         validation.address(request.dst_address, "dst_address")
+        if request.fence_epoch:  # before the watermark: every write it lets in is then sent
+            self._fence(request, mask, context)
         watermark = self.store.sequence.value
         since = None if request.since_seq < 0 else request.since_seq
         totals = {"rows": 0, "bytes": 0, "deleted": 0}
@@ -476,6 +478,30 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                               f"{exc.details()}")
         self._migration_consumer(request.dst_address, watermark)
         return ps_pb2.MigrateSlotsResponse(watermark=watermark, **totals)
+
+    def _fence(self, request, moving: np.ndarray, context) -> None:
+        """The fence of a last round (``MigrateSlotsRequest.fence_epoch``): this PS keeps
+        only ``fence_owned`` from that epoch on. Taking the exclusive side of the gate, it
+        waits for the requests that passed the old ownership check. The same fence again
+        (the last round to another destination) is a no-op; an older epoch or another
+        layout at that epoch is refused, nothing sent."""
+        if not request.send_request_ids:
+            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
+                         "fence_epoch is for the last round only (send_request_ids)")
+        owned = validation.slot_mask(request.fence_owned, request.num_slots, field="fence_owned")
+        if (owned & moving).any():
+            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
+                         "fence_owned keeps slots this round moves away")
+        if self.routing.advance(request.fence_epoch, request.num_slots, owned):
+            log.info("%s: fenced at epoch %d, keeps %d/%d slots", self.ps_id,
+                     request.fence_epoch, int(owned.sum()), request.num_slots)
+            return
+        r = self.routing
+        if r.epoch != request.fence_epoch or r.owned is None or r.num_slots != request.num_slots \
+                or not np.array_equal(r.owned, owned):
+            errors.abort(context, grpc.StatusCode.FAILED_PRECONDITION, errors.ErrorKind.STALE_EPOCH,
+                         f"fence epoch {request.fence_epoch} is not newer than this PS's epoch "
+                         f"{r.epoch} (nor the same fence)", ((ROUTING_EPOCH_KEY, str(r.epoch)),))
 
     MIGRATION_CONSUMER_SECONDS = 600.0
 
