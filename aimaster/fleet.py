@@ -222,10 +222,17 @@ class PsFleet:
         return self.stub(address).WriteCheckpoint.future(request, timeout=3600)
 
     def migrate_slots(self, src: str, dst: str, mask: np.ndarray, num_slots: int,
-                      since_seq: int, send_request_ids: bool) -> ps_pb2.MigrateSlotsResponse:
+                      since_seq: int, send_request_ids: bool, fence_epoch: int = 0,
+                      fence_owned: np.ndarray | None = None) -> ps_pb2.MigrateSlotsResponse:
+        """``fence_epoch``/``fence_owned``: the last round fences its source first (one
+        call instead of a ``fence`` and then the round)."""
+        if fence_epoch:
+            self.observe_epoch(fence_epoch)
         return self.stub(src).MigrateSlots(ps_pb2.MigrateSlotsRequest(
             dst_address=self.control_address(dst), slots=mask.astype(np.uint8).tobytes(), num_slots=num_slots,
-            since_seq=since_seq, send_request_ids=send_request_ids), timeout=3600)
+            since_seq=since_seq, send_request_ids=send_request_ids, fence_epoch=fence_epoch,
+            fence_owned=b"" if fence_owned is None else fence_owned.astype(np.uint8).tobytes()),
+            timeout=3600)
 
     def drop_slots(self, address: str, mask: np.ndarray, num_slots: int) -> int:
         return self.stub(address).DropSlots(ps_pb2.DropSlotsRequest(

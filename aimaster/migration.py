@@ -35,8 +35,9 @@ class MigrationResult:
     rounds: int = 0
     fence_ms: float = 0.0
     drops: dict = field(default_factory=dict)
-    # where the time went: snapshot, catchup (all rounds), fence (the SetRouting calls),
-    # last_delta, publish; what a move waits on (a slow source shows in each)
+    # where the time went: snapshot, catchup (all rounds), fence_last_delta (the last
+    # round's calls, each fencing its source first), publish; what a move waits on (a
+    # slow source shows in each)
     phases_ms: dict = field(default_factory=dict)
     round_rows: list = field(default_factory=list)  # rows of each round, summed over pairs
 
@@ -82,10 +83,16 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
     _progress(active=True, phase="snapshot", pairs=len(pairs), pairs_done=0, rows=0,
               started=time.monotonic())
 
+    keeps = {ps: (old_owner_ids == ps) & (new_owner_ids == ps) for ps in old.ps_ids}
+
     def ship(pair, first: bool, last: bool = False):
         src, dst = pair
+        # the last round fences its source in the same call (one round trip less while
+        # requests for moving slots wait); the source reads its watermark after the fence
         resp = fleet.migrate_slots(address[src], address[dst], masks[pair], old.num_slots,
-                                   watermark[pair], send_request_ids=last)
+                                   watermark[pair], send_request_ids=last,
+                                   fence_epoch=fence_epoch if last else 0,
+                                   fence_owned=keeps[src] if last else None)
         with lock:
             watermark[pair] = resp.watermark
             result.moved_bytes += resp.bytes
@@ -123,21 +130,23 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
                 if max(sent, default=0) <= small_delta_rows:
                     break
             lap("catchup")
-            # 3. fence: every old PS keeps only what it keeps in the new layout. All at
-            # once: one after the other, each waited for the slowest PS's answer in turn
-            # while every moving slot was already fenced on the PS before it
+            # 3. fence + 4. last delta, in one call per pair: every source keeps only what
+            # it keeps in the new layout, then (nothing can write its moving slots any
+            # more) ships what changed since the last round; the new owners also learn
+            # which pushes were applied (a push resent to them is not re-applied). Old PS
+            # that send nothing are fenced at the same time (their ownership is unchanged;
+            # they learn the epoch). A failure from here on restores the old layout.
             fence_start = time.monotonic()
             fenced = True
             _progress(phase="fence", pairs_done=0)
-            list(pool.map(lambda ps: fleet.fence(address[ps], fence_epoch, old.num_slots,
-                                                 (old_owner_ids == ps) & (new_owner_ids == ps)),
-                          old_ids))
-            lap("fence")
-            # 4. last delta: nothing can write the fenced slots any more; the new owners
-            # also learn which pushes were applied (a push resent to them is not re-applied)
+            sources = {s for s, _ in pairs}
+            quiet = [pool.submit(fleet.fence, address[ps], fence_epoch, old.num_slots, keeps[ps])
+                     for ps in old_ids if ps not in sources]
             result.round_rows.append(sum(pool.map(lambda p: ship(p, False, last=True), pairs)))
+            for f in quiet:
+                f.result()
             result.rounds += 1
-            lap("last_delta")
+            lap("fence_last_delta")
             # 5. hand over: every PS learns the new layout (and ring) at the next epoch,
             # then the clients
             _progress(phase="handover")

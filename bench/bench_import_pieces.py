@@ -9,6 +9,16 @@ between (the PS's ``IMPORT_PIECE_ROWS``). Variants run in fresh processes, alter
 ``--repeat`` times; medians.
 
     python bench/bench_import_pieces.py --rows 2000000 --pieces 16384,4096 --repeat 5
+
+``--yield``: each variant also with the import waiting between pieces while a lookup is
+in flight (``ParameterServerServicer._import_pieces`` of a snapshot's stream).
+
+``--growth 16,64``: variants of ``EmbeddingTable.IMPORT_GROWTH_PER_ROW`` (positions of a
+growth under way moved per imported row) instead; ``--base DIR``: a variant ``base`` run
+from the tree exported there (e.g. ``git archive``), alternating with this tree's.
+
+    python bench/bench_import_pieces.py --rows 2000000 --pieces 4096 --growth 16,64 \
+        --base /tmp/base --repeat 3
 """
 from __future__ import annotations
 
@@ -23,12 +33,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHUNK = 1 << 14  # MigrateSlots' rows per streamed batch
 
 
-def measure(rows: int, piece: int, seed: int) -> dict:
+def measure(rows: int, piece: int, seed: int, growth: int = 0, yield_: bool = False) -> dict:
     import threading
 
     import numpy as np
 
-    from deeprec_ext.store import EmbeddingStore
+    from deeprec_ext.ps.server import ParameterServerServicer
+    from deeprec_ext.store import EmbeddingStore, EmbeddingTable
+    if growth:
+        EmbeddingTable.IMPORT_GROWTH_PER_ROW = growth
+    # the PS's own import loop and in-flight count (its lookups bracket themselves so)
+    svc = ParameterServerServicer("bench", migration_share=0.5)
+    svc.IMPORT_PIECE_ROWS = piece
     rng = np.random.default_rng(seed)
     ids = rng.permutation(np.unique(rng.integers(-2**62, 2**62, int(rows * 1.52))))
     own, incoming = ids[:rows], ids[rows:rows + rows // 3]
@@ -50,7 +66,9 @@ def measure(rows: int, piece: int, seed: int) -> dict:
         while not stop.is_set():
             q = live[r.integers(0, live.size, 2048)]
             t0 = time.perf_counter()
+            svc._data_call(1)
             t.lookup(q, insert_missing=False)
+            svc._data_call(-1)
             lat.append((time.perf_counter() - t0) * 1e3)
             time.sleep(0.004)
 
@@ -62,6 +80,9 @@ def measure(rows: int, piece: int, seed: int) -> dict:
     t.reserve_import(int(incoming.size * 1.02) + 64)
     for i in range(0, incoming.size, CHUNK):
         k, d, c = incoming[i:i + CHUNK], data[i:i + CHUNK], counts[i:i + CHUNK]
+        if yield_:  # waits between pieces while a lookup is in flight
+            svc._import_pieces(t, k, d, c, True)
+            continue
         for j in range(0, k.size, piece):
             if j:
                 time.sleep(0)
@@ -71,7 +92,9 @@ def measure(rows: int, piece: int, seed: int) -> dict:
     th.join()
     got = np.asarray(lat[n0:])
     assert len(t) == live.size + incoming.size
-    return {"piece": piece, "import_ms": import_ms, "lookups": int(got.size),
+    assert (t.lookup(incoming[::97], insert_missing=False) == data[::97, :16]).all()
+    return {"piece": piece, "growth": growth, "yield": yield_, "import_ms": import_ms,
+            "lookups": int(got.size),
             "lookup_p50_ms": float(np.median(got)), "lookup_p99_ms": float(np.percentile(got, 99)),
             "lookup_max_ms": float(got.max())}
 
@@ -84,26 +107,40 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="")
+    ap.add_argument("--growth", default="", help="IMPORT_GROWTH_PER_ROW variants, e.g. 16,64")
+    ap.add_argument("--yield", dest="yield_", action="store_true",
+                    help="also a variant whose import waits between pieces while lookups are "
+                         "in flight (the PS's snapshot imports)")
+    ap.add_argument("--base", default="", help="a tree exported elsewhere, run as variant 'base'")
     ap.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--child-growth", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--child-yield", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
-        print(json.dumps(measure(a.rows, a.child, a.seed)))
+        print(json.dumps(measure(a.rows, a.child, a.seed, a.child_growth, bool(a.child_yield))))
         return 0
     import numpy as np
     pieces = [int(p) for p in a.pieces.split(",")]
-    runs = {p: [] for p in pieces}
+    growths = [int(g) for g in a.growth.split(",")] if a.growth else [0]
+    variants = [(f"base piece {pieces[0]}", a.base, pieces[0], 0, 0)] if a.base else []
+    variants += [(f"piece {p}" + (f" growth {g}" if g else "") + (" yield" if y else ""),
+                  ROOT, p, g, y) for p in pieces for g in growths for y in ((0, 1) if a.yield_ else (0,))]
+    runs = {v[0]: [] for v in variants}
     for r in range(a.repeat):
-        for p in pieces:  # alternating, each in a fresh process
+        for name, root, p, g, y in variants:  # alternating, each in a fresh process
+            # this script, importing the store of the tree on PYTHONPATH
             out = subprocess.run([sys.executable, __file__, "--rows", str(a.rows), "--child", str(p),
-                                  "--seed", str(a.seed)], capture_output=True, text=True,
-                                 env=dict(os.environ, PYTHONPATH=ROOT), check=True)
-            runs[p].append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(f"run {r + 1} piece {p}: {runs[p][-1]}", flush=True)
+                                  "--child-growth", str(g), "--child-yield", str(y),
+                                  "--seed", str(a.seed)],
+                                 capture_output=True, text=True,
+                                 env=dict(os.environ, PYTHONPATH=root), check=True)
+            runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"run {r + 1} {name}: {runs[name][-1]}", flush=True)
     keys = ["import_ms", "lookups", "lookup_p50_ms", "lookup_p99_ms", "lookup_max_ms"]
     med = {p: {k: round(float(np.median([x[k] for x in v])), 2) for k in keys} for p, v in runs.items()}
     print("\nmedians:")
     for p, m in med.items():
-        print(f"  piece {p:6d}: {m}")
+        print(f"  {p}: {m}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "loadavg": os.getloadavg(),

@@ -177,6 +177,103 @@ def test_reserve_import_on_a_large_index_starts_growth_without_moving_it_all():
     assert np.array_equal(idx.find(new), np.arange(keys.size, keys.size + new.size))
 
 
+def test_scale_in_destination_purges_its_index_and_imports_into_freed_rows_exactly():
+    """A scale-in's destination: rows of its own, a third of them dropped by an earlier
+    clean-up (deleted positions, freed rows). reserve_import rebuilds the index without the
+    deleted positions (growing it), the imports end that early and then take the bulk
+    path into the freed rows: the arena does not grow, every imported row and count is
+    exact, every row kept is untouched, a present key takes the imported row and a key
+    repeated in a piece its last one."""
+    rng = np.random.default_rng(7)
+    ids = rng.permutation(np.unique(rng.integers(-2**62, 2**62, 460_000)))
+    own, incoming = ids[:300_000], ids[300_000:399_000]
+    t = EmbeddingStore().create_table("t", 4, "zeros", ADAGRAD)
+    for i in range(0, own.size, 50_000):
+        t.lookup(own[i:i + 50_000], insert_missing=True)
+    t._index.advance(1 << 30)  # a table trained for long: its last growth is done
+    gone = own[::3]
+    t.delete(gone, moved=True)
+    live = np.setdiff1d(own, gone)
+    t.apply_gradients(live[:1000], np.ones((1000, 4), np.float32))  # not initial values
+    kept_before = t.export_keys(live, with_counts=True)[1]
+    assert t._index.num_deleted == gone.size and t._nfree == gone.size
+    hwm, arena = t._hwm, t._arena.shape[0]
+    # the stream also carries a key this PS holds (a stale copy) and a key twice in a piece
+    batch = np.concatenate([incoming, live[5:6], incoming[50_000:50_001]])
+    rows, counts = _rows(batch.size, t.row_width, 8)
+    t.reserve_import(1000)  # a few rows: not worth moving every key, nothing starts
+    assert not t._index.growing and t._index.num_deleted == gone.size
+    t._import_target = (0, 0.0)  # (that announcement forgotten)
+    t.reserve_import(batch.size)
+    assert t._index.growing  # the rebuild began; nothing moved at once
+    bulk_pieces = 0
+    piece = 4096
+    for i in range(0, batch.size, piece):
+        bulk = t._index.can_place_rows(min(piece, batch.size - i))
+        if bulk:
+            bulk_pieces += 1
+        t.import_block(batch[i:i + piece], rows[i:i + piece], counts[i:i + piece])
+        if i >= batch.size // 2:  # the rebuild ended in the first half of the import
+            assert not t._index.growing and t._index.num_deleted == 0
+    assert bulk_pieces >= (batch.size // piece) // 2
+    assert t._hwm == hwm and t._arena.shape[0] == arena  # into freed rows, no new ones
+    assert t._nfree == gone.size - batch.size + 2  # + the two superseded copies' rows
+    assert len(t) == live.size + incoming.size
+    last = {int(k): j for j, k in enumerate(batch)}
+    want = np.array([last[int(k)] for k in incoming])
+    got = t.export_keys(incoming, with_counts=True)[1]
+    assert np.array_equal(got[:, :t.row_width], rows[want])
+    assert np.array_equal(got[:, t.row_width].astype(np.uint32), counts[want])
+    assert np.array_equal(t.export_keys(live[5:6])[1][0], rows[last[int(live[5])]])
+    rest = np.ones(live.size, bool)
+    rest[5] = False
+    assert np.array_equal(t.export_keys(live[rest], with_counts=True)[1], kept_before[rest])
+    assert t.export_keys(gone)[0].size == 0  # dropped keys stay absent
+
+
+def test_place_rows_into_given_rows_supersedes_older_copies_and_checks_its_rows():
+    """place_rows(rows=...) (freed rows reused): a key already in the index loses to the
+    batch's copy even where its row is higher; a key repeated in the batch keeps its
+    latest copy; rows not strictly increasing are refused before anything changes."""
+    rk = np.zeros(1000, np.int64)  # the owner's row -> key array: the caller writes it
+    idx = HashIndex(1 << 12, row_keys=lambda: rk)
+    old = np.arange(100, dtype=np.int64) * 13
+    rk[900:1000] = old
+    idx.place_rows(old, 900)  # rows 900..999
+    keys = np.concatenate([old[:20], np.arange(1, 301, dtype=np.int64) * -7, old[:5]])
+    rows = np.arange(keys.size, dtype=np.int64) * 2 + 1  # 1, 3, ...: all below the old rows
+    rk[rows] = keys
+    before = idx._tab.copy()
+    with pytest.raises(ValueError, match="strictly increasing"):
+        idx.place_rows(keys, 0, rows=rows[::-1].copy())
+    assert np.array_equal(idx._tab, before)
+    dead = idx.place_rows(keys, 0, rows=rows)
+    want = {int(k): 900 + i for i, k in enumerate(old)}
+    want.update({int(k): int(r) for k, r in zip(keys, rows)})  # later entries win
+    ks = np.array(list(want), dtype=np.int64)
+    assert np.array_equal(idx.find(ks), np.array(list(want.values())))
+    assert len(idx) == len(want)
+    superseded = set(range(900, 920)) | {int(r) for r in rows[:5]}
+    assert set(dead.tolist()) == superseded
+
+
+def test_reserve_with_purge_rebuilds_an_index_that_had_room():
+    idx = HashIndex(1 << 20)
+    keys = np.arange(400_000, dtype=np.int64) * 7919  # 200k left: a large index
+    idx.insert(keys, np.arange(keys.size))
+    idx.remove(keys[::2])
+    cap = idx.capacity
+    idx.reserve(10_000, step=0)  # room enough: no growth, the deleted positions stay
+    assert not idx.growing and idx.num_deleted == keys.size // 2
+    idx.reserve(10_000, step=0, purge=True)
+    assert idx.growing and idx.capacity == cap  # same size, without the deleted positions
+    while idx.growing:
+        idx.advance(1 << 16)
+    assert idx.num_deleted == 0 and idx.can_place_rows(10_000)
+    assert np.array_equal(idx.find(keys[1::2]), np.arange(1, keys.size, 2))
+    assert (idx.find(keys[::2]) == -1).all()
+
+
 # -- two PS processes ------------------------------------------------------------------------
 def _start_ps(tmp_path, name):
     port_file = tmp_path / f"{name}.port"

@@ -159,3 +159,44 @@ def test_a_catch_up_round_is_paced_past_its_first_rows_only():
     finally:
         for server in servers:
             server.stop(None)
+
+
+def test_a_snapshot_import_yields_between_pieces_while_training_calls_are_in_flight():
+    """A destination (a scale-in's serves all of training) waits between the pieces of a
+    snapshot's import while lookups or pushes are in flight here, bounded per piece; a
+    catch-up round's import (no announced rows; the last one runs fenced) never waits.
+    Every row lands either way."""
+    import numpy as np
+
+    from deeprec_ext import rowwire
+    from deeprec_ext.proto import ps_pb2
+
+    def import_rows(svc, keys, announce: bool) -> tuple[float, int]:
+        cfg = ps_pb2.TableConfig(name="emb", dim=4, optimizer_json='{"name": "sgd"}',
+                                 initializer_json='{"name": "zeros"}').SerializeToString()
+        rows = np.ones((keys.size, 4), np.float32)
+        counts = np.ones(keys.size, np.uint32)
+        batches = [rowwire.parse(rowwire.encode(cfg, total_rows=keys.size if announce else 0)),
+                   rowwire.parse(rowwire.encode(cfg, keys, rows, counts))]
+        t0 = time.monotonic()
+        r = svc.ImportRows(iter(batches), None)
+        return time.monotonic() - t0, r.rows
+
+    keys = np.arange(40_000, dtype=np.int64)
+    pieces = -(-keys.size // ParameterServerServicer.IMPORT_PIECE_ROWS)
+    svc = ParameterServerServicer("ps-i", migration_share=0.5)
+    svc.MIGRATE_YIELD_SECONDS = 0.01
+    svc._data_call(1)  # a training call in flight the whole time
+    waited, n = import_rows(svc, keys, announce=True)
+    assert n == keys.size and len(svc.store.tables()["emb"]) == keys.size
+    assert waited >= 0.9 * 0.01 * pieces, (waited, pieces)
+    waited, n = import_rows(svc, keys + keys.size, announce=False)  # a catch-up round
+    assert n == keys.size and len(svc.store.tables()["emb"]) == 2 * keys.size
+    assert waited < 0.5 * 0.01 * pieces, (waited, pieces)
+    svc._data_call(-1)
+    waited, n = import_rows(svc, keys + 2 * keys.size, announce=True)  # idle: no wait
+    assert n == keys.size and waited < 0.5 * 0.01 * pieces
+    unpaced = ParameterServerServicer("ps-u")  # --migration-share 1: no pacing, no yield
+    unpaced._data_call(1)
+    waited, n = import_rows(unpaced, keys, announce=True)
+    assert n == keys.size and waited < 0.5 * 0.01 * pieces

@@ -515,6 +515,81 @@ def test_a_failed_migration_leaves_no_copied_rows_on_its_destination(two_ps, fai
     fleet.close()
 
 
+def test_a_last_round_with_the_fence_moves_every_row_and_refuses_bad_fences(two_ps):
+    """The last round carries its source's fence (one call instead of two): the source
+    refuses writes to the moved slots from then on and the destination holds every row of
+    them with its value; the same fence again (another destination's last round) is
+    accepted. Bad fences are refused with a message naming the problem, nothing fenced,
+    and the PS keeps serving: a wrong-sized mask, a fence outside the last round, a mask
+    keeping a moving slot, an older epoch, another layout at the same epoch."""
+    from deeprec_ext import codec
+    from deeprec_ext.proto import ps_pb2
+    fleet = PsFleet()
+    (a, b), n = (s.address for s in two_ps), 16
+    owner = np.array([0, 1] * 8, np.int32)
+    old = RoutingTable(fleet.next_epoch(), n, ("ps-0", "ps-1"), (a, b), owner)
+    assert fleet.publish(old, lambda ps_id: True) == []
+    for ps in (a, b):
+        fleet.stub(ps).CreateTable(ps_pb2.CreateTableRequest(config=ps_pb2.TableConfig(
+            name="t", dim=2, initializer_json='{"name": "zeros"}',
+            optimizer_json='{"name": "sgd", "learning_rate": 1.0}')), timeout=10)
+    keys = np.arange(1, 20001, dtype=np.int64)
+    keys = keys[owner[slot_of(keys, n)] == 0]  # ps-0's rows
+
+    def push(ids, epoch):
+        fleet.stub(a).Push(ps_pb2.PushRequest(epoch=epoch, tables=[ps_pb2.TableUpdate(
+            table="t", ids=codec.ids_to_bytes(ids),
+            values=codec.floats_to_bytes(-np.ones((ids.size, 2), np.float32)))]), timeout=30)
+    push(keys, old.epoch)
+    moving = np.zeros(n, bool)
+    moving[[0, 2, 4]] = True
+    keeps = (owner == 0) & ~moving
+    src, dst = (s.servicer for s in two_ps)
+    snap = fleet.migrate_slots(a, b, moving, n, -1, send_request_ids=False)
+    push(keys[~np.isin(slot_of(keys, n), [0, 2, 4])], old.epoch)  # rows that stay
+    moved = keys[np.isin(slot_of(keys, n), [0, 2, 4])]
+    push(moved[:500], old.epoch)  # written after the snapshot: the last round carries them
+    bad = [(dict(fence_owned=np.ones(n - 1, bool)), grpc.StatusCode.INVALID_ARGUMENT, "fence_owned"),
+           (dict(send_request_ids=False, fence_owned=keeps), grpc.StatusCode.INVALID_ARGUMENT,
+            "last round"),
+           (dict(fence_owned=keeps | moving), grpc.StatusCode.INVALID_ARGUMENT, "moves away"),
+           (dict(fence_owned=keeps, fence_epoch=old.epoch), grpc.StatusCode.FAILED_PRECONDITION,
+            "not newer")]
+    for kw, code, words in bad:
+        args = dict(send_request_ids=True, fence_epoch=old.epoch + 1) | kw
+        with pytest.raises(grpc.RpcError) as info:
+            fleet.migrate_slots(a, b, moving, n, snap.watermark, **args)
+        assert info.value.code() == code and words in info.value.details(), info.value.details()
+        assert src.routing.epoch == old.epoch and src.routing.owned.sum() == 8  # not fenced
+    push(moved[:10], old.epoch)  # still serving, the moving slots too
+    last = fleet.migrate_slots(a, b, moving, n, snap.watermark, send_request_ids=True,
+                               fence_epoch=old.epoch + 1, fence_owned=keeps)
+    assert last.rows >= 500
+    assert src.routing.epoch == old.epoch + 1 and not src.routing.owned[moving].any()
+    with pytest.raises(grpc.RpcError) as info:  # writes to the moved slots: stale routing
+        push(moved[:1], old.epoch + 1)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "stale routing" in info.value.details()
+    push(keys[~np.isin(slot_of(keys, n), [0, 2, 4])][:10], old.epoch + 1)  # kept slots serve
+    # the same fence again (the last round to another destination): accepted, no change
+    again = fleet.migrate_slots(a, b, moving, n, last.watermark, send_request_ids=True,
+                                fence_epoch=old.epoch + 1, fence_owned=keeps)
+    assert again.rows == 0 and src.routing.epoch == old.epoch + 1
+    with pytest.raises(grpc.RpcError) as info:  # another layout at that epoch: refused
+        fleet.migrate_slots(a, b, moving, n, last.watermark, send_request_ids=True,
+                            fence_epoch=old.epoch + 1, fence_owned=keeps & (np.arange(n) > 8))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # every moved row arrived with its value: 2 pushes of -1 (lr 1) for the first 500 and
+    # the first 10 of them 3, 1 for the rest
+    want = np.ones(moved.size, np.float32)
+    want[:500] += 1
+    want[:10] += 1
+    got = dst.store.get("t").lookup(moved, insert_missing=False)
+    np.testing.assert_array_equal(got[:, 0], want)
+    assert dst.store.get("t").size == moved.size
+    fleet.close()
+
+
 def test_get_routing_long_poll_answers_when_the_epoch_is_published(tmp_path, two_ps):
     """A client that lost a PS asks for an epoch above its own and is answered the moment
     the new routing is published, not at its next poll; a poll with no new epoch ends at

@@ -424,6 +424,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         """
         mask = self._slot_mask(request.slots, request.num_slots, context, routed=True)
         validation.address(request.dst_address, "dst_address")
+        if request.fence_epoch:  # before the watermark: every write it lets in is then sent
+            self._fence(request, mask, context)
         watermark = self.store.sequence.value
         since = None if request.since_seq < 0 else request.since_seq
         totals = {"rows": 0, "bytes": 0, "deleted": 0}
@@ -485,6 +487,30 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._migration_consumer(request.dst_address, watermark)
         return ps_pb2.MigrateSlotsResponse(watermark=watermark, **totals)
 
+    def _fence(self, request, moving: np.ndarray, context) -> None:
+        """The fence of a last round (``MigrateSlotsRequest.fence_epoch``): this PS keeps
+        only ``fence_owned`` from that epoch on. Taking the exclusive side of the gate, it
+        waits for the requests that passed the old ownership check. The same fence again
+        (the last round to another destination) is a no-op; an older epoch or another
+        layout at that epoch is refused, nothing sent."""
+        if not request.send_request_ids:
+            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
+                         "fence_epoch is for the last round only (send_request_ids)")
+        owned = validation.slot_mask(request.fence_owned, request.num_slots, field="fence_owned")
+        if (owned & moving).any():
+            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
+                         "fence_owned keeps slots this round moves away")
+        if self.routing.advance(request.fence_epoch, request.num_slots, owned):
+            log.info("%s: fenced at epoch %d, keeps %d/%d slots", self.ps_id,
+                     request.fence_epoch, int(owned.sum()), request.num_slots)
+            return
+        r = self.routing
+        if r.epoch != request.fence_epoch or r.owned is None or r.num_slots != request.num_slots \
+                or not np.array_equal(r.owned, owned):
+            errors.abort(context, grpc.StatusCode.FAILED_PRECONDITION, errors.ErrorKind.STALE_EPOCH,
+                         f"fence epoch {request.fence_epoch} is not newer than this PS's epoch "
+                         f"{r.epoch} (nor the same fence)", ((ROUTING_EPOCH_KEY, str(r.epoch)),))
+
     MIGRATION_CONSUMER_SECONDS = 600.0
 
     def _migration_consumer(self, dst: str | None, watermark: int = 0) -> None:
@@ -511,6 +537,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def ImportRows(self, request_iterator, context):
         n = 0
+        snapshot = False  # a snapshot's stream (it announces its rows): its pieces yield
         for batch in request_iterator:
             for rid in batch.applied_request_ids:  # pushes the source applied (migration)
                 self.applied.add(rid, ship=True)   # ...and this PS's peer learns them too
@@ -528,11 +555,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     table.delete(deleted)
                 if batch.total_rows > 0:  # a snapshot's rows: size the table for them once
                     table.reserve_import(min(int(batch.total_rows), self.MAX_ANNOUNCED_ROWS))
+                    snapshot = True
                 ids = codec.ids_from_bytes(batch.ids)
                 if ids.size and len(batch.counts):  # the store's layout, counts apart
                     rows = codec.floats_from_bytes(batch.rows, ids.size, table.row_width, "rows")
                     counts = codec.counts_from_bytes(batch.counts, ids.size)
-                    self._import_pieces(table, ids, rows, counts)
+                    self._import_pieces(table, ids, rows, counts,
+                                        snapshot and self.migration_share < 1.0)
                     n += int(ids.size)
                 elif ids.size:  # rows with their counts last (senders before the counts field)
                     rows = codec.rows_from_bytes(batch.rows, ids.size, table.row_width, "rows")
@@ -549,12 +578,19 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     # interpreter handed to the serving threads between them, about 1 ms.
     IMPORT_PIECE_ROWS = 1 << 12
 
-    def _import_pieces(self, table, ids, rows, counts) -> None:
+    def _import_pieces(self, table, ids, rows, counts, yield_: bool = False) -> None:
+        """``yield_`` (a snapshot's stream, pacing on): between pieces wait, bounded, while
+        training calls are in flight here, as the source does between its chunks. A
+        scale-in's destinations serve all of training while they import; the stream's
+        flow control passes the wait back to the source. Catch-up rounds (the last one
+        runs fenced) are not slowed."""
         piece = self.IMPORT_PIECE_ROWS
         if ids.size > piece:  # checked whole: a bad row refuses the batch, none of it lands
             ids, rows, counts = table.check_block(ids, rows, counts)
         for i in range(0, ids.size, piece):
-            if i:
+            if yield_:
+                self._yield_to_training()
+            elif i:
                 time.sleep(0)  # let a waiting lookup or push take the lock and run
             table.import_block(ids[i:i + piece], rows[i:i + piece], counts[i:i + piece])
 

@@ -337,7 +337,7 @@ class HashIndex:
         return b
 
     # -- capacity -----------------------------------------------------------------------
-    def reserve(self, extra: int, step: int | None = None) -> None:
+    def reserve(self, extra: int, step: int | None = None, purge: bool = False) -> None:
         """Ensure ``extra`` more keys can be inserted without exceeding load 1/2.
 
         When a rehash is needed the new capacity keeps the live load at or below 3/8, so
@@ -348,7 +348,11 @@ class HashIndex:
         ``step``: a hint of keys coming later (a migration's import announces its rows):
         an incremental growth to their final size starts, moving at most ``step``
         positions now; the inserts move the rest as usual. A growth already under way is
-        left to them."""
+        left to them.
+
+        ``purge`` (with ``step``): an index holding deleted positions is rebuilt without
+        them even if it has room, so the announced keys can then be placed in bulk
+        (:meth:`can_place_rows`); a large one is rebuilt incrementally, as a growth."""
         if step is not None:
             if self._prev is not None:
                 return
@@ -359,14 +363,15 @@ class HashIndex:
             self._migrate(budget)
         cap = self.capacity
         pending = self._prev._size if self._prev is not None else 0
-        if 2 * (self._size + self._deleted + pending + extra) <= cap:
+        rebuild = purge and self._prev is None and self._deleted > 0
+        if 2 * (self._size + self._deleted + pending + extra) <= cap and not rebuild:
             return
         if self._prev is not None:  # not expected (4 moves per insert): finish at once
             self._migrate(None)
             if 2 * (self._size + self._deleted + extra) <= cap:
                 return
         need = self._size + extra
-        new_cap = cap
+        new_cap = cap  # never smaller: a purge at the same size only drops the tombstones
         while 8 * need > 3 * new_cap:
             new_cap *= 2
         if self._size < INCREMENTAL_MIN_KEYS:
@@ -380,6 +385,13 @@ class HashIndex:
         self._size = 0
         self._prev, self._cursor = prev, 0
         self._migrate(budget)
+
+    def advance(self, budget: int) -> None:
+        """Move the next ``budget`` positions of a growth under way (nothing otherwise):
+        an import that announced its rows ends the growth early, so the rest of its rows
+        take the bulk path (:meth:`place_rows`)."""
+        if self._prev is not None:
+            self._migrate(int(budget))
 
     def _migrate(self, budget: int | None) -> None:
         """Move the live keys of the next ``budget`` positions of ``_prev`` (all: None)
@@ -542,7 +554,7 @@ class HashIndex:
         if cap != self.capacity or self._deleted:
             self._alloc(cap)
 
-    def place_rows(self, keys, first_row: int) -> np.ndarray:
+    def place_rows(self, keys, first_row: int, rows: np.ndarray | None = None) -> np.ndarray:
         """Bulk insert for loads (restores): ``keys`` [n] are the keys of the consecutive
         rows ``first_row .. first_row + n - 1``, whose row -> key entries the caller has
         already written. A key already in the index, or repeated in ``keys``, is a
@@ -554,7 +566,12 @@ class HashIndex:
         and a read-back over the keys still walking. A key meeting a full position
         compares its key (a duplicate) or steps on; a key losing an empty position to
         another claimant stays and compares with the winner next round. Needs
-        :meth:`can_place_rows` (the caller checks, no growth happens here)."""
+        :meth:`can_place_rows` (the caller checks, no growth happens here).
+
+        ``rows`` (instead of consecutive rows from ``first_row``): the keys' rows, strictly
+        increasing (e.g. freed rows reused, sorted), so a later key of the batch still has
+        the higher row; a key already in the index before the call is superseded by the
+        batch's copy whatever its row."""
         keys = _as_keys(keys)
         n = keys.size
         if n == 0:
@@ -562,11 +579,22 @@ class HashIndex:
         if not self.can_place_rows(n):
             raise RuntimeError("place_rows() needs no deleted positions, no growth under way "
                                "and room for the keys")
-        if int(first_row) < 0 or int(first_row) + n - 1 > MAX_ROWS:
-            raise OverflowError(f"row ids must be in [0, {MAX_ROWS}]")
+        batch = None  # the batch's codes, sorted: tells an older occupant from a batch copy
+        if rows is not None:
+            rows = np.asarray(rows, dtype=np.int64)
+            if rows.shape != keys.shape:
+                raise ValueError(f"rows shape {rows.shape} does not match keys shape {keys.shape}")
+            _check_rows(rows)
+            if n > 1 and not (rows[1:] > rows[:-1]).all():
+                raise ValueError("place_rows(): rows must be strictly increasing")
+            code = (rows + 1).astype(np.int32)
+            batch = code
+        else:
+            if int(first_row) < 0 or int(first_row) + n - 1 > MAX_ROWS:
+                raise OverflowError(f"row ids must be in [0, {MAX_ROWS}]")
+            code = np.arange(int(first_row) + 1, int(first_row) + n + 1, dtype=np.int32)
         tab, mask, rk = self._tab, self._mask, self._row_keys()
         p = self._home(keys)
-        code = np.arange(int(first_row) + 1, int(first_row) + n + 1, dtype=np.int32)
         kq = keys
         placed = 0
         dup_pos = []  # positions where copies of one key met
@@ -581,8 +609,14 @@ class HashIndex:
                 if same.any():
                     hits = fi[same]
                     hp, hc = p.take(hits), code.take(hits)
+                    hs = st.take(hits)
                     dup_pos.append(hp)
-                    dup_codes += [st.take(hits), hc]
+                    dup_codes += [hs, hc]
+                    if batch is not None:  # an occupant from before the call loses to any copy
+                        at = np.minimum(np.searchsorted(batch, hs), n - 1)
+                        older = batch.take(at) != hs
+                        if older.any():
+                            tab[hp[older]] = 0
                     np.maximum.at(tab, hp, hc)  # the latest copy (highest row) wins
                     adv = full.copy()
                     adv[hits] = False

@@ -1229,7 +1229,11 @@ class EmbeddingTable:
         the index for them once, instead of doubling both on the way. Announcements of
         streams running at once add up (a scale-out's new PS hears from every source).
         An empty or small index is made for all of them at once; a large one starts
-        growing to its final size incrementally (the imports move the rest)."""
+        growing to its final size incrementally (the imports move the rest). A large index
+        with deleted positions (a scale-in's destination, after an earlier clean-up) is
+        rebuilt without them in the same growth, even where it had room, when the rows
+        announced are at least a quarter of its keys: the imports end it early
+        (:meth:`import_block`) and the rest of their rows are placed in bulk."""
         n = int(n)
         if n <= 0:
             return
@@ -1250,7 +1254,16 @@ class EmbeddingTable:
             elif len(idx) < INCREMENTAL_MIN_KEYS:
                 idx.reserve(more)  # small: rebuilt at once for every row announced
             else:
-                idx.reserve(more, step=0)
+                # a rebuild moves every key once: worth it for an import of a real share
+                # of the table (a scale-in's destination takes 1/2 to 1/3 more rows), not
+                # for a few rows, which would leave most of the moving to training's inserts
+                idx.reserve(more, step=0, purge=4 * more >= len(idx))
+
+    # Positions of a growth under way moved per imported row (import_block): a growth or
+    # purge set off by reserve_import then ends within the first ~1/5 of a scale-in's
+    # snapshot (a 4M-position index in 4k-row pieces: 32 pieces, a few ms each), and the
+    # rest of the rows take the bulk path instead of find + claim against two indexes.
+    IMPORT_GROWTH_PER_ROW = 32
 
     def check_block(self, keys, rows, counts):
         """The checks of :meth:`import_block` (keys, finite rows of this table's width,
@@ -1271,28 +1284,40 @@ class EmbeddingTable:
         (finite) and copied once, into the arena. Into a table whose index has room and no
         deleted positions (a migration's new PS, sized by :meth:`reserve_import`) the rows
         go to consecutive new arena rows and their keys are placed in one bulk pass
-        (``HashIndex.place_rows``; a key already here keeps the imported row). Otherwise
-        as :meth:`import_rows`. Returns the sequence number stamped (0: empty batch)."""
+        (``HashIndex.place_rows``; a key already here keeps the imported row); freed rows
+        are reused first (sorted, as ``place_rows`` needs). A growth under way moves
+        ``IMPORT_GROWTH_PER_ROW`` positions per row first. Otherwise as
+        :meth:`import_rows`. Returns the sequence number stamped (0: empty batch)."""
         keys, rows, counts = self.check_block(keys, rows, counts)
         n = int(keys.size)
         if n == 0:
             return 0
         with self._lock:
-            if (self._seg is not None or self._nfree or self._reserved
+            if self._index.growing and self._seg is None:
+                self._index.advance(self.IMPORT_GROWTH_PER_ROW * n)
+            if (self._seg is not None or self._reserved
                     or not self._index.can_place_rows(n)):
                 return self._upsert(keys, rows, True, False, counts)
             seq = self.sequence.next()
-            r0 = self._hwm
-            self._grow_arena(r0 + n)
-            self._hwm = r0 + n
-            new = np.arange(r0, r0 + n, dtype=np.int64)
-            self._row_key[r0:r0 + n] = keys  # the index reads keys from here
-            dead = self._index.place_rows(keys, r0)
-            self._write_slice(r0, rows)
-            self._row_count[r0:r0 + n] = counts
-            self._row_seq[r0:r0 + n] = seq
+            if self._nfree:  # freed rows first (a scale-in's destination has many)
+                new = np.sort(self._allocate(n))
+                self._row_key[new] = keys  # the index reads keys from here
+                dead = self._index.place_rows(keys, 0, rows=new)
+                self._scatter_rows(new, rows)
+                at = new
+            else:
+                r0 = self._hwm
+                self._grow_arena(r0 + n)
+                self._hwm = r0 + n
+                new = np.arange(r0, r0 + n, dtype=np.int64)
+                self._row_key[r0:r0 + n] = keys  # the index reads keys from here
+                dead = self._index.place_rows(keys, r0)
+                self._write_slice(r0, rows)
+                at = slice(r0, r0 + n)
+            self._row_count[at] = counts
+            self._row_seq[at] = seq
             if self._row_step is not None:  # written (imported, moved) rows: a fresh lease
-                self._row_step[r0:r0 + n] = self._clock
+                self._row_step[at] = self._clock
             self._note_slots(new, keys)
             if dead.size:  # keys present before, or repeated in the batch: the later row won
                 self._release(dead)
