@@ -5,6 +5,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -48,6 +49,22 @@ def _req(cond, what: str) -> None:
 _MANIFESTS: dict = {}
 _MANIFESTS_MAX = 512
 _MANIFEST_SETTLED_NS = 1_000_000_000  # kept once its file is older than this
+
+
+def _int_keyed(o):
+    """``o`` with the keys of every dict whose keys are all decimal integers made ints
+    again. Writers before 2026-11-27 took the manifest's checksum over the Python body,
+    in which such keys (a shard queue's) were ints and sorted as numbers; the checksum of
+    their manifests is the checksum of this form."""
+    if isinstance(o, dict):
+        ints = bool(o) and all(_INT_KEY.fullmatch(k) for k in o)
+        return {(int(k) if ints else k): _int_keyed(v) for k, v in o.items()}
+    if isinstance(o, list):
+        return [_int_keyed(v) for v in o]
+    return o
+
+
+_INT_KEY = re.compile(r"-?(0|[1-9][0-9]*)")
 
 
 def load_manifest(ckpt_dir, cached: bool = False) -> dict:
@@ -95,6 +112,8 @@ def load_manifest(ckpt_dir, cached: bool = False) -> dict:
         raise CheckpointError(f"{where}: unsupported format version {m.get('version')!r}")
     try:
         ok = m.get("checksum") == manifest_checksum(m)
+        if not ok:  # written before 2026-11-27: the checksum of a body with int keys
+            ok = m.get("checksum") == manifest_checksum(_int_keyed(m))
     except (TypeError, ValueError):
         ok = False
     if not ok:

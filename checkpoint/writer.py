@@ -1064,6 +1064,10 @@ class CheckpointWriter:
                            "raw_bytes": sum(e["raw_bytes"] for e in files)},
                 "extra": self._extra,
             }
+            # the checksum is of the body as a reader parses it: JSON turns int keys into
+            # strings, which sort differently ({99, 100} -> "100" < "99"), so a body with
+            # int keys (a shard queue's) would fail its own check once read back
+            body = json.loads(json.dumps(body, allow_nan=False))
             body["checksum"] = manifest_checksum(body)
             blob = json.dumps(body, indent=1, sort_keys=True, allow_nan=False).encode("utf-8")
             if self.url is not None:

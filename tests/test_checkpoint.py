@@ -1608,3 +1608,44 @@ def test_a_ps_malloc_bound_sizes_the_writers_chunks():
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["None", "True", str(1 << 20)]
+
+
+def test_manifest_with_int_keys_in_its_extra_reads_back_valid(tmp_path):
+    """The AIMaster's extra holds the shard queue, whose in-flight shards are a dict keyed
+    by int shard index. JSON makes those keys strings, which sort differently (99 < 100,
+    "100" < "99"): a checksum over the Python body failed its own check once read back,
+    and a good checkpoint was refused as corrupt (a soak hit it at shard 100)."""
+    rng = np.random.default_rng(23)
+    s = make_store(rng, 300)
+    doing = {99: {"worker": "worker-0"}, 100: {"worker": "worker-1"},
+             101: {"worker": "worker-2"}}
+    write(tmp_path, 1, s, extra={"shards": {"doing": doing, "done": [2, 10, 1]}})
+    m = load_manifest(tmp_path / "ckpt-00000001-full")
+    assert m["extra"]["shards"]["doing"] == {str(k): v for k, v in doing.items()}
+    s2, info = restored(tmp_path)
+    assert info.chain == [1]
+    assert_same(snap(s), snap(s2))
+
+
+def test_manifest_written_with_the_int_key_checksum_still_reads(tmp_path):
+    """Manifests written before the fix carry the checksum of the body with int keys:
+    they still load (a good checkpoint is not refused), and a change to one still fails."""
+    import json
+    from checkpoint.format import manifest_checksum
+    rng = np.random.default_rng(29)
+    s = make_store(rng, 300)
+    write(tmp_path, 1, s, extra={"shards": {"doing": {99: {"w": 0}, 100: {"w": 1}}}})
+    d = tmp_path / "ckpt-00000001-full"
+    body = json.loads((d / MANIFEST_NAME).read_text())
+    legacy = dict(body, extra=dict(body["extra"], shards={"doing": {99: {"w": 0},
+                                                                    100: {"w": 1}}}))
+    body["checksum"] = manifest_checksum(legacy)  # as the old writer computed it
+    assert body["checksum"] != manifest_checksum(body)
+    (d / MANIFEST_NAME).write_text(json.dumps(body, indent=1, sort_keys=True))
+    assert load_manifest(d)["extra"]["shards"]["doing"]["100"] == {"w": 1}
+    s2, info = restored(tmp_path)
+    assert_same(snap(s), snap(s2))
+    body["extra"]["shards"]["doing"]["100"] = {"w": 2}
+    (d / MANIFEST_NAME).write_text(json.dumps(body, indent=1, sort_keys=True))
+    with pytest.raises(CheckpointError, match="checksum"):
+        load_manifest(d)
