@@ -513,7 +513,10 @@ def test_a_ps_far_below_the_others_is_replaced_at_once_by_its_spare_with_exact_c
     assert rep["slow"] == "ps-1" and rep["reason"] == "below replace_below", rep
     assert rep["service_rate"] < 0.2 and rep["moved_slots"] > 0, rep
     assert not [e for e in events if e["kind"] == "straggler_rebalance"]
-    assert [(e["state"], e["id"]) for e in spare] == [("started", "ps-1")], spare
+    # one spare, for ps-1, before it was marked; on a loaded 2-core host another PS can
+    # be suspected once the replacement's migration has run: not before it
+    assert [e for e in spare if e["time"] < rep["time"]] == spare[:1], (spare, rep)
+    assert [(e["state"], e["id"]) for e in spare[:1]] == [("started", "ps-1")], spare
     assert rep["new"] == spare[0]["ids"][0] and spare[0]["time"] <= detected[0]["time"], \
         (spare, detected, rep)
     assert set(job.status()["placement"]["ps"]) == {"ps-0", rep["new"]}
