@@ -467,6 +467,24 @@ class _FailingFleet(PsFleet):
         return super().migrate_slots(*args, **kwargs)
 
 
+def _two_ps_with_table(fleet, two_ps):
+    """Both PS at one published epoch, table ``t`` (dim 2, sgd lr 1) on each; 16 slots
+    alternating between them. Returns the addresses, the slot count, the owner array,
+    the routing and the keys ps-0 owns (1..20000)."""
+    from deeprec_ext.proto import ps_pb2
+    (a, b), n = (s.address for s in two_ps), 16
+    owner = np.array([0, 1] * 8, np.int32)
+    old = RoutingTable(fleet.next_epoch(), n, ("ps-0", "ps-1"), (a, b), owner)
+    assert fleet.publish(old, lambda ps_id: True) == []
+    for ps in (a, b):
+        fleet.stub(ps).CreateTable(ps_pb2.CreateTableRequest(config=ps_pb2.TableConfig(
+            name="t", dim=2, initializer_json='{"name": "zeros"}',
+            optimizer_json='{"name": "sgd", "learning_rate": 1.0}')), timeout=10)
+    keys = np.arange(1, 20001, dtype=np.int64)
+    keys = keys[owner[slot_of(keys, n)] == 0]  # ps-0's rows
+    return a, b, n, owner, old, keys
+
+
 @pytest.mark.parametrize("fail_at", ["catch-up", "publish"])
 def test_a_failed_migration_leaves_no_copied_rows_on_its_destination(two_ps, fail_at):
     """Rows a failed migration copied to its destination belong to slots it never owned.
@@ -478,16 +496,7 @@ def test_a_failed_migration_leaves_no_copied_rows_on_its_destination(two_ps, fai
     from deeprec_ext import codec
     from deeprec_ext.proto import ps_pb2
     fleet = _FailingFleet(fail_round=2 if fail_at == "catch-up" else 0)
-    (a, b), n = (s.address for s in two_ps), 16
-    owner = np.array([0, 1] * 8, np.int32)
-    old = RoutingTable(fleet.next_epoch(), n, ("ps-0", "ps-1"), (a, b), owner)
-    assert fleet.publish(old, lambda ps_id: True) == []
-    for ps in (a, b):
-        fleet.stub(ps).CreateTable(ps_pb2.CreateTableRequest(config=ps_pb2.TableConfig(
-            name="t", dim=2, initializer_json='{"name": "zeros"}',
-            optimizer_json='{"name": "sgd", "learning_rate": 1.0}')), timeout=10)
-    keys = np.arange(1, 20001, dtype=np.int64)
-    keys = keys[owner[slot_of(keys, n)] == 0]  # ps-0's rows
+    a, b, n, owner, old, keys = _two_ps_with_table(fleet, two_ps)
     fleet.stub(a).Push(ps_pb2.PushRequest(epoch=old.epoch, tables=[ps_pb2.TableUpdate(
         table="t", ids=codec.ids_to_bytes(keys),
         values=codec.floats_to_bytes(-np.ones((keys.size, 2), np.float32)))]), timeout=30)
@@ -525,16 +534,7 @@ def test_a_last_round_with_the_fence_moves_every_row_and_refuses_bad_fences(two_
     from deeprec_ext import codec
     from deeprec_ext.proto import ps_pb2
     fleet = PsFleet()
-    (a, b), n = (s.address for s in two_ps), 16
-    owner = np.array([0, 1] * 8, np.int32)
-    old = RoutingTable(fleet.next_epoch(), n, ("ps-0", "ps-1"), (a, b), owner)
-    assert fleet.publish(old, lambda ps_id: True) == []
-    for ps in (a, b):
-        fleet.stub(ps).CreateTable(ps_pb2.CreateTableRequest(config=ps_pb2.TableConfig(
-            name="t", dim=2, initializer_json='{"name": "zeros"}',
-            optimizer_json='{"name": "sgd", "learning_rate": 1.0}')), timeout=10)
-    keys = np.arange(1, 20001, dtype=np.int64)
-    keys = keys[owner[slot_of(keys, n)] == 0]  # ps-0's rows
+    a, b, n, owner, old, keys = _two_ps_with_table(fleet, two_ps)
 
     def push(ids, epoch):
         fleet.stub(a).Push(ps_pb2.PushRequest(epoch=epoch, tables=[ps_pb2.TableUpdate(
