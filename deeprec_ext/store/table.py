@@ -209,11 +209,11 @@ class _TableLock:
         return self._waiting > 0
 
 
-def _yield(lock: _TableLock | None = None) -> None:
+def _yield(lock: _TableLock) -> None:
     """Let a thread waiting for a table lock just released take it: a lock is not fair,
     and a loop re-acquiring it at once would keep a waiting lookup out for many holds.
-    With ``lock``: only when a thread waits for it (see :class:`_TableLock`)."""
-    if lock is None or lock.contended:
+    Only when a thread waits for ``lock`` (see :class:`_TableLock`)."""
+    if lock.contended:
         time.sleep(0)
 
 
