@@ -841,7 +841,8 @@ class JobMaster:
                          fence_ms=round(result.fence_ms, 3), epoch=result.routing.epoch,
                          # what the fence window is made of (fence calls, last delta,
                          # publish) and the rows of each round: where a long step went
-                         phases_ms=result.phases_ms, round_rows=result.round_rows)
+                         phases_ms=result.phases_ms, round_rows=result.round_rows,
+                         round_ms=result.round_ms)
         if workers is not None and workers != workers_before:
             self._workers_started = True
             self._worker_target = workers  # before the change: 0 means "no completion check"

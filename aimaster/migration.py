@@ -40,6 +40,7 @@ class MigrationResult:
     # slow source shows in each)
     phases_ms: dict = field(default_factory=dict)
     round_rows: list = field(default_factory=list)  # rows of each round, summed over pairs
+    round_ms: list = field(default_factory=list)    # wall time of each round (its slowest pair)
 
 
 # Gazer: what the migration in progress (or the last one) is doing, read by the monitor.
@@ -119,12 +120,16 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
     with ThreadPoolExecutor(max_workers=max(1, min(8, max(len(pairs), len(old_ids))))) as pool:
         try:
             # 1. snapshot while serving, 2. catch-up rounds until the deltas are small
+            t_round = time.monotonic()
             result.round_rows.append(sum(pool.map(lambda p: ship(p, True), pairs)))
+            result.round_ms.append(round((time.monotonic() - t_round) * 1000, 3))
             result.rounds = 1
             lap("snapshot")
             for _ in range(max_catchup_rounds):
                 _progress(phase="catchup", pairs_done=0)
+                t_round = time.monotonic()
                 sent = list(pool.map(lambda p: ship(p, False), pairs))
+                result.round_ms.append(round((time.monotonic() - t_round) * 1000, 3))
                 result.round_rows.append(sum(sent))
                 result.rounds += 1
                 if max(sent, default=0) <= small_delta_rows:
@@ -143,6 +148,7 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
             quiet = [pool.submit(fleet.fence, address[ps], fence_epoch, old.num_slots, keeps[ps])
                      for ps in old_ids if ps not in sources]
             result.round_rows.append(sum(pool.map(lambda p: ship(p, False, last=True), pairs)))
+            result.round_ms.append(round((time.monotonic() - fence_start) * 1000, 3))
             for f in quiet:
                 f.result()
             result.rounds += 1

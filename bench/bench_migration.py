@@ -442,7 +442,7 @@ def fence_breakdown(state_dir: str, event: dict, publish_wall: float | None) -> 
 
 def analyze_event(event: dict, state: dict, steps: np.ndarray, steady: float,
                   wall_minus_mono: float, call: tuple[float, float], ps_before: list[str],
-                  state_dir: str) -> dict:
+                  state_dir: str, steady_p99_ms: float | None = None) -> dict:
     start = event["time"] - wall_minus_mono
     end = start + event["duration_ms"] / 1000
     events = state.get("events", [])
@@ -466,10 +466,29 @@ def analyze_event(event: dict, state: dict, steps: np.ndarray, steady: float,
             catchup_start = max(copy_start, fence_start - laps["catchup"] / 1000)
             phases["snapshot"] = (copy_start, catchup_start)
             phases["catchup"] = (catchup_start, fence_start)
+            # each catch-up round (the AIMaster's round_ms: snapshot, catch-ups, last),
+            # back to back up to the fence; which round a long step fell in
+            rms = (event.get("round_ms") or [])[1:-1]
+            t = fence_start - sum(rms) / 1000
+            for k, r in enumerate(rms, 1):
+                phases[f"catchup_{k}"] = (max(t, catchup_start), t + r / 1000)
+                t += r / 1000
         phases["fence"] = (fence_start, publish)
         phases["cleanup"] = (publish, end)
     whole = window_stats(steps, start, end, steady)
     ev_ms = event["duration_ms"]
+    # every step over the longest-step limit, with the phases it overlaps (ms from the
+    # event's start; "catchup" is the sum of the catchup_<k> rounds)
+    long_steps = []
+    if steady_p99_ms:
+        for s in overlapping(steps, start, end):
+            ms = (s[2] - s[0]) * 1000
+            if ms > LONGEST_STEP_LIMIT * steady_p99_ms:
+                long_steps.append({
+                    "start_ms": round((s[0] - start) * 1000, 1), "ms": round(ms, 1),
+                    "x_p99": round(ms / steady_p99_ms, 2), "client_stall_ms": round(s[3], 1),
+                    "phases": [k for k, (a, b) in phases.items()
+                               if k not in ("snapshot_catchup", "catchup") and s[0] < b and s[2] > a]})
     moved_bytes = event.get("moved_bytes", 0)
     return {
         "ps": event["ps"], "epoch": event.get("epoch"),
@@ -483,6 +502,7 @@ def analyze_event(event: dict, state: dict, steps: np.ndarray, steady: float,
         "steady_before_steps_per_s": round(steady, 2),
         "event_window": whole,
         "phases": {k: window_stats(steps, a, b, steady) for k, (a, b) in phases.items()},
+        "long_steps": long_steps,
         "fence_breakdown": fence_breakdown(state_dir, event, publish_wall),
         "event": event,
         # per step overlapping the event (+-1 s): start offset from event start, duration,
@@ -583,7 +603,8 @@ def run_size(n: int, args) -> dict:
             job.remember_pids()
             time.sleep(0.2)  # let the steps that straddle the event end land
             ev = analyze_event(event, job.state(), load.snapshot(), steady["steps_per_s"],
-                               wall_minus_mono, (c0, c1), ps_before, job.state_dir)
+                               wall_minus_mono, (c0, c1), ps_before, job.state_dir,
+                               steady["p99_step_ms"])
             ev["cpu_s_during_call"] = {names[p]: round(cpu1[p] - cpu0.get(p, 0.0), 2)
                                        for p in cpu1}
             ev["cpu_s_during_call"]["wall_s"] = round(c1 - c0, 2)
@@ -616,6 +637,10 @@ def run_size(n: int, args) -> dict:
             for k, ph in ev["phases"].items():
                 log(f"      {k:18} {ph['ms']:8.0f} ms  {ph['vs_steady'] or 0:5.2f}x steady  "
                     f"longest step {ph['longest_step_ms']} ms")
+            log(f"      rounds: rows {event.get('round_rows')}, ms {event.get('round_ms')}")
+            for ls in ev["long_steps"]:
+                log(f"      step over {LONGEST_STEP_LIMIT:g}x p99: {ls['ms']} ms ({ls['x_p99']}x) at "
+                    f"{ls['start_ms']} ms, in {', '.join(ls['phases']) or '?'}")
             time.sleep(args.settle)
         a = time.monotonic()
         time.sleep(args.steady)

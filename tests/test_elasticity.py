@@ -83,6 +83,7 @@ def test_ps_scale_under_pushes_counts_exact(start_job):
         # the time went, so a long training step can be placed in the migration
         assert ev["round_rows"][0] == ev["moved_rows"] and len(ev["round_rows"]) == ev["rounds"]
         assert sum(ev["round_rows"][1:]) == ev["catchup_rows"]
+        assert len(ev["round_ms"]) == ev["rounds"] and all(v >= 0 for v in ev["round_ms"])
         assert {"snapshot", "catchup", "fence_last_delta", "publish"} <= set(ev["phases_ms"])
         assert all(v >= 0 for v in ev["phases_ms"].values())
         after = pids(job, "ps")

@@ -339,7 +339,12 @@ class Replicator:
                     self._since, self._full_mode = -1, exc.mode
             return self._ship_full(timeout, paced and not self.sync)
 
+    # a delta this large is logged (rows, time): a migration's imports ship as deltas,
+    # and a long training step is matched with what the PS were doing from the logs
+    LOG_DELTA_ROWS = 1 << 13
+
     def _ship_delta(self, timeout: float) -> int:
+        t0 = time.monotonic()
         since = self._since
         # after a long outage the delta may be most of the table: a full copy streams it
         # in bounded memory instead of building (and the peer buffering) one huge delta
@@ -381,6 +386,9 @@ class Replicator:
         self.store.set_consumer("replica", watermark, moved=True)
         self.last_shipped = time.monotonic()
         self.shipped_rows += resp.rows
+        if resp.rows >= self.LOG_DELTA_ROWS:
+            log.info("%s: delta to %s: %d rows in %.0f ms", self.origin, self.peer, resp.rows,
+                     (self.last_shipped - t0) * 1000)
         return resp.rows
 
     def _ship_full(self, timeout: float, paced: bool = False) -> int:

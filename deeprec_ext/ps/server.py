@@ -536,6 +536,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     MAX_ANNOUNCED_ROWS = 1 << 24
 
     def ImportRows(self, request_iterator, context):
+        t0 = time.monotonic()
         n = 0
         snapshot = False  # a snapshot's stream (it announces its rows): its pieces yield
         for batch in request_iterator:
@@ -569,6 +570,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     n += int(ids.size)
             except (ValueError, TypeError) as exc:
                 self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, f"import into '{cfg.name}': {exc}")
+        if n:  # a long training step is matched with a migration round from the logs
+            log.info("%s: imported %d rows in %.0f ms (%s)", self.ps_id, n,
+                     (time.monotonic() - t0) * 1000, "snapshot" if snapshot else "catch-up")
         return ps_pb2.ImportRowsResponse(rows=n)
 
     # Rows per table-lock hold of an import. A sender's chunk (MIGRATE_CHUNK_ROWS) imported
