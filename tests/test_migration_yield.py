@@ -141,14 +141,39 @@ def test_a_catch_up_round_is_paced_past_its_first_rows_only():
                 table="emb", ids=keys.tobytes(),
                 values=np.ones((keys.size, 4), np.float32).tobytes())]), timeout=30)
 
+        # which imported rows the destination was told to import yielding (background)
+        marks = []
+        real_import = svcs[1]._import_pieces
+
+        def recording_import(table, ids, rows, counts, yield_=False):
+            marks.append((int(ids.size), yield_))
+            real_import(table, ids, rows, counts, yield_)
+        svcs[1]._import_pieces = recording_import
+
+        def yielded():
+            out = [n for n, y in marks if y], [n for n, y in marks if not y]
+            marks.clear()
+            return sum(out[0]), sum(out[1])
+
         r = migrate(-1)
         assert r.rows == moving.size and len(paced) >= 2  # the snapshot: paced
+        assert yielded() == (moving.size, 0)  # ...and imported yielding
         push(moving[:1000])
         r = migrate(r.watermark)
         assert r.rows == 1000 and paced == []  # a small catch-up: at full speed
+        assert yielded() == (0, 1000)
         push(moving)
         r = migrate(r.watermark)
         assert r.rows == moving.size and len(paced) >= 1  # a large one: paced past its start
+        got_yield, got_fast = yielded()  # its first rows fast, the paced rest yielding
+        assert got_yield + got_fast == moving.size and 0 < got_fast <= 8192 + svcs[0].MIGRATE_CHUNK_ROWS
+        assert got_yield >= moving.size - 8192 - svcs[0].MIGRATE_CHUNK_ROWS
+        # the last round (fenced, send_request_ids): never yielding, however large
+        push(moving)
+        r = src.MigrateSlots(pb.MigrateSlotsRequest(
+            dst_address=addresses[1], slots=mask.tobytes(), num_slots=4096,
+            since_seq=r.watermark, send_request_ids=True), timeout=60)
+        assert r.rows == moving.size and yielded() == (0, moving.size)
         got = dst.Lookup(pb.LookupRequest(tables=[pb.TableIds(table="emb", ids=moving.tobytes())]),
                          timeout=30)
         want = src.Lookup(pb.LookupRequest(tables=[pb.TableIds(table="emb", ids=moving.tobytes())]),
@@ -171,13 +196,13 @@ def test_a_snapshot_import_yields_between_pieces_while_training_calls_are_in_fli
     from deeprec_ext import rowwire
     from deeprec_ext.proto import ps_pb2
 
-    def import_rows(svc, keys, announce: bool) -> tuple[float, int]:
+    def import_rows(svc, keys, announce: bool, background: bool = False) -> tuple[float, int]:
         cfg = ps_pb2.TableConfig(name="emb", dim=4, optimizer_json='{"name": "sgd"}',
                                  initializer_json='{"name": "zeros"}').SerializeToString()
         rows = np.ones((keys.size, 4), np.float32)
         counts = np.ones(keys.size, np.uint32)
         batches = [rowwire.parse(rowwire.encode(cfg, total_rows=keys.size if announce else 0)),
-                   rowwire.parse(rowwire.encode(cfg, keys, rows, counts))]
+                   rowwire.parse(rowwire.encode(cfg, keys, rows, counts, background=background))]
         t0 = time.monotonic()
         r = svc.ImportRows(iter(batches), None)
         return time.monotonic() - t0, r.rows
@@ -190,9 +215,14 @@ def test_a_snapshot_import_yields_between_pieces_while_training_calls_are_in_fli
     waited, n = import_rows(svc, keys, announce=True)
     assert n == keys.size and len(svc.store.tables()["emb"]) == keys.size
     assert waited >= 0.9 * 0.01 * pieces, (waited, pieces)
-    waited, n = import_rows(svc, keys + keys.size, announce=False)  # a catch-up round
+    waited, n = import_rows(svc, keys + keys.size, announce=False)  # a catch-up round's start
     assert n == keys.size and len(svc.store.tables()["emb"]) == 2 * keys.size
     assert waited < 0.5 * 0.01 * pieces, (waited, pieces)
+    # a paced catch-up round's rows (the source marks them background) yield too, and
+    # still land, present keys overwritten
+    waited, n = import_rows(svc, keys + keys.size, announce=False, background=True)
+    assert n == keys.size and len(svc.store.tables()["emb"]) == 2 * keys.size
+    assert waited >= 0.9 * 0.01 * pieces, (waited, pieces)
     svc._data_call(-1)
     waited, n = import_rows(svc, keys + 2 * keys.size, announce=True)  # idle: no wait
     assert n == keys.size and waited < 0.5 * 0.01 * pieces

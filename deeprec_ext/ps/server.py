@@ -462,7 +462,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     if keys.size:
                         totals["rows"] += int(keys.size)
                         totals["bytes"] += rows.nbytes + counts.nbytes + keys.nbytes
-                        yield rowwire.encode(cfg, keys, rows, counts)
+                        # rows this round paces (the source) are imported yielding to
+                        # training too (the destination): a scale-in's destinations serve
+                        # all of it, and its catch-up phase, imported unyielded, ran at
+                        # 0.27-0.69x steady and held the event's longest steps
+                        yield rowwire.encode(cfg, keys, rows, counts, background=paced and (
+                            since is None or totals["rows"] > self.CATCHUP_UNPACED_ROWS))
                     if background and row is not None:
                         if since is None or totals["rows"] > self.CATCHUP_UNPACED_ROWS:
                             pacer.pace()
@@ -539,6 +544,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         t0 = time.monotonic()
         n = 0
         snapshot = False  # a snapshot's stream (it announces its rows): its pieces yield
+        background = False  # some batch came from a paced round (RowBatch.background)
         for batch in request_iterator:
             for rid in batch.applied_request_ids:  # pushes the source applied (migration)
                 self.applied.add(rid, ship=True)   # ...and this PS's peer learns them too
@@ -561,8 +567,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 if ids.size and len(batch.counts):  # the store's layout, counts apart
                     rows = codec.floats_from_bytes(batch.rows, ids.size, table.row_width, "rows")
                     counts = codec.counts_from_bytes(batch.counts, ids.size)
+                    background = background or batch.background
                     self._import_pieces(table, ids, rows, counts,
-                                        snapshot and self.migration_share < 1.0)
+                                        (snapshot or batch.background)
+                                        and self.migration_share < 1.0)
                     n += int(ids.size)
                 elif ids.size:  # rows with their counts last (senders before the counts field)
                     rows = codec.rows_from_bytes(batch.rows, ids.size, table.row_width, "rows")
@@ -571,8 +579,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             except (ValueError, TypeError) as exc:
                 self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, f"import into '{cfg.name}': {exc}")
         if n:  # a long training step is matched with a migration round from the logs
-            log.info("%s: imported %d rows in %.0f ms (%s)", self.ps_id, n,
-                     (time.monotonic() - t0) * 1000, "snapshot" if snapshot else "catch-up")
+            log.info("%s: imported %d rows in %.0f ms (%s%s)", self.ps_id, n,
+                     (time.monotonic() - t0) * 1000, "snapshot" if snapshot else "catch-up",
+                     ", yielding" if background and not snapshot else "")
         return ps_pb2.ImportRowsResponse(rows=n)
 
     # Rows per table-lock hold of an import. A sender's chunk (MIGRATE_CHUNK_ROWS) imported
@@ -583,11 +592,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     IMPORT_PIECE_ROWS = 1 << 12
 
     def _import_pieces(self, table, ids, rows, counts, yield_: bool = False) -> None:
-        """``yield_`` (a snapshot's stream, pacing on): between pieces wait, bounded, while
-        training calls are in flight here, as the source does between its chunks. A
-        scale-in's destinations serve all of training while they import; the stream's
-        flow control passes the wait back to the source. Catch-up rounds (the last one
-        runs fenced) are not slowed."""
+        """``yield_`` (a snapshot's stream, or a batch the source marked ``background``:
+        a catch-up round past its first rows; pacing on): between pieces wait, bounded,
+        while training calls are in flight here, as the source does between its chunks.
+        A scale-in's destinations serve all of training while they import; the stream's
+        flow control passes the wait back to the source. The first rows of a catch-up
+        round and the fenced last round are never slowed (small rounds converge)."""
         piece = self.IMPORT_PIECE_ROWS
         if ids.size > piece:  # checked whole: a bad row refuses the batch, none of it lands
             ids, rows, counts = table.check_block(ids, rows, counts)
