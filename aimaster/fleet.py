@@ -223,15 +223,18 @@ class PsFleet:
 
     def migrate_slots(self, src: str, dst: str, mask: np.ndarray, num_slots: int,
                       since_seq: int, send_request_ids: bool, fence_epoch: int = 0,
-                      fence_owned: np.ndarray | None = None) -> ps_pb2.MigrateSlotsResponse:
+                      fence_owned: np.ndarray | None = None,
+                      dst_replica_after: str = "") -> ps_pb2.MigrateSlotsResponse:
         """``fence_epoch``/``fence_owned``: the last round fences its source first (one
-        call instead of a ``fence`` and then the round)."""
+        call instead of a ``fence`` and then the round). ``dst_replica_after``: the
+        destination's ring peer in the new layout (its imports skip a peer it leaves)."""
         if fence_epoch:
             self.observe_epoch(fence_epoch)
         return self.stub(src).MigrateSlots(ps_pb2.MigrateSlotsRequest(
             dst_address=self.control_address(dst), slots=mask.astype(np.uint8).tobytes(), num_slots=num_slots,
             since_seq=since_seq, send_request_ids=send_request_ids, fence_epoch=fence_epoch,
-            fence_owned=b"" if fence_owned is None else fence_owned.astype(np.uint8).tobytes()),
+            fence_owned=b"" if fence_owned is None else fence_owned.astype(np.uint8).tobytes(),
+            dst_replica_after=self.control_address(dst_replica_after) if dst_replica_after else ""),
             timeout=3600)
 
     def drop_slots(self, address: str, mask: np.ndarray, num_slots: int) -> int:

@@ -85,6 +85,10 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
               started=time.monotonic())
 
     keeps = {ps: (old_owner_ids == ps) & (new_owner_ids == ps) for ps in old.ps_ids}
+    # each PS's replication peer in the new layout (the next in ring order, as publish sets
+    # it): a destination that replicates elsewhere now skips that peer for its imports
+    ring_after = {ps: new_addresses[(p + 1) % len(new_ids)] if len(new_ids) > 1 else ""
+                  for p, ps in enumerate(new_ids)}
 
     def ship(pair, first: bool, last: bool = False):
         src, dst = pair
@@ -93,7 +97,8 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
         resp = fleet.migrate_slots(address[src], address[dst], masks[pair], old.num_slots,
                                    watermark[pair], send_request_ids=last,
                                    fence_epoch=fence_epoch if last else 0,
-                                   fence_owned=keeps[src] if last else None)
+                                   fence_owned=keeps[src] if last else None,
+                                   dst_replica_after=ring_after.get(dst, ""))
         with lock:
             watermark[pair] = resp.watermark
             result.moved_bytes += resp.bytes

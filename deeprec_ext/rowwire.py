@@ -17,7 +17,7 @@ from deeprec_ext.proto import ps_pb2
 _LEN, _VARINT = 2, 0
 # RowBatch field numbers (ps.proto)
 _CONFIG, _IDS, _ROWS, _DELETED, _ORIGIN, _RESET, _ORIGIN_SEQ, _APPLIED, _END, _TOTAL, _COUNTS, \
-    _BACKGROUND = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12
+    _BACKGROUND, _REPLICA_AFTER = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13
 
 
 def _varint(v: int) -> bytes:
@@ -38,11 +38,12 @@ def encode(config: bytes = b"", ids: np.ndarray | None = None, rows: np.ndarray 
            counts: np.ndarray | None = None, deleted_ids: np.ndarray | None = None,
            total_rows: int = 0, applied_request_ids=(), origin: str = "",
            reset: bool = False, origin_sequence: int = 0, end: bool = False,
-           background: bool = False) -> bytes:
+           background: bool = False, replica_after: str = "") -> bytes:
     """Wire bytes of a ``RowBatch``: ``config`` a serialized ``TableConfig``, ``ids`` int64,
     ``rows`` float32 [n, row_width] (the store's layout), ``counts`` uint32 [n]. Each
     array is copied once, into the result. ``origin`` .. ``end``: replication's fields;
-    ``background``: rows of a paced migration round (the importer yields to training)."""
+    ``background``: rows of a paced migration round (the importer yields to training);
+    ``replica_after``: the importer's replication peer once the migration is published."""
     parts: list = []
     if config:
         parts += [_len_field(_CONFIG, len(config)), config]
@@ -68,6 +69,9 @@ def encode(config: bytes = b"", ids: np.ndarray | None = None, rows: np.ndarray 
         parts += [_varint(_TOTAL << 3 | _VARINT), _varint(int(total_rows))]
     if background:
         parts += [_varint(_BACKGROUND << 3 | _VARINT), b"\x01"]
+    if replica_after:
+        b = replica_after.encode()
+        parts += [_len_field(_REPLICA_AFTER, len(b)), b]
     return b"".join(parts)
 
 
@@ -76,12 +80,13 @@ class RowBatchView:
     (same attribute names as the generated class; ``config`` is parsed on first use)."""
 
     __slots__ = ("_config", "ids", "rows", "deleted_ids", "origin", "reset", "origin_sequence",
-                 "applied_request_ids", "end", "total_rows", "counts", "background")
+                 "applied_request_ids", "end", "total_rows", "counts", "background",
+                 "replica_after")
 
     def __init__(self):
         self._config = b""
         self.ids = self.rows = self.deleted_ids = self.counts = b""
-        self.origin = ""
+        self.origin = self.replica_after = ""
         self.reset = self.end = self.background = False
         self.origin_sequence = self.total_rows = 0
         self.applied_request_ids: list[str] = []
@@ -139,8 +144,9 @@ def parse(raw) -> RowBatchView:
             continue
         else:
             raise ValueError(f"field {field}: wire type {wt}")
-        expected_len = field in (_CONFIG, _IDS, _ROWS, _DELETED, _ORIGIN, _APPLIED, _COUNTS)
-        if expected_len != (wt == _LEN) and field <= _BACKGROUND:
+        expected_len = field in (_CONFIG, _IDS, _ROWS, _DELETED, _ORIGIN, _APPLIED, _COUNTS,
+                                 _REPLICA_AFTER)
+        if expected_len != (wt == _LEN) and field <= _REPLICA_AFTER:
             raise ValueError(f"field {field}: wire type {wt}")
         if field == _CONFIG:
             out._config = val
@@ -166,6 +172,8 @@ def parse(raw) -> RowBatchView:
             out.counts = val
         elif field == _BACKGROUND:
             out.background = bool(val)
+        elif field == _REPLICA_AFTER:
+            out.replica_after = str(val, "utf-8")
     if not isinstance(out._config, bytes):  # check the nested message here, not in the handler
         out.config  # noqa: B018 - raises on bytes that are not a TableConfig
     return out

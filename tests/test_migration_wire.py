@@ -547,3 +547,98 @@ def test_tombstones_undistinct_list_every_logged_key_and_the_replica_frees_each_
     r = EmbeddingStore().create_table("emb", 4, optimizer="sgd")
     r.lookup(np.arange(100))
     assert r.delete(raw, log_tombstone=False) == 10 and len(r) == 90
+
+
+@pytest.mark.parametrize("peer_changes", [True, False])
+def test_imports_skip_a_peer_the_destination_leaves_and_reach_the_new_one(peer_changes):
+    """A destination whose ring peer changes at the publish (a scale-in's PS whose peer is
+    leaving) does not ship the rows it imports to that peer: its own rows still go there,
+    every delta; at the publish the new peer's full copy holds every row, imported ones
+    included. When the peer stays, the imports are shipped to it as before. Real gRPC,
+    three in-process PS; bad peer addresses are refused by name, nothing imported."""
+    s, s_srv, s_ch, s_stub, s_addr = _serve("ps-s")
+    d, d_srv, d_ch, d_stub, d_addr = _serve("ps-d")
+    p, p_srv, p_ch, p_stub, p_addr = _serve("ps-p")
+    try:
+        own = np.zeros(4096, np.uint8)
+        own[::2] = 1
+        moving = np.zeros(4096, np.uint8)
+        moving[1::4] = 1  # half of the source's slots
+
+        def routing(stub, epoch, owned, peer, ps_id):
+            stub.SetRouting(pb.SetRoutingRequest(
+                epoch=epoch, owned_slots=owned.tobytes(), num_slots=4096, replica_peer=peer,
+                replication_interval_ms=60_000, ps_id=ps_id), timeout=30)
+        routing(d_stub, 1, own, p_addr, "ps-d")
+        routing(s_stub, 1, 1 - own, "", "ps-s")
+        for stub in (s_stub, d_stub):
+            stub.CreateTable(pb.CreateTableRequest(config=CFG), timeout=30)
+        ids = np.unique(np.random.default_rng(11).integers(-2**62, 2**62, 60_000))
+        slots = slot_of(ids, 4096)
+        d_keys, s_keys = ids[own[slots] == 1], ids[own[slots] == 0]
+        moved = ids[moving[slots] == 1]
+        _lookup(d_stub, d_keys, insert=True)
+        _lookup(s_stub, s_keys, insert=True)
+        d.replicator.ship()  # the peer's full copy of the destination's own rows
+        copy = p.replicas.copies["ps-d"].store["emb"]
+        assert len(copy) == d_keys.size
+
+        after = s_addr if peer_changes else p_addr  # the destination's peer after the move
+        with pytest.raises(grpc.RpcError) as exc:
+            s_stub.MigrateSlots(pb.MigrateSlotsRequest(
+                dst_address=d_addr, slots=moving.tobytes(), num_slots=4096, since_seq=-1,
+                dst_replica_after="no-port"), timeout=30)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "dst_replica_after" in exc.value.details()
+        send = d_ch.stream_unary("/deeprec_ext.ps.ParameterServer/ImportRows",
+                                 request_serializer=None,
+                                 response_deserializer=pb.ImportRowsResponse.FromString)
+        with pytest.raises(grpc.RpcError) as exc:
+            send(iter([rowwire.encode(CFG.SerializeToString(), replica_after="bad address"),
+                       rowwire.encode(CFG.SerializeToString(), moved, np.ones((moved.size, 8),
+                                      np.float32), np.ones(moved.size, np.uint32))]), timeout=30)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "replica_after" in exc.value.details()
+        assert len(d.store["emb"]) == d_keys.size  # nothing imported
+
+        # snapshot, pushes to both sides, a catch-up round; a delta after each
+        r = s_stub.MigrateSlots(pb.MigrateSlotsRequest(
+            dst_address=d_addr, slots=moving.tobytes(), num_slots=4096, since_seq=-1,
+            dst_replica_after=after), timeout=60)
+        assert r.rows == moved.size and len(d.store["emb"]) == ids.size - s_keys.size + moved.size
+        for stub, keys in ((d_stub, d_keys[:3000]), (s_stub, moved[:2000])):
+            stub.Push(pb.PushRequest(tables=[pb.TableUpdate(
+                table="emb", ids=keys.tobytes(),
+                values=np.full((keys.size, 4), 0.5, np.float32).tobytes())]), timeout=30)
+        d.replicator.ship()
+        r = s_stub.MigrateSlots(pb.MigrateSlotsRequest(
+            dst_address=d_addr, slots=moving.tobytes(), num_slots=4096, since_seq=r.watermark,
+            dst_replica_after=after), timeout=60)
+        assert r.rows == 2000
+        d.replicator.ship()
+        # the destination's own rows reached its current peer in every case
+        src_rows = _rows_and_counts(d.store["emb"])
+        own_rows = [a[np.isin(src_rows[0], d_keys)] for a in src_rows]
+        got = _rows_and_counts(copy)
+        if peer_changes:  # ...and only them
+            assert len(copy) == d_keys.size
+            for x, y in zip(own_rows, got):
+                assert np.array_equal(x, y)
+        else:  # imports too: the copy equals the destination's table
+            assert len(copy) == d_keys.size + moved.size
+            for x, y in zip(src_rows, got):
+                assert np.array_equal(x, y)
+
+        # the publish: the destination owns the moved slots; its peer is `after`
+        routing(d_stub, 2, own | moving, after, "ps-d")
+        d.replicator.ship()  # a new peer: a full copy, imported rows included
+        final = (s if peer_changes else p).replicas.copies["ps-d"].store["emb"]
+        for x, y in zip(_rows_and_counts(d.store["emb"]), _rows_and_counts(final)):
+            assert np.array_equal(x, y)
+        assert len(final) == d_keys.size + moved.size
+    finally:
+        for svc, srv, ch in ((s, s_srv, s_ch), (d, d_srv, d_ch), (p, p_srv, p_ch)):
+            ch.close()
+            svc.replicator.close()
+            srv.stop(0).wait(10)
+            svc.close()

@@ -42,7 +42,7 @@ import numpy as np
 
 from deeprec_ext import codec, rowwire, table_spec
 from deeprec_ext.grpc_util import insecure_channel
-from deeprec_ext.hashing import DEFAULT_NUM_SLOTS
+from deeprec_ext.hashing import DEFAULT_NUM_SLOTS, slot_of
 from deeprec_ext.proto import ps_pb2, ps_pb2_grpc
 from deeprec_ext.ps import validation
 from deeprec_ext.ps.gate import ReadWriteGate
@@ -214,6 +214,14 @@ class Replicator:
         # between chunks; the PS sets it): a scale event's new ring makes two full copies
         # of 1.3M rows each right after the publish, which took the CPU from training
         self.pace_factory = None
+        # A peer this PS stops replicating to at a migration's publish (hold_unowned): rows
+        # of slots this PS does not own are not shipped to it. Such rows are a migration's
+        # imports (owned from the publish on, which gives this PS a new peer and that peer
+        # a full copy) or rows about to be dropped (a rolled back migration's copies, a
+        # source's moved slots). A scale-in's destination whose peer was the leaving PS
+        # shipped it every imported row (a delta of 70-110k rows every 0.3 s), to a copy
+        # discarded at the publish. (peer, bool mask of the slots held back) or None.
+        self._held: tuple[str, np.ndarray] | None = None
         self._thread = threading.Thread(target=self._loop, name="replication", daemon=True)
         self._thread.start()
 
@@ -226,6 +234,9 @@ class Replicator:
         self.origin = origin
         self.interval = max(interval_ms, 1.0) / 1000.0
         self.sync = sync
+        # a routing push ends a migration (its publish, or the rollback's old layout whose
+        # copied rows are then dropped): every row this PS owns goes to its peer again
+        self._held = None
         if peer != self.peer:
             if self.peer and peer:
                 # a re-formed ring (a recovery, a scale event): the new peer needs a full
@@ -251,6 +262,34 @@ class Replicator:
         self._since = -1  # new peer: full copy
         self._full_mode = "new"
         self.store.set_consumer("replica", None if not peer else 0, moved=True)
+
+    def hold_unowned(self, peer_after: str, owned: np.ndarray | None) -> bool:
+        """A migration's background round imports into this PS, which ``peer_after``
+        replicates once the migration is published: if that is not the current peer, rows
+        of the slots this PS does not own now (``owned``: bool per slot, None = every
+        slot) are not shipped to the current one until the next routing push
+        (``configure``). The slots are fixed by the first call for that peer: before the
+        fence, so a PS that is also a source keeps shipping the slots it gives away.
+        Returns whether the hold is in force."""
+        peer = self.peer
+        if not peer or not peer_after or peer_after == peer or owned is None:
+            return False
+        held = self._held
+        if held is None or held[0] != peer:
+            held = self._held = (peer, ~np.asarray(owned, dtype=bool))
+            log.info("%s: rows of %d slots it does not own are not shipped to %s (its peer "
+                     "after the migration: %s)", self.origin, int(held[1].sum()), peer,
+                     peer_after)
+        return bool(held[1].any())
+
+    def _owned_only(self, keys: np.ndarray, *arrays):
+        """``keys`` and ``arrays`` without the rows of held slots while the channel's
+        peer is held (``hold_unowned``); else as they are."""
+        held = self._held
+        if not keys.size or held is None or held[0] != self._stub_peer or not held[1].any():
+            return (keys, *arrays)
+        keep = ~held[1][slot_of(keys, held[1].size)]
+        return (keys[keep], *(a[keep] for a in arrays))
 
     def defer(self, seconds: float) -> None:
         """Let the background loop ship nothing for ``seconds``. After a promotion the next
@@ -288,6 +327,7 @@ class Replicator:
             # each key once whatever the repeats
             deleted = table.tombstones_since(since, include_moved=True, distinct=False)
             keys, (rows, counts), _ = table.export_rows(since, with_counts="apart")
+            keys, rows, counts = self._owned_only(keys, rows, counts)
             if keys.size or deleted.size or name not in self._known_tables:
                 cfg = table_config(self.configs, name, table).SerializeToString()
                 out.append(_Pending(name, cfg, keys[:CHUNK_ROWS], rows[:CHUNK_ROWS],

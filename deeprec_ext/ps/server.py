@@ -424,6 +424,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         """
         mask = self._slot_mask(request.slots, request.num_slots, context, routed=True)
         validation.address(request.dst_address, "dst_address")
+        if request.dst_replica_after:
+            validation.address(request.dst_replica_after, "dst_replica_after")
         if request.fence_epoch:  # before the watermark: every write it lets in is then sent
             self._fence(request, mask, context)
         watermark = self.store.sequence.value
@@ -454,7 +456,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 # keys hash evenly over slots, so the slots' share of the table (+2%) is
                 # close, and counting them exactly would cost a pass over every key
                 expected = int(len(table) * share * 1.02) + 64 if since is None else 0
-                yield rowwire.encode(cfg, deleted_ids=deleted, total_rows=expected)
+                # the destination's peer after the publish: before the fence only (the
+                # destination fixes the slots it holds back from its current peer then)
+                yield rowwire.encode(cfg, deleted_ids=deleted, total_rows=expected,
+                                     replica_after=request.dst_replica_after if background else "")
                 row = 0
                 while row is not None:
                     keys, (rows, counts), _, row = table.export_slots(
@@ -553,6 +558,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 continue
             try:
                 init, opt = validation.table_config(cfg)
+                if batch.replica_after:
+                    # this PS replicates to another peer once the migration is published:
+                    # the current peer's copy is then replaced, so the imports skip it
+                    validation.address(batch.replica_after, "replica_after")
+                    self.replicator.hold_unowned(batch.replica_after, self.routing.owned)
                 table = self.store.create_table(cfg.name, cfg.dim, init, opt,
                                                 **table_spec.policies(cfg))
                 self._configs.setdefault(cfg.name, cfg)
