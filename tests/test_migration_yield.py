@@ -86,12 +86,11 @@ def test_drop_slots_yields_between_chunks_while_training_calls_are_in_flight():
     assert len(t) == 0 and time.monotonic() - t0 < 0.5 * 0.01 * (chunks - 1)
 
 
-def test_a_catch_up_round_is_paced_past_its_unpaced_start_only():
+def test_a_catch_up_round_is_paced_past_its_first_rows_only():
     """The snapshot is paced to the migration share; a catch-up round only after its first
-    ``CATCHUP_UNPACED_SECONDS`` (a round of one chunk converges at full speed, a large one
-    no longer takes the CPU in one burst), and the destination imports what is paced
-    yielding to training. Real gRPC between two in-process PS; every row arrives either
-    way."""
+    ``CATCHUP_UNPACED_ROWS`` (small rounds converge at full speed, a large first catch-up
+    no longer takes the CPU in one burst). Real gRPC between two in-process PS; every row
+    arrives either way."""
     import numpy as np
 
     from deeprec_ext.grpc_util import create_server, insecure_channel
@@ -120,6 +119,7 @@ def test_a_catch_up_round_is_paced_past_its_unpaced_start_only():
             stubs.append(pbg.ParameterServerStub(insecure_channel(addresses[-1])))
         src, dst = stubs
         svcs[0]._Pacer = CountingPacer
+        svcs[0].CATCHUP_UNPACED_ROWS = 8192
         cfg = pb.TableConfig(name="emb", dim=4, initializer_json='{"name": "zeros"}',
                              optimizer_json='{"name": "sgd", "learning_rate": 1.0}')
         src.CreateTable(pb.CreateTableRequest(config=cfg), timeout=30)
@@ -158,19 +158,16 @@ def test_a_catch_up_round_is_paced_past_its_unpaced_start_only():
         r = migrate(-1)
         assert r.rows == moving.size and len(paced) >= 2  # the snapshot: paced
         assert yielded() == (moving.size, 0)  # ...and imported yielding
-        svcs[0].CATCHUP_UNPACED_SECONDS = 60.0  # within its unpaced start: full speed
-        push(moving)
-        r = migrate(r.watermark)
-        assert r.rows == moving.size and paced == [] and yielded() == (0, moving.size)
-        svcs[0].CATCHUP_UNPACED_SECONDS = 0.0  # past it: paced, imported yielding
         push(moving[:1000])
         r = migrate(r.watermark)
-        assert r.rows == 1000 and paced == []  # one chunk: nothing to pace between
-        assert yielded() == (1000, 0)
+        assert r.rows == 1000 and paced == []  # a small catch-up: at full speed
+        assert yielded() == (0, 1000)
         push(moving)
         r = migrate(r.watermark)
-        assert r.rows == moving.size and len(paced) >= 1  # paced between its chunks
-        assert yielded() == (moving.size, 0)
+        assert r.rows == moving.size and len(paced) >= 1  # a large one: paced past its start
+        got_yield, got_fast = yielded()  # its first rows fast, the paced rest yielding
+        assert got_yield + got_fast == moving.size and 0 < got_fast <= 8192 + svcs[0].MIGRATE_CHUNK_ROWS
+        assert got_yield >= moving.size - 8192 - svcs[0].MIGRATE_CHUNK_ROWS
         # the last round (fenced, send_request_ids): never yielding, however large
         push(moving)
         r = src.MigrateSlots(pb.MigrateSlotsRequest(

@@ -408,13 +408,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     # -- live migration -------------------------------------------------------------------
     MIGRATE_CHUNK_ROWS = 1 << 14  # rows per streamed batch / per table-lock hold
-    # A catch-up round runs unpaced this long, then paced (and imported yielding). A
-    # budget in rows (32k per stream) let the second catch-up round (20-37k rows per
-    # stream) run as one unpaced burst of 110-320 ms: training ran at 0.12-0.45x steady
-    # there, in both directions, and most scale-ins' longest steps fell in it. A burst
-    # bounded in time lengthens a step by about that much at most; a round that fits in
-    # one chunk (the small last catch-ups) still runs at full speed, so rounds converge.
-    CATCHUP_UNPACED_SECONDS = 0.02
+    CATCHUP_UNPACED_ROWS = 2 * MIGRATE_CHUNK_ROWS  # a catch-up round's rows sent before pacing
 
     def _slot_mask(self, raw: bytes, num_slots: int, context, routed: bool = False) -> np.ndarray:
         """A request's slot mask; ``routed``: it must be over this PS's routing slots (once
@@ -438,17 +432,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         since = None if request.since_seq < 0 else request.since_seq
         totals = {"rows": 0, "bytes": 0, "deleted": 0}
         background = not request.send_request_ids  # the last round runs fenced: no yielding
-        # The snapshot is paced; a catch-up round only past its first
-        # CATCHUP_UNPACED_SECONDS. Small rounds run at full speed, or more rows would
-        # change meanwhile and the deltas stop shrinking (the fenced last round grows with
-        # them). The first catch-up carries the rows written during the snapshot, a fifth
-        # of it at 4M rows: unpaced, training ran at 0.3-0.5x its steady rate while it
-        # lasted, and the event's longest steps fell in it
+        # The snapshot is paced; a catch-up round only past its first CATCHUP_UNPACED_ROWS.
+        # Small rounds run at full speed, or more rows would change meanwhile and the
+        # deltas stop shrinking (the fenced last round grows with them). The first
+        # catch-up carries the rows written during the snapshot, a fifth of it at 4M rows:
+        # unpaced, training ran at 0.3-0.5x its steady rate while it lasted, and the
+        # event's longest steps fell in it
         paced = background and self.migration_share < 1.0
-        started = time.monotonic()
-
-        def pacing() -> bool:  # past the round's unpaced start (a snapshot: from its start)
-            return since is None or time.monotonic() - started > self.CATCHUP_UNPACED_SECONDS
         pacer = self._Pacer(self.migration_share if paced else 1.0, lambda: self._paced_rounds)
 
         share = float(np.count_nonzero(mask)) / max(mask.size, 1)
@@ -481,10 +471,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                         # training too (the destination): a scale-in's destinations serve
                         # all of it, and its catch-up phase, imported unyielded, ran at
                         # 0.27-0.69x steady and held the event's longest steps
-                        yield rowwire.encode(cfg, keys, rows, counts,
-                                             background=paced and pacing())
+                        yield rowwire.encode(cfg, keys, rows, counts, background=paced and (
+                            since is None or totals["rows"] > self.CATCHUP_UNPACED_ROWS))
                     if background and row is not None:
-                        if pacing():
+                        if since is None or totals["rows"] > self.CATCHUP_UNPACED_ROWS:
                             pacer.pace()
                         else:  # the duty cycle counts from where pacing starts
                             pacer.mark = time.monotonic()
