@@ -210,23 +210,25 @@ def test_a_snapshot_import_yields_between_pieces_while_training_calls_are_in_fli
     keys = np.arange(40_000, dtype=np.int64)
     pieces = -(-keys.size // ParameterServerServicer.IMPORT_PIECE_ROWS)
     svc = ParameterServerServicer("ps-i", migration_share=0.5)
-    svc.MIGRATE_YIELD_SECONDS = 0.01
+    # a wait per piece well above an import's own time on a loaded 2-core host (a 4k-row
+    # piece: ~1 ms idle, 10+ ms at load 9), so no-wait and wait cannot be confused
+    svc.MIGRATE_YIELD_SECONDS = wait = 0.05
     svc._data_call(1)  # a training call in flight the whole time
     waited, n = import_rows(svc, keys, announce=True)
     assert n == keys.size and len(svc.store.tables()["emb"]) == keys.size
-    assert waited >= 0.9 * 0.01 * pieces, (waited, pieces)
+    assert waited >= 0.9 * wait * pieces, (waited, pieces)
     waited, n = import_rows(svc, keys + keys.size, announce=False)  # a catch-up round's start
     assert n == keys.size and len(svc.store.tables()["emb"]) == 2 * keys.size
-    assert waited < 0.5 * 0.01 * pieces, (waited, pieces)
+    assert waited < 0.5 * wait * pieces, (waited, pieces)
     # a paced catch-up round's rows (the source marks them background) yield too, and
     # still land, present keys overwritten
     waited, n = import_rows(svc, keys + keys.size, announce=False, background=True)
     assert n == keys.size and len(svc.store.tables()["emb"]) == 2 * keys.size
-    assert waited >= 0.9 * 0.01 * pieces, (waited, pieces)
+    assert waited >= 0.9 * wait * pieces, (waited, pieces)
     svc._data_call(-1)
     waited, n = import_rows(svc, keys + 2 * keys.size, announce=True)  # idle: no wait
-    assert n == keys.size and waited < 0.5 * 0.01 * pieces
+    assert n == keys.size and waited < 0.5 * wait * pieces
     unpaced = ParameterServerServicer("ps-u")  # --migration-share 1: no pacing, no yield
     unpaced._data_call(1)
     waited, n = import_rows(unpaced, keys, announce=True)
-    assert n == keys.size and waited < 0.5 * 0.01 * pieces
+    assert n == keys.size and waited < 0.5 * wait * pieces
