@@ -550,7 +550,8 @@ def test_tombstones_undistinct_list_every_logged_key_and_the_replica_frees_each_
 
 
 @pytest.mark.parametrize("peer_changes", [True, False])
-def test_imports_skip_a_peer_the_destination_leaves_and_reach_the_new_one(peer_changes):
+def test_imports_skip_a_peer_the_destination_leaves_and_reach_the_new_one(peer_changes,
+                                                                          monkeypatch):
     """A destination whose ring peer changes at the publish (a scale-in's PS whose peer is
     leaving) does not ship the rows it imports to that peer: its own rows still go there,
     every delta; at the publish the new peer's full copy holds every row, imported ones
@@ -601,6 +602,11 @@ def test_imports_skip_a_peer_the_destination_leaves_and_reach_the_new_one(peer_c
         assert "replica_after" in exc.value.details()
         assert len(d.store["emb"]) == d_keys.size  # nothing imported
 
+        # a delta larger than this is sent as a full copy: the imports are larger, the
+        # destination's own writes are not (held rows do not count towards it)
+        from deeprec_ext.ps import replication
+        monkeypatch.setattr(replication, "DELTA_MAX_ROWS", 8000)
+        full0 = d.replicator.full_copies
         # snapshot, pushes to both sides, a catch-up round; a delta after each
         r = s_stub.MigrateSlots(pb.MigrateSlotsRequest(
             dst_address=d_addr, slots=moving.tobytes(), num_slots=4096, since_seq=-1,
@@ -619,8 +625,11 @@ def test_imports_skip_a_peer_the_destination_leaves_and_reach_the_new_one(peer_c
         # the destination's own rows reached its current peer in every case
         src_rows = _rows_and_counts(d.store["emb"])
         own_rows = [a[np.isin(src_rows[0], d_keys)] for a in src_rows]
+        assert moved.size > 8000 and d.replicator.full_copies == full0 + (not peer_changes)
+        if not peer_changes:
+            copy = p.replicas.copies["ps-d"].store["emb"]  # the full copy's
         got = _rows_and_counts(copy)
-        if peer_changes:  # ...and only them
+        if peer_changes:  # ...and only them, as deltas
             assert len(copy) == d_keys.size
             for x, y in zip(own_rows, got):
                 assert np.array_equal(x, y)

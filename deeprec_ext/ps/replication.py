@@ -388,8 +388,12 @@ class Replicator:
         since = self._since
         # after a long outage the delta may be most of the table: a full copy streams it
         # in bounded memory instead of building (and the peer buffering) one huge delta
+        # rows held back from this peer do not count: a burst of imports made the delta
+        # "too large" and the full copy that followed sent them all the same
+        held = self._held[1] if self._held is not None and self._held[0] == self._stub_peer \
+            else None
         for table in self.store.tables().values():
-            if not table.changed_at_most(since, DELTA_MAX_ROWS):
+            if not table.changed_at_most(since, DELTA_MAX_ROWS, skip_slots=held):
                 raise _NeedsFull("refresh", f"more than {DELTA_MAX_ROWS} rows changed")
         pre, mark = self._ungated_rounds(since)
         with self.gate.exclusive():

@@ -1747,9 +1747,12 @@ class EmbeddingTable:
             return sel
         return sel[self._row_seq.take(sel) > since]
 
-    def changed_at_most(self, since_seq: int, limit: int) -> bool:
+    def changed_at_most(self, since_seq: int, limit: int,
+                        skip_slots: np.ndarray | None = None) -> bool:
         """Whether at most ``limit`` live rows were written after ``since_seq`` (cheap
-        while the change log holds few entries since then; exact otherwise)."""
+        while the change log holds few entries since then; exact otherwise).
+        ``skip_slots`` (bool per routing slot): rows of those slots are not counted (a
+        replica peer held back from them; the segment's rows are all counted)."""
         since = max(int(since_seq), 0)
         with self._lock:
             seg = self._seg
@@ -1764,6 +1767,11 @@ class EmbeddingTable:
             if logged is not None and logged.size <= limit:
                 return True
             sel = self._changed_rows(since)
+            if skip_slots is not None:
+                if sel is None:
+                    sel = np.flatnonzero(self._row_seq[:self._hwm] > since)
+                skip = skip_slots[slot_of(self._row_key.take(sel), int(skip_slots.size))]
+                return int(sel.size) - int(np.count_nonzero(skip)) <= limit
             if sel is not None:
                 return int(sel.size) <= limit
             return int(np.count_nonzero(self._row_seq[:self._hwm] > since)) <= limit
