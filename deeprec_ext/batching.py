@@ -177,7 +177,7 @@ class StepBatcher:
             if older and self._carry is not None and self._carry_step >= self.steps_done:
                 return
             carry, self._carry = self._carry, None
-            carrying = self._carrying
+            carrying, self._carrying = self._carrying, None  # a failure is raised once
         if carry is not None:
             batch, return_tables, done = carry
             try:
