@@ -174,3 +174,41 @@ def test_carried_pushes_survive_a_ps_kill9_every_record_once(start_job, tmp_path
     assert job.wait(120) == 0, job.output()[-3000:]
     counts = np.bincount(np.clip(got.astype(np.int64), 0, 3), minlength=4)
     assert counts[1] == total, f"records trained 0/1/2/3+ times: {counts.tolist()}"
+
+
+def test_a_ps_that_ignores_the_carried_push_is_an_error_not_a_loss(start_job):
+    """A PS without carried pushes (an older build) answers the lookup and drops the
+    unknown field; the client must fail loudly instead of losing the push."""
+    from concurrent import futures
+    from deeprec_ext.errors import InvalidRequestError
+    from deeprec_ext.ps.server import ParameterServerServicer
+
+    class OldPS(ParameterServerServicer):
+        def Lookup(self, request, context):  # an older PS: never looks at request.push
+            resp = super().Lookup(ps_pb2.LookupRequest(
+                epoch=request.epoch, tables=request.tables,
+                insert_missing=request.insert_missing), context)
+            return ps_pb2.LookupResponse(values=resp.values)
+
+    job = start_job({"name": "carry-old-ps"}, ["--ps", "1", "--workers", "0"])
+    ctx = WorkerContext(master_address=job.address, member_id="worker-0")
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    try:
+        _counter(ctx)
+        svc = OldPS("ps-old")
+        svc.routing.set(ctx.client.routing.epoch, ctx.client.routing.num_slots,
+                        np.ones(ctx.client.routing.num_slots, bool))
+        ps_pb2_grpc.add_ParameterServerServicer_to_server(svc, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        svc.CreateTable(ps_pb2.CreateTableRequest(config=ctx.client._stub(
+            ctx.client.routing.ps_addresses[0]).ListTables(
+                ps_pb2.ListTablesRequest(), timeout=10).tables[0]), None)
+        from dataclasses import replace
+        ctx.client.routing = replace(ctx.client.routing, ps_addresses=(f"127.0.0.1:{port}",))
+        ids = np.arange(5, dtype=np.int64)
+        with pytest.raises(InvalidRequestError, match="did not apply the carried push"):
+            ctx.client.lookup_with_push({"t": ids}, {"t": (ids, np.ones((5, 2), np.float32))})
+    finally:
+        server.stop(0)
+        ctx.close()

@@ -508,6 +508,13 @@ class PSClient:
                     retry.extend(("L", n, i, pos, None) for n, i, pos in lk)
                     retry.extend(("P", n, i, pos, sent_rid) for n, i, pos in parts)
                     continue
+                if parts and not resp.HasField("push"):
+                    # a PS that predates carried pushes ignores the field: never lose it
+                    # silently (the lookup was answered, the push not applied)
+                    raise InvalidRequestError(
+                        "lookup with push: the PS did not apply the carried push (it "
+                        "predates LookupRequest.push); upgrade the PS or train without "
+                        "overlap='carry'")
                 for (name, _, pos), payload in zip(lk, resp.values):
                     values[name][pos] = codec.floats_from_bytes(payload, pos.size,
                                                                 self._dims[name], name)
