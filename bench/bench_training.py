@@ -711,7 +711,7 @@ def ours_worker(argv: list[str]) -> int:
         def on_train_end(self, logs=None):
             super().on_train_end(logs)
             ctx = get_context()
-            out = {"worker": ctx.worker_id, "series": series}
+            out = {"worker": ctx.worker_id, "series": series, "threads": _thread_cpu()}
             if prof is not None:
                 out["profile"] = _summarize_profile(prof)
             path = os.path.join(os.environ.get("DEEPREC_STATE_DIR", "."),
@@ -737,6 +737,25 @@ def ours_worker(argv: list[str]) -> int:
 
         train.embedding_specs, train.build_keras = embedding_specs, build_keras
     return train.main(argv)
+
+
+def _thread_cpu() -> dict:
+    """CPU seconds of this process's live threads so far, summed by thread name (Linux
+    ``/proc/self/task``): which of the worker's threads a mode's CPU goes to."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                comm, rest = f.read().split(" (", 1)[1].rsplit(") ", 1)
+        except (OSError, ValueError):
+            continue
+        fields = rest.split()
+        out[comm] = round(out.get(comm, 0.0) + (int(fields[11]) + int(fields[12])) / tick, 2)
+    return out
 
 
 def _install_profiler() -> dict:
