@@ -47,10 +47,10 @@ class StepBatcher:
         self._pending: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.stats = {"lookup_calls": 0, "prefetch_hits": 0, "push_calls": 0}
         # carry mode: the ended step's held push (batch, return tables, Future of their
-        # values), and the Future of a lookup call that carries one (later lookups of the
+        # values, the push prepared for the lookup call), and the Future of a lookup call that carries one (later lookups of the
         # step wait for it, so they too read after the push)
         self.carry = False
-        self._carry: tuple[dict, list, Future] | None = None
+        self._carry: tuple[dict, list, Future, object] | None = None
         self._carrying: Future | None = None
         self._carry_step = 0
         self.steps_done = 0  # the worker's step count (WorkerContext.step_done)
@@ -119,10 +119,9 @@ class StepBatcher:
                 except BaseException:  # noqa: BLE001 - that call's own caller raises it
                     pass
             return self.client.lookup_many(requests, insert_missing, unique=True)
-        batch, return_tables, done = carry
+        _, _, done, prepared = carry
         try:
-            values, pushed = self.client.lookup_with_push(requests, batch, insert_missing,
-                                                          return_tables)
+            values, pushed = self.client.lookup_with_push(requests, prepared, insert_missing)
         except BaseException as exc:
             done.set_exception(exc)
             raise
@@ -158,8 +157,11 @@ class StepBatcher:
         if hold:  # carried by the next step's lookup; an older one not taken leaves now
             self.flush()
             done: Future = Future()
+            # checked and encoded here, in the step end's thread: the lookup op that
+            # carries it (on TensorFlow's compute thread) then only sends
+            prepared = self.client.prepare_push(batch, return_tables)
             with self._lock:
-                self._carry = (batch, list(return_tables or ()), done)
+                self._carry = (batch, list(return_tables or ()), done, prepared)
                 self._carry_step = self.steps_done
             return None if wait else done
         if batch:
@@ -179,7 +181,7 @@ class StepBatcher:
             carry, self._carry = self._carry, None
             carrying, self._carrying = self._carrying, None  # a failure is raised once
         if carry is not None:
-            batch, return_tables, done = carry
+            batch, return_tables, done, _ = carry
             try:
                 out = self._send_push(batch, return_tables or None)
             except BaseException as exc:
