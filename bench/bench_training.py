@@ -711,7 +711,7 @@ def ours_worker(argv: list[str]) -> int:
         def on_train_end(self, logs=None):
             super().on_train_end(logs)
             ctx = get_context()
-            out = {"worker": ctx.worker_id, "series": series}
+            out = {"worker": ctx.worker_id, "series": series, "threads": _thread_cpu()}
             if prof is not None:
                 out["profile"] = _summarize_profile(prof)
             path = os.path.join(os.environ.get("DEEPREC_STATE_DIR", "."),
@@ -737,6 +737,25 @@ def ours_worker(argv: list[str]) -> int:
 
         train.embedding_specs, train.build_keras = embedding_specs, build_keras
     return train.main(argv)
+
+
+def _thread_cpu() -> dict:
+    """CPU seconds of this process's live threads so far, summed by thread name (Linux
+    ``/proc/self/task``): which of the worker's threads a mode's CPU goes to."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                comm, rest = f.read().split(" (", 1)[1].rsplit(") ", 1)
+        except (OSError, ValueError):
+            continue
+        fields = rest.split()
+        out[comm] = round(out.get(comm, 0.0) + (int(fields[11]) + int(fields[12])) / tick, 2)
+    return out
 
 
 def _install_profiler() -> dict:
@@ -828,7 +847,7 @@ def write_job(path: str, name: str, data_dir: str, args, profile: bool,
             "command": ["{python}", os.path.abspath(__file__), "--_ours-worker",
                         "--batch-size", str(args.batch_size), "--dim", str(DIM),
                         "--lr", str(args.lr if lr is None else lr)]
-                       + (["--overlap"] + (["stale"] if overlap == "stale" else [])
+                       + (["--overlap"] + ([overlap] if overlap in ("stale", "carry") else [])
                           if overlap else []) + eval_args,
             "max_restarts": 0,
             "env": env,
@@ -932,7 +951,8 @@ def _aimaster_cmd() -> list[str]:
 def run_ours(args, data: dict, ps: int, workers: int, profile: bool = False,
              tag: str | None = None, overlap: bool | str = False, optimizer: str = "adam",
              lr: float | None = None) -> dict:
-    tag = tag or (f"{ps}x{workers}" + ({"stale": "-overlap-stale"}.get(overlap, "-overlap")
+    tag = tag or (f"{ps}x{workers}" + ({"stale": "-overlap-stale", "carry": "-carry"}
+                                       .get(overlap, "-overlap")
                                        if overlap else "")
                   + ("" if optimizer == "adam" else f"-{optimizer}"))
     state_dir = os.path.join(REPO, "runs", f"bench-ours-{tag}")
@@ -1151,7 +1171,7 @@ def _fmt(x, spec=",.0f"):
 
 
 CONFIGS = ("single", "pss", "tfk-single", "tfk-pss", "tfra-single", "tfra-pss", "ours-1x1",
-           "ours-1x1-overlap", "ours-1x1-overlap-stale", "ours-2x2")
+           "ours-1x1-overlap", "ours-1x1-overlap-stale", "ours-1x1-carry", "ours-2x2")
 DEFAULT_CONFIGS = "single,pss,ours-1x1,ours-1x1-overlap,ours-2x2"
 # --configs tfra: TFRA and the stock TF baselines in both Keras flavours next to ours
 TFRA_PRESET = ("tfra-single", "tfra-pss", "tfk-single", "tfk-pss", "single", "pss",
@@ -1160,7 +1180,7 @@ TFRA_PRESET = ("tfra-single", "tfra-pss", "tfk-single", "tfk-pss", "single", "ps
 ROW = {"single": "single", "pss": "tf-pss", "tfk-single": "tfk-single", "tfk-pss": "tfk-pss",
        "tfra-single": "tfra-single", "tfra-pss": "tfra-pss", "ours-1x1": "ours-1x1",
        "ours-1x1-overlap": "ours-1x1-overlap", "ours-1x1-overlap-stale": "ours-1x1-overlap-stale",
-       "ours-2x2": "ours-2x2"}
+       "ours-1x1-carry": "ours-1x1-carry", "ours-2x2": "ours-2x2"}
 QUICK = {"rows": 60_000, "test_rows": 10_000, "repeat": 1, "extra_vocab": 0,
          "extra_pss_inner_steps": 0, "timeout": 300.0, "warmup_steps": 10}
 DEFAULTS = {"rows": 400_000, "test_rows": 50_000, "repeat": 2, "extra_vocab": 2 ** 20,
@@ -1306,6 +1326,8 @@ def main(argv=None) -> int:
                 plan.append(("ours-1x1-overlap" + sfx, sfx, ours(1, 1, True)))
             elif c == "ours-1x1-overlap-stale":
                 plan.append(("ours-1x1-overlap-stale" + sfx, sfx, ours(1, 1, "stale")))
+            elif c == "ours-1x1-carry":
+                plan.append(("ours-1x1-carry" + sfx, sfx, ours(1, 1, "carry")))
             elif c == "ours-2x2":
                 plan.append(("ours-2x2" + sfx, sfx, ours(2, 2)))
 
@@ -1366,6 +1388,7 @@ def main(argv=None) -> int:
         "ours-1x1": "ours 1 worker + 1 PS",
         "ours-1x1-overlap": "ours 1 worker + 1 PS, --overlap (fresh lookups)",
         "ours-1x1-overlap-stale": "ours 1 worker + 1 PS, --overlap stale",
+        "ours-1x1-carry": "ours 1 worker + 1 PS, --overlap carry (push in the next lookup)",
         "ours-2x2": "ours 2 workers + 2 PS",
     }
     names = [n for n, _, _ in plan]

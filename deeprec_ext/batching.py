@@ -10,6 +10,12 @@ table looked up for training in that step has pushed, then sends them in one cal
 Nothing here guesses: a prefetched result is used only if the ids are equal, element for
 element, to the ids it was fetched for; otherwise the table is looked up on its own and
 stops being prefetched. Held pushes are sent at the latest when the step ends.
+
+``carry=True`` (``ElasticCallback(overlap="carry")``) goes one step further: the step end
+sends nothing; its pushes (and dense deltas) ride in the next step's first lookup call,
+which the PS applies before it reads (``PSClient.lookup_with_push``), so a step makes one
+call per PS. Whatever must not wait for a next lookup (end of training, evaluation, a
+flush) calls ``flush``.
 """
 from __future__ import annotations
 
@@ -40,6 +46,14 @@ class StepBatcher:
         self._looked_up: set[str] = set()   # tables looked up for training this step
         self._pending: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.stats = {"lookup_calls": 0, "prefetch_hits": 0, "push_calls": 0}
+        # carry mode: the ended step's held push (batch, return tables, Future of their
+        # values, the push prepared for the lookup call), and the Future of a lookup call that carries one (later lookups of the
+        # step wait for it, so they too read after the push)
+        self.carry = False
+        self._carry: tuple[dict, list, Future, object] | None = None
+        self._carrying: Future | None = None
+        self._carry_step = 0
+        self.steps_done = 0  # the worker's step count (WorkerContext.step_done)
 
     # -- lookups ---------------------------------------------------------------------
     def lookup(self, table: str, ids: np.ndarray, insert_missing: bool) -> np.ndarray:
@@ -76,16 +90,43 @@ class StepBatcher:
                 for other in companions:
                     self._prefetched[(other, insert_missing)] = (ids, fut)
             self.stats["lookup_calls"] += 1
-        if fut is None:
+        if fut is None and not self.carry:
             return self.client.lookup(table, ids, insert_missing=insert_missing, unique=True)
         try:
-            out = self.client.lookup_many({table: ids, **{t: ids for t in companions}},
-                                          insert_missing, unique=True)
+            out = self._lookup_call({table: ids, **{t: ids for t in companions}},
+                                    insert_missing)
         except BaseException as exc:
-            fut.set_exception(exc)  # the companions waiting on it fail the same way
+            if fut is not None:
+                fut.set_exception(exc)  # the companions waiting on it fail the same way
             raise
-        fut.set_result(out)
+        if fut is not None:
+            fut.set_result(out)
         return out[table]
+
+    def _lookup_call(self, requests: dict, insert_missing: bool) -> dict:
+        """Carry mode: the held push of the ended step leaves with this lookup (a lookup
+        made while another call carries it waits for that call's answer first)."""
+        with self._lock:
+            carry, self._carry = self._carry, None
+            carrying = self._carrying
+            if carry is not None:
+                self._carrying = carry[2]
+                self.stats["carried"] = self.stats.get("carried", 0) + 1
+        if carry is None:
+            if carrying is not None:
+                try:
+                    carrying.result()
+                except BaseException:  # noqa: BLE001 - that call's own caller raises it
+                    pass
+            return self.client.lookup_many(requests, insert_missing, unique=True)
+        _, _, done, prepared = carry
+        try:
+            values, pushed = self.client.lookup_with_push(requests, prepared, insert_missing)
+        except BaseException as exc:
+            done.set_exception(exc)
+            raise
+        done.set_result(pushed)
+        return values
 
     # -- pushes ----------------------------------------------------------------------
     def push(self, table: str, ids: np.ndarray, grads: np.ndarray) -> None:
@@ -93,7 +134,7 @@ class StepBatcher:
         training this step has pushed (or at ``end_step``)."""
         with self._lock:
             self._pending[table] = (np.array(ids, copy=True), np.array(grads, copy=True))
-            if self.hold_pushes or not self._looked_up <= self._pending.keys():
+            if self.hold_pushes or self.carry or not self._looked_up <= self._pending.keys():
                 return
             batch, self._pending = self._pending, {}
             self._looked_up.clear()
@@ -112,11 +153,43 @@ class StepBatcher:
             batch.update(extra or {})
             if batch:
                 self.stats["push_calls"] += 1
+            hold = bool(batch) and self.carry and not (wait and return_tables)
+        if hold:  # carried by the next step's lookup; an older one not taken leaves now
+            self.flush()
+            done: Future = Future()
+            # checked and encoded here, in the step end's thread: the lookup op that
+            # carries it (on TensorFlow's compute thread) then only sends
+            prepared = self.client.prepare_push(batch, return_tables)
+            with self._lock:
+                self._carry = (batch, list(return_tables or ()), done, prepared)
+                self._carry_step = self.steps_done
+            return None if wait else done
         if batch:
             if not wait:
                 return self._send_push(batch, return_tables, wait=False)
             return self._send_push(batch, return_tables)
         return None
+
+    def flush(self, older: bool = False) -> None:
+        """Send a held push that no lookup took, and wait for one a lookup carries (carry
+        mode; nothing to do otherwise). Re-raises the failure of the call that carried it.
+        ``older``: only a push held before the current step (one a whole step went by
+        without taking): a step's records count as trained once its push is answered."""
+        with self._lock:
+            if older and self._carry is not None and self._carry_step >= self.steps_done:
+                return
+            carry, self._carry = self._carry, None
+            carrying, self._carrying = self._carrying, None  # a failure is raised once
+        if carry is not None:
+            batch, return_tables, done, _ = carry
+            try:
+                out = self._send_push(batch, return_tables or None)
+            except BaseException as exc:
+                done.set_exception(exc)
+                raise
+            done.set_result(out or {})
+        elif carrying is not None:
+            carrying.result()
 
     @property
     def groups(self) -> dict[str, list[str]]:

@@ -252,6 +252,9 @@ class WorkerContext:
         acknowledged by then: one push in flight per table)."""
         self.gazer.steps_done(steps)
         self.batcher.end_step()
+        if self.batcher.carry:  # a push held since an earlier step end is due now
+            self.batcher.flush(older=True)
+            self.batcher.steps_done += 1
         with self._push_lock:
             acked, self._unacked_steps = self._unacked_steps, steps
         if acked:
@@ -262,6 +265,7 @@ class WorkerContext:
         the end of training and by the input source before it waits for shards (which
         otherwise could wait on this worker's own last shard)."""
         self.batcher.end_step()
+        self.batcher.flush()  # carry mode: the push held for a next lookup leaves now
         with self._push_lock:  # the steps ended so far, and the pushes they sent
             acked, self._unacked_steps = self._unacked_steps, 0
             pending = list(self._push_inflight.values())
@@ -273,6 +277,7 @@ class WorkerContext:
     def flush_pushes(self) -> None:
         """Wait until every push sent so far has been applied (re-raises failures)."""
         self.batcher.end_step()
+        self.batcher.flush()
         with self._push_lock:  # entries stay: the next push of a table still waits on them
             pending = list(self._push_inflight.values())
         for fut in pending:

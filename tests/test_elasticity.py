@@ -143,7 +143,7 @@ def _records(tmp_path, files=4, per_file=15_000):
     return paths, files * per_file
 
 
-def _counting_job(start_job, paths, ps=2, records_per_shard=1000, delay="0.02"):
+def _counting_job(start_job, paths, ps=2, records_per_shard=1000, delay="0.02", carry=False):
     # workers hold at the end until the test has read the counters (the job then ends)
     job = start_job({
         "name": "stream",
@@ -152,7 +152,8 @@ def _counting_job(start_job, paths, ps=2, records_per_shard=1000, delay="0.02"):
                    "command": ["{python}", str(ROOT / "tests" / "counting_worker.py")],
                    "env": {"COUNTING_DELAY": delay, "PYTHONPATH": str(ROOT),
                            "COUNTING_DELAY_FILE": str(paths[0]) + ".pace",
-                           "COUNTING_HOLD_FILE": str(paths[0]) + ".release"}},
+                           "COUNTING_HOLD_FILE": str(paths[0]) + ".release",
+                           "COUNTING_CARRY": "1" if carry else "0"}},
         "data": {"files": paths, "records_per_shard": records_per_shard},
         "master": {"heartbeat_seconds": 0.5},
     })
@@ -177,9 +178,13 @@ def _check_every_record_once(job, total, paths):
     assert set(state["shards"]["done"]) == {s["shard_id"] for s in state["shards"]["shards"]}
 
 
-def test_ps_and_worker_changes_mid_stream_every_record_once(start_job, tmp_path):
+@pytest.mark.parametrize("carry", [False, True], ids=["waited", "carry"])
+def test_ps_and_worker_changes_mid_stream_every_record_once(start_job, tmp_path, carry):
+    """carry: each step's push rides in the next step's lookup (overlap="carry"); scale
+    events, workers leaving mid-stream and the end of training must each send a held
+    push, and no record may count as trained before its push was answered."""
     paths, total = _records(tmp_path, files=5, per_file=16_000)
-    job = _counting_job(start_job, paths, delay="0.04")
+    job = _counting_job(start_job, paths, delay="0.04", carry=carry)
     pace = pathlib.Path(str(paths[0]) + ".pace")
     pace.write_text("0.5")  # slow while the layout changes (a loaded machine starts
     # processes slowly), at full speed after

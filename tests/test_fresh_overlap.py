@@ -54,10 +54,11 @@ def test_lookup_during_an_inflight_push_reads_its_rows(start_job, fresh):
 
 def test_overlap_takes_only_its_three_values():
     import deeprec_ext.tf as dtf
-    for good in (False, True, "stale"):
+    for good in (False, True, "stale", "carry"):
         dtf.ElasticCallback(overlap=good)
-    with pytest.raises(ValueError, match="overlap must be False, True or 'stale'"):
-        dtf.ElasticCallback(overlap="fresh")
+    for bad in ("fresh", 1, 0.0, None):
+        with pytest.raises(ValueError, match="overlap must be False, True, 'stale' or 'carry'"):
+            dtf.ElasticCallback(overlap=bad)
 
 
 def _fit(job, table: str, overlap, steps: int = 12, slow: float = 0.0):
@@ -89,12 +90,23 @@ def _fit(job, table: str, overlap, steps: int = 12, slow: float = 0.0):
             keras.layers.Flatten()(emb))
         model = keras.Model(inp, out)
         model.compile(keras.optimizers.SGD(0.5), "binary_crossentropy")
+        rpcs = []
+
+        class Count(keras.callbacks.Callback):  # the client's RPCs between first and last step
+            def on_train_batch_begin(self, batch, logs=None):
+                if batch == 0:
+                    rpcs.append(ctx.client.stats["rpcs"])
+
+            def on_train_batch_end(self, batch, logs=None):
+                if batch == steps - 1:
+                    rpcs.append(ctx.client.stats["rpcs"])
         model.fit(tf.data.Dataset.from_tensor_slices((ids, labels)).batch(64), epochs=1,
-                  verbose=0, shuffle=False, callbacks=[dtf.ElasticCallback(overlap=overlap)])
+                  verbose=0, shuffle=False,
+                  callbacks=[dtf.ElasticCallback(overlap=overlap), Count()])
         uniq = np.unique(ids)
         rows = ctx.client.lookup(table, uniq, insert_missing=False)
         dense = [np.asarray(v.numpy()) for v in model.layers[-1].weights]
-        return rows, dense, dict(ctx.batcher.stats)
+        return rows, dense, dict(ctx.batcher.stats, rpcs_in_training=rpcs[1] - rpcs[0])
     finally:
         set_context(None)
         ctx.close()
@@ -116,3 +128,20 @@ def test_keras_overlap_one_call_per_step_reads_like_sync(start_job):
         np.testing.assert_allclose(a, b, atol=1e-5)
     assert stats["push_calls"] == sync_stats["push_calls"]  # one call per step, as sync
     assert np.abs(stale_rows - sync_rows).max() > 100 * max(np.abs(rows - sync_rows).max(), 1e-6)
+
+
+def test_keras_carry_one_rpc_per_step_reads_like_sync(start_job):
+    """``overlap="carry"``: the step end sends nothing, the step's push and dense deltas
+    ride in the next step's lookup call, which the PS applies before it reads. One worker
+    ends with what waited pushes leave (rows and dense weights), with one RPC per step
+    (1 PS), and the push held after the last step is not lost (train end flushes it)."""
+    job = start_job({"name": "keras-carry"}, ["--ps", "1", "--workers", "0"])
+    sync_rows, sync_dense, _ = _fit(job, "c_sync", False)
+    rows, dense, stats = _fit(job, "c_carry", "carry")
+    assert np.abs(sync_rows).max() > 0.01
+    np.testing.assert_allclose(rows, sync_rows, atol=1e-5)
+    for a, b in zip(dense, sync_dense):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    # 12 steps: 11 pushes carried by the next step's lookup, the last one flushed
+    assert stats["carried"] == 11
+    assert stats["rpcs_in_training"] == 12  # one call per step, nothing at the step ends

@@ -275,15 +275,18 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Lookup(self, request, context):
         self._count("lookups")
+        carried = request.HasField("push")
+        if carried:
+            self._count("pushes")
         self._data_call(1)
         self.routing.gate.acquire_shared()
         try:
-            return self._lookup(request, context)
+            return self._lookup(request, context, carried)
         finally:
             self.routing.gate.release_shared()
             self._data_call(-1)
 
-    def _lookup(self, request, context):
+    def _lookup(self, request, context, carried: bool = False):
         work = []
         for t in request.tables:
             table = self._table(t.table, context)
@@ -293,9 +296,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             self.routing.check(ids, context, count=True)
             work.append((table, ids))
+        # the previous step's push carried here: every lookup part was checked above, the
+        # push's parts are checked before it applies, and it applies before any read, so
+        # the rows answered are those a waited push would have left
+        pushed = self._push(request.push, context) if carried else None
         out = [codec.floats_to_bytes(table.lookup(ids, insert_missing=request.insert_missing))
                for table, ids in work]
-        return ps_pb2.LookupResponse(values=out)
+        return ps_pb2.LookupResponse(values=out, push=pushed)
 
     def Push(self, request, context):
         self._count("pushes")

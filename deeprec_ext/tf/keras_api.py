@@ -177,12 +177,17 @@ class ElasticCallback(keras.callbacks.Callback):
         Lookups stay fresh: rows the push in flight changes are taken from its answer (the
         PS returns them), so a worker reads what a synchronous push would have left.
         ``overlap="stale"`` skips that (less data on the wire, but each step reads
-        embeddings one step stale: about -0.02 AUC on the example)."""
+        embeddings one step stale: about -0.02 AUC on the example).
+        ``overlap="carry"``: the step end sends nothing; the step's embedding push and
+        dense deltas ride in the next step's lookup call, which the PS applies before it
+        reads (one call per step per PS, the freshness of a waited push); the merged
+        dense values are adopted at the next step end, as with ``overlap=True``. End of
+        training, evaluation and ``flush_pushes`` send a held push at once."""
         super().__init__()
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
-        if overlap not in (False, True, "stale"):
-            raise ValueError(f"overlap must be False, True or 'stale', got {overlap!r}")
+        if not (overlap is False or overlap is True or overlap in ("stale", "carry")):
+            raise ValueError(f"overlap must be False, True, 'stale' or 'carry', got {overlap!r}")
         self.sync_every = sync_every
         self.overlap = overlap
         self._dense: DenseSync | None = None
@@ -204,8 +209,9 @@ class ElasticCallback(keras.callbacks.Callback):
             run_keras_evaluator(self.model, self._vars_of)
             return
         ctx = get_context()
-        ctx.async_pushes = bool(self.overlap)
+        ctx.async_pushes = self.overlap in (True, "stale")
         ctx.fresh_lookups = self.overlap != "stale"
+        ctx.batcher.carry = self.overlap == "carry"
         self._ops = sampler_for(ctx)
         self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="dense-sync")
         anchors = _anchor_ids(self.model)
@@ -254,6 +260,8 @@ class ElasticCallback(keras.callbacks.Callback):
         if self._loss_curve is not None and logs and "loss" in logs:
             self._loss_curve.step(steps, logs["loss"])
         if self._fused and self._dense is not None:
+            if self.overlap == "carry":
+                ctx.batcher.flush()  # the previous step's push, if no lookup carried it
             local = self._local()
             merged = self._dense.finish_sync(local)  # the previous step's call
             if merged is not None:
@@ -278,7 +286,7 @@ class ElasticCallback(keras.callbacks.Callback):
                 self._assign(merged)
             self._since_sync += steps
             if self._since_sync >= self.sync_every:
-                if self.overlap:
+                if self.overlap in (True, "stale"):
                     self._dense.start_sync(self._local(), self._pool)
                 else:
                     self._assign(self._dense.sync(self._local()))
@@ -299,7 +307,8 @@ class ElasticCallback(keras.callbacks.Callback):
             return  # nothing was trained, nothing is pushed
         get_context().batcher.hold_pushes = False
         get_context().gazer.pause_steps()
-        get_context().settle()
+        get_context().settle()  # sends a push held for a next lookup too
+        get_context().batcher.carry = False
         self._sync_now()
         get_context().tracker.finish()
 

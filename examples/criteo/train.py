@@ -87,7 +87,8 @@ def training_input(args):
 def run_keras(args, ctx) -> dict:
     model = build_keras(args.lr, args.dim, args.storage_dtype)
     ds = training_input(args)
-    callback = dtf.ElasticCallback(overlap={"": False, "fresh": True, "stale": "stale"}[args.overlap])
+    callback = dtf.ElasticCallback(overlap={"": False, "fresh": True, "stale": "stale",
+                                            "carry": "carry"}[args.overlap])
     if args.predictions_before_out and args.test and ctx.rank == 0:
         # the model as the job starts (e.g. warm-started): shared weights, nothing trained
         callback.set_model(model)
@@ -151,9 +152,10 @@ def main(argv=None) -> int:
     p.add_argument("--test", default="", help="test file; worker 0 reports its AUC")
     p.add_argument("--storage-dtype", default="float32", choices=("float32", "float16"),
                    help="how the PS stores the embedding values (float16: half the bytes)")
-    p.add_argument("--overlap", nargs="?", const="fresh", default="", choices=("fresh", "stale"),
+    p.add_argument("--overlap", nargs="?", const="fresh", default="", choices=("fresh", "stale", "carry"),
                    help="pushes one step in flight and dense sync in the background: faster; "
-                        "'stale' also skips fresh lookups (see docs/guide-tensorflow.md)")
+                        "'stale' also skips fresh lookups; 'carry' sends a step's push in "
+                        "the next step's lookup call (see docs/guide-tensorflow.md)")
     p.add_argument("--predictions-out", default="",
                    help="worker 0 saves its predictions on --test at the end (.npy)")
     p.add_argument("--predictions-before-out", default="",
