@@ -58,6 +58,7 @@ class StepBatcher:
     # -- lookups ---------------------------------------------------------------------
     def lookup(self, table: str, ids: np.ndarray, insert_missing: bool) -> np.ndarray:
         """Values of unique ``ids`` in ``table`` (float32 [n, dim])."""
+        self._next_step_if_pushed(table)
         key = (table, insert_missing)
         with self._lock:
             entry = self._prefetched.pop(key, None)
@@ -129,9 +130,29 @@ class StepBatcher:
         return values
 
     # -- pushes ----------------------------------------------------------------------
+    def _next_step_if_pushed(self, table: str) -> None:
+        """A table that already pushed in this step is looked up or pushed again: a new
+        step began without a step end (Keras' ``steps_per_execution`` > 1 runs several
+        steps per call and ends them once). The held pushes leave now, before that
+        lookup reads their rows, so no step's push replaces another's."""
+        with self._lock:
+            if table not in self._pending:
+                return
+        self.flush()  # carry mode: an older held push goes first
+        with self._lock:
+            batch, self._pending = self._pending, {}
+            self._looked_up.clear()
+            self._prefetched.clear()
+            self._step += 1
+            if batch:
+                self.stats["push_calls"] += 1
+        if batch:
+            self._send_push(batch)
+
     def push(self, table: str, ids: np.ndarray, grads: np.ndarray) -> None:
         """Queue a push; the step's pushes leave together once every table looked up for
         training this step has pushed (or at ``end_step``)."""
+        self._next_step_if_pushed(table)
         with self._lock:
             self._pending[table] = (np.array(ids, copy=True), np.array(grads, copy=True))
             if self.hold_pushes or self.carry or not self._looked_up <= self._pending.keys():

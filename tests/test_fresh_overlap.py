@@ -61,7 +61,7 @@ def test_overlap_takes_only_its_three_values():
             dtf.ElasticCallback(overlap=bad)
 
 
-def _fit(job, table: str, overlap, steps: int = 12, slow: float = 0.0):
+def _fit(job, table: str, overlap, steps: int = 12, slow: float = 0.0, spe: int = 1):
     """Train a small Keras model in this process against the job's real PS with
     ``ElasticCallback(overlap=overlap)``: the final embedding rows, dense weights and
     the batcher's push count."""
@@ -89,7 +89,7 @@ def _fit(job, table: str, overlap, steps: int = 12, slow: float = 0.0):
         out = keras.layers.Dense(1, activation="sigmoid", kernel_initializer="ones")(
             keras.layers.Flatten()(emb))
         model = keras.Model(inp, out)
-        model.compile(keras.optimizers.SGD(0.5), "binary_crossentropy")
+        model.compile(keras.optimizers.SGD(0.5), "binary_crossentropy", steps_per_execution=spe)
         rpcs = []
 
         class Count(keras.callbacks.Callback):  # the client's RPCs between first and last step
@@ -98,7 +98,7 @@ def _fit(job, table: str, overlap, steps: int = 12, slow: float = 0.0):
                     rpcs.append(ctx.client.stats["rpcs"])
 
             def on_train_batch_end(self, batch, logs=None):
-                if batch == steps - 1:
+                if batch == steps - 1 or (batch == steps - spe and spe > 1):
                     rpcs.append(ctx.client.stats["rpcs"])
         model.fit(tf.data.Dataset.from_tensor_slices((ids, labels)).batch(64), epochs=1,
                   verbose=0, shuffle=False,
@@ -145,3 +145,18 @@ def test_keras_carry_one_rpc_per_step_reads_like_sync(start_job):
     # 12 steps: 11 pushes carried by the next step's lookup, the last one flushed
     assert stats["carried"] == 11
     assert stats["rpcs_in_training"] == 12  # one call per step, nothing at the step ends
+
+
+@pytest.mark.parametrize("overlap", [False, "carry"])
+def test_keras_several_steps_per_execution_lose_no_push(start_job, overlap):
+    """``steps_per_execution=3``: Keras runs 3 steps in one call and the callback sees
+    their end once. The pushes held for the step end (the default with the dense sync
+    every step, and carry mode) must still leave one step at a time: each step's push is
+    applied before the next step looks its rows up, and none replaces another's."""
+    job = start_job({"name": f"keras-spe-{overlap}"}, ["--ps", "1", "--workers", "0"])
+    ref_rows, ref_dense, _ = _fit(job, f"s_ref_{overlap}", False)
+    rows, dense, stats = _fit(job, f"s_spe_{overlap}", overlap, spe=3)
+    assert np.abs(ref_rows).max() > 0.01
+    np.testing.assert_allclose(rows, ref_rows, atol=1e-5)
+    for a, b in zip(dense, ref_dense):
+        np.testing.assert_allclose(a, b, atol=1e-5)
