@@ -112,6 +112,7 @@ class JobMaster:
         self._leaving: set[str] = set()
         self._main_calls: queue.Queue = queue.Queue()
         self._wake = threading.Event()
+        self._ended_at: dict[str, float] = {}  # PS id -> time.monotonic() its end was handled
         self._stall_reports: list[tuple[float, float]] = []
         self._barrier_cond = threading.Condition()
         self._barrier_gen = 0
@@ -511,6 +512,7 @@ class JobMaster:
             if state == MemberState.DEAD and self.phase == JobPhase.RUNNING:
                 self._maybe_restart(member_id)
         elif role == "ps":
+            self._ended_at[member_id] = time.monotonic()
             self.record_event("ps_end", id=member_id, state=state.value, reason=why)
             routing = self.routing
             if self.phase == JobPhase.RUNNING and routing is not None and member_id in routing.ps_ids:
@@ -1228,6 +1230,7 @@ class JobMaster:
         no checkpoint read), publish a new epoch without the dead PS, re-form the ring,
         then start a replacement that joins by an ordinary scale-out."""
         detected = self.clock()
+        op_start = time.monotonic()
         member = self.registry.get(dead)
         silent_ms = (detected - member.last_heartbeat) * 1000 if member else 0.0
         # an operation: nothing else changes the layout meanwhile
@@ -1261,6 +1264,7 @@ class JobMaster:
                 if target is None:
                     return
                 peer, restored_from, resp = target
+        promoted = time.monotonic()
         new_ids = [x for x in ids if x != dead]
         owner_ids = np.asarray(ids, dtype=object)[old.slot_owner]
         owner_ids[mask] = peer
@@ -1273,6 +1277,8 @@ class JobMaster:
         with self._lock:
             self.routing, self.epoch = routing, routing.epoch
         resumed = self.clock()
+        published = time.monotonic()
+        exit_reported = getattr(self.scaler, "exit_reported", {}).get(dead)
         event = {"kind": "recovery", "dead": dead, "reason": why, "promoted_on": peer,
                  "promoted_rows": resp.rows, "epoch": routing.epoch,
                  "restored_from_checkpoint": restored_from,
@@ -1285,6 +1291,16 @@ class JobMaster:
                  "updates_at_risk_ms": round(resp.replica_age_ms, 1)
                  if restored_from is not None or not self.config.sync_replication else 0.0,
                  "replication": "sync" if self.config.sync_replication else "async",
+                 # where the recovery's time went, as time.monotonic() of this host
+                 # (one clock for all its processes: a benchmark lines them up with its
+                 # kill): the kernel reporting the exit (local scaler only), the AIMaster
+                 # handling it, the operation starting, the copy promoted, the routing
+                 # on every PS and published to clients
+                 "mono": {k: round(v, 6) for k, v in (
+                     ("exit_reported", exit_reported
+                      if exit_reported is not None and exit_reported <= op_start else None),
+                     ("ps_end", self._ended_at.get(dead)), ("op_start", op_start),
+                     ("promoted", promoted), ("published", published)) if v is not None},
                  "time": time.time()}
         with self._lock:
             self.events.append(event)

@@ -86,6 +86,9 @@ class PSClient:
         self._client_id = uuid.uuid4().hex[:12]
         self._push_counter = itertools.count()
         self.stats = {"rpcs": 0, "stale_retries": 0, "unavailable_retries": 0}
+        # the last call that had to re-route, as time.monotonic(): its first refused
+        # answer, the new routing in hand (after an unreachable PS), the call done
+        self.last_reroute: dict | None = None
 
     # -- connection ----------------------------------------------------------------
     @classmethod
@@ -470,13 +473,17 @@ class PSClient:
                         store(name, pos, payload)
             pending = retry
             if pending:
-                first_failure = first_failure or time.monotonic()
+                now = time.monotonic()
+                if first_failure is None:
+                    first_failure = now
+                    trace = self.last_reroute = {"what": what, "failed": now}
                 delay = next(delays, None)
                 if delay is None:  # retry deadline spent (stale or unavailable alike)
                     raise failure
                 fresh = None
                 if isinstance(failure, UnavailableError):
                     fresh = self._await_new_epoch(delay)
+                    trace["new_routing"] = time.monotonic()
                 log.debug("%s: %s; refreshing routing and resending %d table part(s)",
                           what, failure, len(pending))
                 min_epoch = getattr(failure, "epoch", -1)
@@ -492,7 +499,8 @@ class PSClient:
                 except RoutingNotReadyError:
                     raise failure
         if first_failure is not None:
-            stall_ms = (time.monotonic() - first_failure) * 1000
+            trace["done"] = time.monotonic()
+            stall_ms = (trace["done"] - first_failure) * 1000
             self.stats["max_stall_ms"] = max(self.stats.get("max_stall_ms", 0.0), stall_ms)
 
     def take_max_stall_ms(self) -> float:

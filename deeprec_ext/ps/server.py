@@ -686,13 +686,15 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         remaining = context.time_remaining()
         if remaining is not None:
             wait = max(0.0, min(wait, remaining - 5.0))
+        t_start = time.monotonic()
         try:
             copy = self.replicas.take(request.origin, wait=wait)
         except ReplicaUnavailable as exc:
             self._count("rejected")
             kind = errors.ErrorKind.RESYNCING if exc.kind == "resyncing" else errors.ErrorKind.NO_REPLICA
             errors.abort(context, grpc.StatusCode.FAILED_PRECONDITION, kind, str(exc))
-        age = (time.monotonic() - copy.updated) * 1000
+        t_taken = time.monotonic()
+        age = (t_taken - copy.updated) * 1000
         self.replicator.defer(self.PROMOTE_SHIP_DELAY_SECONDS)  # before any row is stamped
         n = copied = 0
         try:
@@ -718,10 +720,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         except Exception:
             self.replicas.put_back(request.origin, copy)  # a retry finds it again
             raise
+        t_adopted = time.monotonic()
         with self.apply_gate.shared():  # the pushes in these rows, for this PS's peer too
             self.applied.add_many(copy.applied, ship=True)
-        log.info("%s: promoted %d rows of %s (%d copied; replica %.0f ms old)", self.ps_id, n,
-                 request.origin, copied, age)
+        t_end = time.monotonic()
+        log.info("%s: promoted %d rows of %s (%d copied; replica %.0f ms old); ms: take %.1f, "
+                 "adopt %.1f, request ids %.1f (monotonic %.6f)", self.ps_id, n, request.origin,
+                 copied, age, (t_taken - t_start) * 1000, (t_adopted - t_taken) * 1000,
+                 (t_end - t_adopted) * 1000, t_end)
         self._start_merge()
         self._start_evictor()
         return ps_pb2.PromoteResponse(rows=n, origin_sequence=copy.sequence, replica_age_ms=age)
