@@ -328,8 +328,12 @@ def run_job(n: int, args, res: dict) -> tuple[str, np.ndarray]:
                    if m["role"] == "ps" and m["id"] == VICTIM and m["state"] == "running")
         job.remember_pids()
         wall_minus_mono = time.time() - time.monotonic()
-        os.kill(pid, signal.SIGKILL)
+        # the kill's time is read before the call: under load this process can lose the
+        # CPU between the signal and a clock read after it (16 ms was seen: the AIMaster
+        # then logged the exit "before" the kill), which would flatter kill -> resumed
         kill = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        kill_call_ms = (time.monotonic() - kill) * 1000
         log(f"  kill -9 {VICTIM} (pid {pid})")
         rec = wait_for(lambda: job.events("recovery"), 60, "the recovery event")[0]
         wait_for(lambda: any(s[0] >= kill for s in load.steps[-50:]) or load.error, 60,
@@ -345,6 +349,7 @@ def run_job(n: int, args, res: dict) -> tuple[str, np.ndarray]:
                                               - pr["kill_to_recovery_event_ms"], 1)
         pr["victim_rows_before_kill"] = res["ps_rows_before_kill"].get(VICTIM)
         pr["phases_ms"] = recovery_phases(rec, load, kill)
+        pr["phases_ms"]["kill_call"] = round(kill_call_ms, 1)
         res["promotion"] = pr
         log(f"  phases (ms after the kill): {pr['phases_ms']}")
         log(f"  recovery: noticed {pr['kill_to_noticed_ms']} ms after the kill, resumed_ms "
