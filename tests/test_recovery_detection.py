@@ -163,11 +163,27 @@ def test_client_resends_on_the_routing_its_poll_fetched_and_applies_once(start_j
     seen = []
     real = client._master.GetRouting
 
-    def counting(request, timeout=None):  # the real call, counted
-        resp = real(request, timeout=timeout)
-        seen.append(resp.epoch)
-        return resp
-    client._master.GetRouting = counting
+    class Counted:  # the real future, its answer counted when the client reads it
+        def __init__(self, fut):
+            self.fut = fut
+
+        def result(self, timeout=None):
+            resp = self.fut.result(timeout=timeout)
+            seen.append(resp.epoch)
+            return resp
+
+        def cancel(self):
+            return self.fut.cancel()
+
+    class Counting:  # the real call (blocking, or the long poll sent on the refusal), counted
+        def __call__(self, request, timeout=None):
+            resp = real(request, timeout=timeout)
+            seen.append(resp.epoch)
+            return resp
+
+        def future(self, request, timeout=None):
+            return Counted(real.future(request, timeout=timeout))
+    client._master.GetRouting = Counting()
     os.kill(pids(job, "ps")["ps-1"], signal.SIGKILL)
     client.push("c", ids, -np.ones((ids.size, 1), np.float32))
     client._master.GetRouting = real

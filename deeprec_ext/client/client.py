@@ -64,6 +64,48 @@ def _error_from_rpc(exc: grpc.RpcError, what: str) -> Exception:
     return exc
 
 
+class _RoutingPrefetch:
+    """A long poll for a routing epoch newer than ``epoch``, sent the moment a part of a
+    call is found unreachable (from gRPC's callback thread, while the call's other parts
+    are still out): the recovery's new routing is then on its way to the client while it
+    collects the other answers, instead of being asked for after them."""
+
+    def __init__(self, client: "PSClient", epoch: int):
+        self._client, self.epoch = client, epoch
+        self._lock = threading.Lock()
+        self.future = None
+
+    def on_done(self, fut) -> None:
+        exc = fut.exception()
+        if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+            self.start()
+
+    def start(self) -> None:
+        with self._lock:
+            if self.future is None:
+                wait = self._client.ROUTING_LONG_POLL_SECONDS
+                try:
+                    self.future = self._client._master.GetRouting.future(
+                        master_pb2.GetRoutingRequest(after_epoch=self.epoch,
+                                                     wait_ms=int(wait * 1000)),
+                        timeout=wait + 5.0)
+                except Exception:  # noqa: BLE001 - a closed client: the caller polls itself
+                    self.future = None
+
+    def result(self, timeout: float) -> "RoutingTable | None":
+        """The newer routing, if the long poll brought one within ``timeout`` s."""
+        with self._lock:
+            fut = self.future
+        if fut is None:
+            return None
+        try:
+            resp = fut.result(timeout=max(timeout, 0.0))
+            return RoutingTable.from_proto(resp) if resp.epoch > self.epoch else None
+        except Exception:  # noqa: BLE001 - only a hint: the caller polls itself
+            fut.cancel()
+            return None
+
+
 class PSClient:
     """Talks to every PS of a job. Thread-safe; one per process is plenty."""
 
@@ -437,13 +479,15 @@ class PSClient:
                     by_ps.setdefault((p, rid), []).append((name, ids[sel], pos[sel]))
             calls = []
             last = len(by_ps) - 1
+            prefetch = _RoutingPrefetch(self, routing.epoch)
             for k, ((p, rid), parts) in enumerate(by_ps.items()):
                 payload = [(n, i, pos) if with_positions else (n, i) for n, i, pos in parts]
                 req = build(payload) if rid is None else build(payload, rid)
                 rpc = method(self._stub(routing.ps_addresses[p]))
                 if k < last:  # the others run while this thread makes the last call
-                    calls.append((parts, getattr(req, "request_id", None),
-                                  rpc.future(req, timeout=self.rpc_timeout).result))
+                    fut = rpc.future(req, timeout=self.rpc_timeout)
+                    fut.add_done_callback(prefetch.on_done)
+                    calls.append((parts, getattr(req, "request_id", None), fut.result))
                 else:
                     # the last (with 1 PS the only) call blocks in this thread, and is
                     # collected first (the futures are in flight by then): a future costs
@@ -464,6 +508,8 @@ class PSClient:
                         raise err from exc
                     key = "stale_retries" if isinstance(err, StaleRoutingError) else "unavailable_retries"
                     self.stats[key] += 1
+                    if isinstance(err, UnavailableError):
+                        prefetch.start()  # before the other answers are collected
                     if failure is None or isinstance(err, StaleRoutingError):
                         failure = err
                     retry.extend((n, i, pos, sent_rid) for n, i, pos in parts)
@@ -482,8 +528,13 @@ class PSClient:
                     raise failure
                 fresh = None
                 if isinstance(failure, UnavailableError):
-                    fresh = self._await_new_epoch(delay)
+                    asked = time.monotonic()
+                    fresh = prefetch.result(min(delay, self.ROUTING_LONG_POLL_SECONDS + 0.1))
+                    if fresh is None:
+                        fresh = self._await_new_epoch(delay - (time.monotonic() - asked))
                     trace["new_routing"] = time.monotonic()
+                elif prefetch.future is not None:
+                    prefetch.future.cancel()
                 log.debug("%s: %s; refreshing routing and resending %d table part(s)",
                           what, failure, len(pending))
                 min_epoch = getattr(failure, "epoch", -1)
