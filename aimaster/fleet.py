@@ -128,6 +128,8 @@ class PsFleet:
         return self.epoch
 
     # -- routing -------------------------------------------------------------------------
+    PUBLISH_LIVENESS_POLL_SECONDS = 0.05
+
     def routing_request(self, routing: RoutingTable, p: int) -> ps_pb2.SetRoutingRequest:
         """What PS ``p`` of ``routing`` is told: the slots it owns and its replication
         peer (the next PS in ring order)."""
@@ -164,13 +166,23 @@ class PsFleet:
                 self.routing_request(routing, p), timeout=10, wait_for_ready=True)))
         failed = None
         for ps_id, call in calls:
-            try:
-                call.result()
-            except grpc.RpcError as exc:
-                if not is_live(ps_id):
+            while True:
+                try:
+                    call.result(timeout=self.PUBLISH_LIVENESS_POLL_SECONDS)
+                except grpc.FutureTimeoutError:
+                    # a PS that died since the calls went out (its death noticed now) is
+                    # not waited for: wait_for_ready held a recovery 10 s on a second
+                    # dead PS whose death was noticed a few ms after the push began
+                    if is_live(ps_id):
+                        continue
+                    call.cancel()
                     skipped.append(ps_id)
-                elif failed is None:
-                    failed = exc  # raised once every call has ended
+                except grpc.RpcError as exc:
+                    if not is_live(ps_id):
+                        skipped.append(ps_id)
+                    elif failed is None:
+                        failed = exc  # raised once every call has ended
+                break
         if failed is not None:
             raise failed
         return skipped
