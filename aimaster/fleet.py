@@ -128,7 +128,22 @@ class PsFleet:
         return self.epoch
 
     # -- routing -------------------------------------------------------------------------
-    def publish(self, routing: RoutingTable, is_live: Callable[[str], bool]) -> list[str]:
+    PUBLISH_LIVENESS_POLL_SECONDS = 0.05
+
+    def routing_request(self, routing: RoutingTable, p: int) -> ps_pb2.SetRoutingRequest:
+        """What PS ``p`` of ``routing`` is told: the slots it owns and its replication
+        peer (the next PS in ring order)."""
+        n = len(routing.ps_addresses)
+        return ps_pb2.SetRoutingRequest(
+            epoch=routing.epoch, num_slots=routing.num_slots,
+            owned_slots=(routing.slot_owner == p).astype(np.uint8).tobytes(),
+            ps_id=routing.ps_ids[p],
+            replica_peer=self.control_address(routing.ps_addresses[(p + 1) % n]) if n > 1 else "",
+            replication_interval_ms=self.replication_interval_ms,
+            sync_replication=self.sync_replication)
+
+    def publish(self, routing: RoutingTable, is_live: Callable[[str], bool],
+                skip: Iterable[str] = ()) -> list[str]:
         """Push ``routing`` to each of its PS: the slots it owns and its replication peer
         (the next PS in ring order). Returns the ids of PS that are dead (not an error: a
         PS that died while this routing was built is left to its own recovery).
@@ -137,30 +152,37 @@ class PsFleet:
         recovery's routing took a round trip per PS (each PS checks the epoch itself, so
         the order in which they apply it does not matter)."""
         self.observe_epoch(routing.epoch)
-        n = len(routing.ps_addresses)
+        skip = set(skip)
         skipped = []
         calls = []
         for p, address in enumerate(routing.ps_addresses):
             ps_id = routing.ps_ids[p]
+            if ps_id in skip:  # told already (a promotion carries its PS's routing)
+                continue
             if not is_live(ps_id):
                 skipped.append(ps_id)
                 continue
-            calls.append((ps_id, self.stub(address).SetRouting.future(ps_pb2.SetRoutingRequest(
-                epoch=routing.epoch, num_slots=routing.num_slots,
-                owned_slots=(routing.slot_owner == p).astype(np.uint8).tobytes(), ps_id=ps_id,
-                replica_peer=self.control_address(routing.ps_addresses[(p + 1) % n])
-                if n > 1 else "",
-                replication_interval_ms=self.replication_interval_ms,
-                sync_replication=self.sync_replication), timeout=10, wait_for_ready=True)))
+            calls.append((ps_id, self.stub(address).SetRouting.future(
+                self.routing_request(routing, p), timeout=10, wait_for_ready=True)))
         failed = None
         for ps_id, call in calls:
-            try:
-                call.result()
-            except grpc.RpcError as exc:
-                if not is_live(ps_id):
+            while True:
+                try:
+                    call.result(timeout=self.PUBLISH_LIVENESS_POLL_SECONDS)
+                except grpc.FutureTimeoutError:
+                    # a PS that died since the calls went out (its death noticed now) is
+                    # not waited for: wait_for_ready held a recovery 10 s on a second
+                    # dead PS whose death was noticed a few ms after the push began
+                    if is_live(ps_id):
+                        continue
+                    call.cancel()
                     skipped.append(ps_id)
-                elif failed is None:
-                    failed = exc  # raised once every call has ended
+                except grpc.RpcError as exc:
+                    if not is_live(ps_id):
+                        skipped.append(ps_id)
+                    elif failed is None:
+                        failed = exc  # raised once every call has ended
+                break
         if failed is not None:
             raise failed
         return skipped
@@ -212,10 +234,15 @@ class PsFleet:
             timeout=3600).rows
 
     def promote(self, address: str, origin: str, mask: np.ndarray, num_slots: int,
-                timeout: float = 120.0) -> ps_pb2.PromoteResponse:
+                timeout: float = 120.0,
+                routing: ps_pb2.SetRoutingRequest | None = None) -> ps_pb2.PromoteResponse:
+        """``routing``: the PS's routing after the promotion, applied in the same call
+        (``routing_applied`` in the answer says whether it was)."""
+        if routing is not None:
+            self.observe_epoch(routing.epoch)
         return self.stub(address).Promote(ps_pb2.PromoteRequest(
-            origin=origin, slots=mask.astype(np.uint8).tobytes(), num_slots=num_slots),
-            timeout=timeout)
+            origin=origin, slots=mask.astype(np.uint8).tobytes(), num_slots=num_slots,
+            routing=routing), timeout=timeout)
 
     def write_checkpoint(self, address: str, request: ps_pb2.WriteCheckpointRequest):
         """A future: the checkpoint can be cancelled (a recovery pre-empts it)."""

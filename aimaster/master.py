@@ -50,6 +50,24 @@ from deeprec_ext.data import fs as data_fs
 from deeprec_ext.grpc_util import create_server
 from deeprec_ext.proto import master_pb2, master_pb2_grpc, ps_pb2
 
+class _Background:
+    """``fn(*args, **kwargs)`` in a thread; ``wait()`` then read ``error``."""
+
+    def __init__(self, fn, *args, **kwargs):
+        self.error: BaseException | None = None
+
+        def run():
+            try:
+                fn(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                self.error = exc
+        self._thread = threading.Thread(target=run, name="routing-push", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        self._thread.join()
+
+
 def _join(base: str, name: str) -> str:
     """``base/name`` for a local path or a URL (os.path.join would do for both today,
     but a URL must keep '/' whatever the host's separator)."""
@@ -112,6 +130,7 @@ class JobMaster:
         self._leaving: set[str] = set()
         self._main_calls: queue.Queue = queue.Queue()
         self._wake = threading.Event()
+        self._ended_at: dict[str, float] = {}  # PS id -> time.monotonic() its end was handled
         self._stall_reports: list[tuple[float, float]] = []
         self._barrier_cond = threading.Condition()
         self._barrier_gen = 0
@@ -511,6 +530,7 @@ class JobMaster:
             if state == MemberState.DEAD and self.phase == JobPhase.RUNNING:
                 self._maybe_restart(member_id)
         elif role == "ps":
+            self._ended_at[member_id] = time.monotonic()
             self.record_event("ps_end", id=member_id, state=state.value, reason=why)
             routing = self.routing
             if self.phase == JobPhase.RUNNING and routing is not None and member_id in routing.ps_ids:
@@ -754,13 +774,13 @@ class JobMaster:
                     duration_ms=round((self.clock() - start) * 1000, 1))
         return True
 
-    def _push_routing(self, routing: RoutingTable) -> list[str]:
-        """Ownership plus the replication ring to every live PS of ``routing``; returns the
-        PS skipped because they died too (their own recovery follows)."""
+    def _push_routing(self, routing: RoutingTable, skip=()) -> list[str]:
+        """Ownership plus the replication ring to every live PS of ``routing`` but those in
+        ``skip``; returns the PS skipped because they died too (their own recovery follows)."""
         def is_live(ps_id: str) -> bool:
             member = self.registry.get(ps_id)
             return member is None or member.state == MemberState.RUNNING
-        skipped = self.fleet.publish(routing, is_live)
+        skipped = self.fleet.publish(routing, is_live, skip)
         self.fleet.retain(routing.ps_addresses)  # channels of PS that left are closed
         return skipped
 
@@ -1229,6 +1249,7 @@ class JobMaster:
         no checkpoint read), publish a new epoch without the dead PS, re-form the ring,
         then start a replacement that joins by an ordinary scale-out."""
         detected = self.clock()
+        op_start = time.monotonic()
         member = self.registry.get(dead)
         silent_ms = (detected - member.last_heartbeat) * 1000 if member else 0.0
         # an operation: nothing else changes the layout meanwhile
@@ -1242,6 +1263,7 @@ class JobMaster:
         live = {m.id for m in self.live_ps()}
         mask = old.slot_owner == i
         restored_from = None
+        routing = None  # set when the promotion carried it
         if peer is None or peer not in live:
             # no live copy: restore only these slots from the newest checkpoint, onto the
             # live PS holding the fewest slots
@@ -1250,7 +1272,20 @@ class JobMaster:
                 return
             peer, restored_from, resp = target
         else:
-            resp, peer_answered = self._promote(old, ids, peer, dead, mask)
+            # the routing goes with the promotion: the peer applies it in the same call,
+            # and the other PS (whose slots do not change, only their ring peer) are told
+            # meanwhile, so clients learn it one round trip sooner than after a Promote
+            # and then a SetRouting round
+            routing = self._recovery_routing(old, dead, peer, mask)
+            others = _Background(self._push_routing, routing, skip=(peer,))
+            resp, peer_answered = self._promote(
+                old, ids, peer, dead, mask,
+                self.fleet.routing_request(routing, routing.ps_ids.index(peer)))
+            others.wait()  # before any newer routing (a fallback's) goes out
+            if resp is None or not resp.routing_applied:
+                routing = None
+            elif others.error is not None:
+                raise others.error
             if resp is None:
                 # no promotable copy (the peer died too, not yet noticed, or it holds no
                 # complete copy): restore these slots from the checkpoint. A peer that
@@ -1262,18 +1297,15 @@ class JobMaster:
                 if target is None:
                     return
                 peer, restored_from, resp = target
-        new_ids = [x for x in ids if x != dead]
-        owner_ids = np.asarray(ids, dtype=object)[old.slot_owner]
-        owner_ids[mask] = peer
-        index_of = {x: k for k, x in enumerate(new_ids)}
-        new_owner = np.array([index_of[x] for x in owner_ids], dtype=np.int32)
-        addresses = dict(zip(old.ps_ids, old.ps_addresses))
-        routing = RoutingTable(self.fleet.next_epoch(), old.num_slots, tuple(new_ids),
-                               tuple(addresses[x] for x in new_ids), new_owner)
-        self._push_routing(routing)
+        promoted = time.monotonic()
+        if routing is None:  # restored from a checkpoint (or the peer did not apply it)
+            routing = self._recovery_routing(old, dead, peer, mask)
+            self._push_routing(routing)
         with self._lock:
             self.routing, self.epoch = routing, routing.epoch
         resumed = self.clock()
+        published = time.monotonic()
+        exit_reported = getattr(self.scaler, "exit_reported", {}).get(dead)
         event = {"kind": "recovery", "dead": dead, "reason": why, "promoted_on": peer,
                  "promoted_rows": resp.rows, "epoch": routing.epoch,
                  "restored_from_checkpoint": restored_from,
@@ -1286,6 +1318,16 @@ class JobMaster:
                  "updates_at_risk_ms": round(resp.replica_age_ms, 1)
                  if restored_from is not None or not self.config.sync_replication else 0.0,
                  "replication": "sync" if self.config.sync_replication else "async",
+                 # where the recovery's time went, as time.monotonic() of this host
+                 # (one clock for all its processes: a benchmark lines them up with its
+                 # kill): the kernel reporting the exit (local scaler only), the AIMaster
+                 # handling it, the operation starting, the copy promoted, the routing
+                 # on every PS and published to clients
+                 "mono": {k: round(v, 6) for k, v in (
+                     ("exit_reported", exit_reported
+                      if exit_reported is not None and exit_reported <= op_start else None),
+                     ("ps_end", self._ended_at.get(dead)), ("op_start", op_start),
+                     ("promoted", promoted), ("published", published)) if v is not None},
                  "time": time.time()}
         with self._lock:
             self.events.append(event)
@@ -1299,15 +1341,29 @@ class JobMaster:
         timer.daemon = True
         timer.start()
 
-    def _promote(self, old: RoutingTable, ids: list[str], peer: str, dead: str, mask):
+    def _recovery_routing(self, old: RoutingTable, dead: str, owner: str, mask) -> RoutingTable:
+        """``old`` without ``dead``, its slots (``mask``) owned by ``owner``; a new epoch."""
+        ids = list(old.ps_ids)
+        new_ids = [x for x in ids if x != dead]
+        owner_ids = np.asarray(ids, dtype=object)[old.slot_owner]
+        owner_ids[mask] = owner
+        index_of = {x: k for k, x in enumerate(new_ids)}
+        new_owner = np.array([index_of[x] for x in owner_ids], dtype=np.int32)
+        addresses = dict(zip(old.ps_ids, old.ps_addresses))
+        return RoutingTable(self.fleet.next_epoch(), old.num_slots, tuple(new_ids),
+                            tuple(addresses[x] for x in new_ids), new_owner)
+
+    def _promote(self, old: RoutingTable, ids: list[str], peer: str, dead: str, mask,
+                 routing: ps_pb2.SetRoutingRequest | None = None):
         """Promote ``peer``'s replica of ``dead``'s slots: (response, True), or (None,
         whether the peer answered) when it has no promotable copy. A replica being rebuilt
-        (full resync) is waited for, within a bound."""
+        (full resync) is waited for, within a bound. ``routing``: the peer's routing after
+        it, applied in the same call."""
         deadline = self.clock() + self.config.lease_seconds * 10 + 10
         while True:
             try:
                 return self.fleet.promote(old.ps_addresses[ids.index(peer)], dead, mask,
-                                          old.num_slots), True
+                                          old.num_slots, routing=routing), True
             except grpc.RpcError as exc:
                 kind = wire_errors.kind_of(exc)
                 if kind == wire_errors.ErrorKind.RESYNCING and self.clock() < deadline:

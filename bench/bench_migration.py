@@ -321,6 +321,7 @@ class Load(threading.Thread):
         self.started = threading.Event()
         # (start, lookup end, end, stall_ms, stale retries, unavailable retries)
         self.steps: list[tuple] = []
+        self.reroutes: list[tuple[float, dict]] = []  # (step start, client.last_reroute)
         self.error: str | None = None
 
     def run(self) -> None:
@@ -340,6 +341,8 @@ class Load(threading.Thread):
                 t2 = time.monotonic()
                 s, u = client.stats["stale_retries"], client.stats["unavailable_retries"]
                 self.steps.append((t0, t1, t2, client.take_max_stall_ms(), s - stale, u - unavail))
+                if (s != stale or u != unavail) and client.last_reroute is not None:
+                    self.reroutes.append((t0, dict(client.last_reroute)))
                 stale, unavail = s, u
         except Exception:  # noqa: BLE001 - reported in the results
             self.error = traceback.format_exc()

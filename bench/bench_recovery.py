@@ -233,6 +233,29 @@ def promotion_stats(steps: np.ndarray, kill: float) -> dict:
     return out
 
 
+def recovery_phases(rec: dict, load, kill: float) -> dict:
+    """kill -> resumed, part by part, in ms after the kill: the AIMaster's timestamps
+    (time.monotonic() of this host, as ``kill``) and the load client's re-routing of the
+    first steps that started after the kill (its first refused answer, the new routing in
+    hand, the re-routed call done, the step done)."""
+    out = {k: round((v - kill) * 1000, 1) for k, v in rec.get("mono", {}).items()}
+    steps = load.snapshot()
+    for t0, trace in load.reroutes:
+        if t0 < kill - 0.5:
+            continue
+        step = steps[steps[:, 0] == t0]
+        entry = {k: round((v - kill) * 1000, 1) for k, v in trace.items() if k != "what"}
+        entry["call"] = trace.get("what")
+        entry["step_start"] = round((t0 - kill) * 1000, 1)
+        if len(step):
+            entry["lookup_end"] = round(float(step[0, 1] - kill) * 1000, 1)
+            entry["step_end"] = round(float(step[0, 2] - kill) * 1000, 1)
+        out.setdefault("client", []).append(entry)
+        if len(out["client"]) >= 3:
+            break
+    return out
+
+
 def run_job(n: int, args, res: dict) -> tuple[str, np.ndarray]:
     """Fill, checkpoints, load, kill. Returns (checkpoint dir, slot mask of the victim)."""
     from deeprec_ext import PSClient
@@ -305,8 +328,12 @@ def run_job(n: int, args, res: dict) -> tuple[str, np.ndarray]:
                    if m["role"] == "ps" and m["id"] == VICTIM and m["state"] == "running")
         job.remember_pids()
         wall_minus_mono = time.time() - time.monotonic()
-        os.kill(pid, signal.SIGKILL)
+        # the kill's time is read before the call: under load this process can lose the
+        # CPU between the signal and a clock read after it (16 ms was seen: the AIMaster
+        # then logged the exit "before" the kill), which would flatter kill -> resumed
         kill = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        kill_call_ms = (time.monotonic() - kill) * 1000
         log(f"  kill -9 {VICTIM} (pid {pid})")
         rec = wait_for(lambda: job.events("recovery"), 60, "the recovery event")[0]
         wait_for(lambda: any(s[0] >= kill for s in load.steps[-50:]) or load.error, 60,
@@ -321,7 +348,10 @@ def run_job(n: int, args, res: dict) -> tuple[str, np.ndarray]:
             pr["event_to_resumed_ms"] = round(pr["kill_to_resumed_ms"]
                                               - pr["kill_to_recovery_event_ms"], 1)
         pr["victim_rows_before_kill"] = res["ps_rows_before_kill"].get(VICTIM)
+        pr["phases_ms"] = recovery_phases(rec, load, kill)
+        pr["phases_ms"]["kill_call"] = round(kill_call_ms, 1)
         res["promotion"] = pr
+        log(f"  phases (ms after the kill): {pr['phases_ms']}")
         log(f"  recovery: noticed {pr['kill_to_noticed_ms']} ms after the kill, resumed_ms "
             f"{rec['resumed_ms']}, promoted {rec['promoted_rows']:,} rows on "
             f"{rec['promoted_on']} (victim held {pr['victim_rows_before_kill']:,}); "

@@ -125,6 +125,12 @@ def test_client_resends_a_failed_part_under_its_first_id_even_when_split(monkeyp
                 raise _Unavailable()
             return ps_pb2.PushResponse()
 
+        def exception(self):
+            return _Unavailable() if self.address == "A" else None
+
+        def add_done_callback(self, fn):  # done at once, as a refused call is
+            fn(self)
+
     class Stub:
         def __init__(self, address):
             self.address = address

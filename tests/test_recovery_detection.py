@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -163,11 +164,27 @@ def test_client_resends_on_the_routing_its_poll_fetched_and_applies_once(start_j
     seen = []
     real = client._master.GetRouting
 
-    def counting(request, timeout=None):  # the real call, counted
-        resp = real(request, timeout=timeout)
-        seen.append(resp.epoch)
-        return resp
-    client._master.GetRouting = counting
+    class Counted:  # the real future, its answer counted when the client reads it
+        def __init__(self, fut):
+            self.fut = fut
+
+        def result(self, timeout=None):
+            resp = self.fut.result(timeout=timeout)
+            seen.append(resp.epoch)
+            return resp
+
+        def cancel(self):
+            return self.fut.cancel()
+
+    class Counting:  # the real call (blocking, or the long poll sent on the refusal), counted
+        def __call__(self, request, timeout=None):
+            resp = real(request, timeout=timeout)
+            seen.append(resp.epoch)
+            return resp
+
+        def future(self, request, timeout=None):
+            return Counted(real.future(request, timeout=timeout))
+    client._master.GetRouting = Counting()
     os.kill(pids(job, "ps")["ps-1"], signal.SIGKILL)
     client.push("c", ids, -np.ones((ids.size, 1), np.float32))
     client._master.GetRouting = real
@@ -189,3 +206,39 @@ def test_a_bad_malloc_threshold_is_a_usage_error_naming_the_flag(monkeypatch, ca
     assert get_args_parser().parse_args([]).malloc_mmap_threshold_mb == 2.5
     assert get_args_parser().parse_args(["--malloc-mmap-threshold-mb", "0"]) \
         .malloc_mmap_threshold_mb == 0.0
+
+
+def test_a_frozen_ps_within_its_lease_is_not_promoted_away_and_counts_stay_exact(start_job):
+    """No false positive on the faster path: a PS that stops answering (SIGSTOP: its
+    sockets stay open, its heartbeats stop) for less than the lease is not recovered,
+    while a push to it waits. The client's long poll and the AIMaster's quick reaction
+    act on a process exit, never on silence shorter than the lease."""
+    import threading
+    job = start_job({"name": "frozen", "ps": {"replicas": 3, "max_replicas": 3},
+                     "master": {"lease_seconds": 3.0, "heartbeat_seconds": 0.5},
+                     "replication": {"mode": "sync"}}, ["--workers", "0"])
+    client = PSClient.connect(job.address, timeout=60)
+    client.create_table("c", dim=1, initializer="zeros",
+                        optimizer={"name": "sgd", "learning_rate": 1.0})
+    ids = np.arange(6_000, dtype=np.int64)
+    client.push("c", ids, -np.ones((ids.size, 1), np.float32))
+    epoch0 = client.routing.epoch
+    pid = pids(job, "ps")["ps-1"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        done = threading.Event()
+        pusher = threading.Thread(target=lambda: (client.push(
+            "c", ids, -np.ones((ids.size, 1), np.float32)), done.set()), daemon=True)
+        pusher.start()
+        time.sleep(1.5)  # half the lease: the push to ps-1 is waiting
+        assert not done.is_set()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    pusher.join(30)
+    assert done.is_set()
+    st = job.status()
+    assert not [e for e in st["events"] if e["kind"] in ("recovery", "ps_end")], st["events"]
+    assert pids(job, "ps")["ps-1"] == pid
+    assert client.routing.epoch == epoch0 and client.stats["unavailable_retries"] == 0
+    np.testing.assert_array_equal(client.lookup("c", ids, insert_missing=False)[:, 0], 2)
+    client.close()

@@ -80,6 +80,9 @@ class LocalProcessScaler(Scaler):
         # loop instead of noticing the exit at its next tick (up to 0.2 s later, the
         # largest part of the detection time of a dead PS)
         self.on_exit: Callable[[], None] | None = None
+        # node id -> time.monotonic() when the kernel reported its last exit: the start
+        # of a recovery's timeline (CLOCK_MONOTONIC is one clock for every process here)
+        self.exit_reported: dict[str, float] = {}
         self._eval_env = ""
         self._host_processes = 0  # PS + workers the last plan runs on this host
 
@@ -134,6 +137,7 @@ class LocalProcessScaler(Scaler):
         collects its exit code), then tell ``on_exit``."""
         try:
             os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            self.exit_reported[node_id] = time.monotonic()
             # the time the kernel reported the exit: a recovery's detection is this
             # (the dead process's teardown) plus the AIMaster's own reaction
             log.info("%s (pid %d) exit reported", node_id, pid)

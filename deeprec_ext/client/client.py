@@ -73,6 +73,48 @@ class PreparedPush:
         self.prebuilt: dict[int, tuple] = {}
 
 
+class _RoutingPrefetch:
+    """A long poll for a routing epoch newer than ``epoch``, sent the moment a part of a
+    call is found unreachable (from gRPC's callback thread, while the call's other parts
+    are still out): the recovery's new routing is then on its way to the client while it
+    collects the other answers, instead of being asked for after them."""
+
+    def __init__(self, client: "PSClient", epoch: int):
+        self._client, self.epoch = client, epoch
+        self._lock = threading.Lock()
+        self.future = None
+
+    def on_done(self, fut) -> None:
+        exc = fut.exception()
+        if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+            self.start()
+
+    def start(self) -> None:
+        with self._lock:
+            if self.future is None:
+                wait = self._client.ROUTING_LONG_POLL_SECONDS
+                try:
+                    self.future = self._client._master.GetRouting.future(
+                        master_pb2.GetRoutingRequest(after_epoch=self.epoch,
+                                                     wait_ms=int(wait * 1000)),
+                        timeout=wait + 5.0)
+                except Exception:  # noqa: BLE001 - a closed client: the caller polls itself
+                    self.future = None
+
+    def result(self, timeout: float) -> "RoutingTable | None":
+        """The newer routing, if the long poll brought one within ``timeout`` s."""
+        with self._lock:
+            fut = self.future
+        if fut is None:
+            return None
+        try:
+            resp = fut.result(timeout=max(timeout, 0.0))
+            return RoutingTable.from_proto(resp) if resp.epoch > self.epoch else None
+        except Exception:  # noqa: BLE001 - only a hint: the caller polls itself
+            fut.cancel()
+            return None
+
+
 class PSClient:
     """Talks to every PS of a job. Thread-safe; one per process is plenty."""
 
@@ -95,6 +137,9 @@ class PSClient:
         self._client_id = uuid.uuid4().hex[:12]
         self._push_counter = itertools.count()
         self.stats = {"rpcs": 0, "stale_retries": 0, "unavailable_retries": 0}
+        # the last call that had to re-route, as time.monotonic(): its first refused
+        # answer, the new routing in hand (after an unreachable PS), the call done
+        self.last_reroute: dict | None = None
 
     # -- connection ----------------------------------------------------------------
     @classmethod
@@ -503,6 +548,7 @@ class PSClient:
                     else:
                         pu.setdefault(rid, []).append(part)
             calls = []
+            prefetch = _RoutingPrefetch(self, routing.epoch)
             for p, (lk, pu) in by_ps.items():
                 stub = self._stub(routing.ps_addresses[p])
                 groups = list(pu.items()) or [(None, None)]
@@ -521,8 +567,10 @@ class PSClient:
             # call blocking: a future costs a spin thread and a hand-off (see _fan_out)
             answers = [lambda s=s, r=r: s.Lookup(r, timeout=self.rpc_timeout)
                        for *_, s, r in calls[-1:]]
-            answers = [s.Lookup.future(r, timeout=self.rpc_timeout).result
-                       for *_, s, r in calls[:-1]] + answers
+            futures = [s.Lookup.future(r, timeout=self.rpc_timeout) for *_, s, r in calls[:-1]]
+            for fut in futures:
+                fut.add_done_callback(prefetch.on_done)
+            answers = [f.result for f in futures] + answers
             retry, failure = [], None
             for (lk, parts, sent_rid, _, _), answer in zip(calls, answers):
                 try:
@@ -535,6 +583,8 @@ class PSClient:
                         raise err from exc  # the push may have been applied: never twice
                     key = "stale_retries" if isinstance(err, StaleRoutingError) else "unavailable_retries"
                     self.stats[key] += 1
+                    if isinstance(err, UnavailableError):
+                        prefetch.start()  # before the other answers are collected
                     if failure is None or isinstance(err, StaleRoutingError):
                         failure = err
                     retry.extend(("L", n, i, pos, None) for n, i, pos in lk)
@@ -558,25 +608,44 @@ class PSClient:
             pending = retry
             if pending:
                 first_failure = first_failure or time.monotonic()
-                delay = next(delays, None)
-                if delay is None:
-                    raise failure
-                fresh = self._await_new_epoch(delay) if isinstance(failure, UnavailableError) \
-                    else None
-                min_epoch = getattr(failure, "epoch", -1)
-                if fresh is not None and fresh.ps_addresses and fresh.epoch >= min_epoch:
-                    with self._lock:
-                        if self.routing is None or fresh.epoch >= self.routing.epoch:
-                            self.routing = fresh
-                    continue
-                try:
-                    self.refresh_routing(min_epoch)
-                except RoutingNotReadyError:
-                    raise failure
+                self._reroute(failure, delays, prefetch)
         if first_failure is not None:
             stall_ms = (time.monotonic() - first_failure) * 1000
             self.stats["max_stall_ms"] = max(self.stats.get("max_stall_ms", 0.0), stall_ms)
         return values, pushed
+
+    def _reroute(self, failure, delays, prefetch: "_RoutingPrefetch | None" = None,
+                 trace: dict | None = None) -> None:
+        """After parts of a call were refused (stale routing, an unreachable PS): take the
+        next retry delay (``failure`` is raised once they are spent) and adopt a newer
+        routing, from the long poll ``prefetch`` sent at the refusal, else by waiting for
+        a new epoch (unreachable) or asking for it (stale)."""
+        delay = next(delays, None)
+        if delay is None:  # retry deadline spent (stale or unavailable alike)
+            raise failure
+        fresh = None
+        if isinstance(failure, UnavailableError):
+            asked = time.monotonic()
+            if prefetch is not None:
+                fresh = prefetch.result(min(delay, self.ROUTING_LONG_POLL_SECONDS + 0.1))
+            if fresh is None:
+                fresh = self._await_new_epoch(delay - (time.monotonic() - asked))
+            if trace is not None:
+                trace["new_routing"] = time.monotonic()
+        elif prefetch is not None and prefetch.future is not None:
+            prefetch.future.cancel()
+        min_epoch = getattr(failure, "epoch", -1)
+        if fresh is not None and fresh.ps_addresses and fresh.epoch >= min_epoch:
+            # the poll's answer is the routing: asking again cost a round trip to the
+            # AIMaster in every recovery's first resent request
+            with self._lock:
+                if self.routing is None or fresh.epoch >= self.routing.epoch:
+                    self.routing = fresh
+            return
+        try:
+            self.refresh_routing(min_epoch)
+        except RoutingNotReadyError:
+            raise failure from None
 
     def _fan_out(self, tables, build, method, store, what: str, with_positions: bool = False,
                  idempotent: bool = True):
@@ -603,13 +672,15 @@ class PSClient:
                     by_ps.setdefault((p, rid), []).append((name, ids[sel], pos[sel]))
             calls = []
             last = len(by_ps) - 1
+            prefetch = _RoutingPrefetch(self, routing.epoch)
             for k, ((p, rid), parts) in enumerate(by_ps.items()):
                 payload = [(n, i, pos) if with_positions else (n, i) for n, i, pos in parts]
                 req = build(payload) if rid is None else build(payload, rid)
                 rpc = method(self._stub(routing.ps_addresses[p]))
                 if k < last:  # the others run while this thread makes the last call
-                    calls.append((parts, getattr(req, "request_id", None),
-                                  rpc.future(req, timeout=self.rpc_timeout).result))
+                    fut = rpc.future(req, timeout=self.rpc_timeout)
+                    fut.add_done_callback(prefetch.on_done)
+                    calls.append((parts, getattr(req, "request_id", None), fut.result))
                 else:
                     # the last (with 1 PS the only) call blocks in this thread, and is
                     # collected first (the futures are in flight by then): a future costs
@@ -630,6 +701,8 @@ class PSClient:
                         raise err from exc
                     key = "stale_retries" if isinstance(err, StaleRoutingError) else "unavailable_retries"
                     self.stats[key] += 1
+                    if isinstance(err, UnavailableError):
+                        prefetch.start()  # before the other answers are collected
                     if failure is None or isinstance(err, StaleRoutingError):
                         failure = err
                     retry.extend((n, i, pos, sent_rid) for n, i, pos in parts)
@@ -639,29 +712,16 @@ class PSClient:
                         store(name, pos, payload)
             pending = retry
             if pending:
-                first_failure = first_failure or time.monotonic()
-                delay = next(delays, None)
-                if delay is None:  # retry deadline spent (stale or unavailable alike)
-                    raise failure
-                fresh = None
-                if isinstance(failure, UnavailableError):
-                    fresh = self._await_new_epoch(delay)
+                now = time.monotonic()
+                if first_failure is None:
+                    first_failure = now
+                    trace = self.last_reroute = {"what": what, "failed": now}
                 log.debug("%s: %s; refreshing routing and resending %d table part(s)",
                           what, failure, len(pending))
-                min_epoch = getattr(failure, "epoch", -1)
-                if fresh is not None and fresh.ps_addresses and fresh.epoch >= min_epoch:
-                    # the poll's answer is the routing: asking again cost a round trip
-                    # to the AIMaster in every recovery's first resent request
-                    with self._lock:
-                        if self.routing is None or fresh.epoch >= self.routing.epoch:
-                            self.routing = fresh
-                    continue
-                try:
-                    self.refresh_routing(min_epoch)
-                except RoutingNotReadyError:
-                    raise failure
+                self._reroute(failure, delays, prefetch, trace)
         if first_failure is not None:
-            stall_ms = (time.monotonic() - first_failure) * 1000
+            trace["done"] = time.monotonic()
+            stall_ms = (trace["done"] - first_failure) * 1000
             self.stats["max_stall_ms"] = max(self.stats.get("max_stall_ms", 0.0), stall_ms)
 
     def take_max_stall_ms(self) -> float:

@@ -388,7 +388,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 out.append(b"")
         return out if any(returns) else []
 
-    def SetRouting(self, request, context):
+    @staticmethod
+    def _check_routing(request) -> np.ndarray:
+        """A SetRoutingRequest's owned slots, every field checked (raises the validation
+        error the caller answers with)."""
         owned = validation.slot_mask(request.owned_slots, request.num_slots, field="owned_slots")
         if request.ps_id:  # with a ps_id the replication settings apply: checked first
             # (a NaN interval made the replication thread spin, an infinite one killed it)
@@ -396,12 +399,23 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                0.0, 3_600_000.0)
             if request.replica_peer:
                 validation.address(request.replica_peer, "replica_peer")
-        if not self.routing.advance(request.epoch, request.num_slots, owned.astype(bool)):
+        return owned
+
+    def SetRouting(self, request, context):
+        owned = self._check_routing(request)
+        if not self._apply_routing(request, owned):
             # a push that lost a race with a newer one (or a restarted master that does not
             # know the PS's epoch): applying it would move routing backwards
             errors.abort(context, grpc.StatusCode.FAILED_PRECONDITION, errors.ErrorKind.STALE_EPOCH,
                          f"routing epoch {request.epoch} is not newer than this PS's epoch "
                          f"{self.routing.epoch}", ((ROUTING_EPOCH_KEY, str(self.routing.epoch)),))
+        return ps_pb2.SetRoutingResponse()
+
+    def _apply_routing(self, request, owned: np.ndarray) -> bool:
+        """Ownership and the replication ring of a checked SetRoutingRequest; False (and
+        nothing changed) when its epoch is not newer than this PS's."""
+        if not self.routing.advance(request.epoch, request.num_slots, owned.astype(bool)):
+            return False
         self.store.set_routing_slots(request.num_slots)
         self.replicas.num_slots = request.num_slots  # copies arriving note rows' slots
         if request.ps_id:
@@ -411,7 +425,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                       request.sync_replication)
         log.info("%s: routing epoch %d, owns %d/%d slots", self.ps_id, request.epoch,
                  int(owned.sum()), request.num_slots)
-        return ps_pb2.SetRoutingResponse()
+        return True
 
     # -- live migration -------------------------------------------------------------------
     MIGRATE_CHUNK_ROWS = 1 << 14  # rows per streamed batch / per table-lock hold
@@ -713,17 +727,26 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         rebuild broke off with the origin): the caller restores those slots from a
         checkpoint instead. Nothing partial is ever promoted."""
         mask = self._slot_mask(request.slots, request.num_slots, context)
+        # the routing it carries is checked before anything is promoted: a bad one is
+        # refused whole, the copy still promotable
+        owned = self._check_routing(request.routing) if request.HasField("routing") else None
+        if owned is not None and (owned.size != mask.size or bool((mask & ~owned).any())):
+            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
+                         f"routing: its owned_slots ({owned.size}) must include every promoted "
+                         f"slot ({mask.size} slots, {int(mask.sum())} promoted)")
         wait = PROMOTE_WAIT_SECONDS
         remaining = context.time_remaining()
         if remaining is not None:
             wait = max(0.0, min(wait, remaining - 5.0))
+        t_start = time.monotonic()
         try:
             copy = self.replicas.take(request.origin, wait=wait)
         except ReplicaUnavailable as exc:
             self._count("rejected")
             kind = errors.ErrorKind.RESYNCING if exc.kind == "resyncing" else errors.ErrorKind.NO_REPLICA
             errors.abort(context, grpc.StatusCode.FAILED_PRECONDITION, kind, str(exc))
-        age = (time.monotonic() - copy.updated) * 1000
+        t_taken = time.monotonic()
+        age = (t_taken - copy.updated) * 1000
         self.replicator.defer(self.PROMOTE_SHIP_DELAY_SECONDS)  # before any row is stamped
         n = copied = 0
         try:
@@ -749,13 +772,23 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         except Exception:
             self.replicas.put_back(request.origin, copy)  # a retry finds it again
             raise
+        t_adopted = time.monotonic()
         with self.apply_gate.shared():  # the pushes in these rows, for this PS's peer too
             self.applied.add_many(copy.applied, ship=True)
-        log.info("%s: promoted %d rows of %s (%d copied; replica %.0f ms old)", self.ps_id, n,
-                 request.origin, copied, age)
+        t_ids = time.monotonic()
+        # the promoted slots are served from here on: applying the routing now saves the
+        # recovery a SetRouting round trip before its clients learn the new routing
+        routed = owned is not None and self._apply_routing(request.routing, owned)
+        t_end = time.monotonic()
+        log.info("%s: promoted %d rows of %s (%d copied; replica %.0f ms old); ms: take %.1f, "
+                 "adopt %.1f, request ids %.1f, routing %.1f%s (monotonic %.6f)", self.ps_id, n,
+                 request.origin, copied, age, (t_taken - t_start) * 1000,
+                 (t_adopted - t_taken) * 1000, (t_ids - t_adopted) * 1000,
+                 (t_end - t_ids) * 1000, "" if routed or owned is None else " (not newer)", t_end)
         self._start_merge()
         self._start_evictor()
-        return ps_pb2.PromoteResponse(rows=n, origin_sequence=copy.sequence, replica_age_ms=age)
+        return ps_pb2.PromoteResponse(rows=n, origin_sequence=copy.sequence, replica_age_ms=age,
+                                      routing_applied=routed)
 
     def _start_merge(self) -> None:
         if self.MERGE_DELAY_SECONDS is None:
