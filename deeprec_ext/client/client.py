@@ -64,6 +64,16 @@ def _error_from_rpc(exc: grpc.RpcError, what: str) -> Exception:
     return exc
 
 
+def _part_request_id(call_id: str, parts) -> str:
+    """The request id of a push's first attempt at one PS: the call's id and a digest of
+    the part's tables and ids ([(table, ids, positions)]), so a resend is recognized."""
+    digest = hashlib.blake2b(digest_size=8)
+    for n, i, _ in parts:
+        digest.update(n.encode())
+        digest.update(codec.ids_to_bytes(i))
+    return f"{call_id}-{digest.hexdigest()}"
+
+
 class PreparedPush:
     """A push checked and encoded by ``PSClient.prepare_push`` (see there)."""
 
@@ -436,11 +446,7 @@ class PSClient:
 
         def build(ps_tables, request_id=None):
             if request_id is None:  # a first attempt: this part's own id
-                digest = hashlib.blake2b(digest_size=8)
-                for n, i, _ in ps_tables:
-                    digest.update(n.encode())
-                    digest.update(codec.ids_to_bytes(i))
-                request_id = f"{call_id}-{digest.hexdigest()}"
+                request_id = _part_request_id(call_id, ps_tables)
             return ps_pb2.PushRequest(
                 request_id=request_id,
                 epoch=self.routing.epoch if self.routing else 0, return_values=return_values,
@@ -488,11 +494,7 @@ class PSClient:
     def _push_request(self, prep: "PreparedPush", parts, rid):
         """(PushRequest of ``parts`` [(table, ids, positions)], its request id)."""
         if rid is None:  # a first attempt: the id of this PS's part, as push_many
-            digest = hashlib.blake2b(digest_size=8)
-            for n, i, _ in parts:
-                digest.update(n.encode())
-                digest.update(codec.ids_to_bytes(i))
-            rid = f"{prep.call_id}-{digest.hexdigest()}"
+            rid = _part_request_id(prep.call_id, parts)
         return ps_pb2.PushRequest(
             request_id=rid, epoch=self.routing.epoch if self.routing else 0,
             return_values=bool(prep.return_tables), return_tables=sorted(prep.return_tables),
