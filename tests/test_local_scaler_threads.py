@@ -10,9 +10,11 @@ from aimaster.config import parse_job
 from aimaster.scaler import ScalePlan
 from aimaster.scaler.local import TF_THREAD_VARS, LocalProcessScaler, tf_thread_env
 
-DUMP = ("import json, os, sys; json.dump({k: os.environ.get(k) for k in "
-        "('TF_NUM_INTEROP_THREADS', 'TF_NUM_INTRAOP_THREADS')}, "
-        "open(os.path.join(sys.argv[1], os.environ['DEEPREC_MEMBER_ID'] + '.json'), 'w'))")
+# written aside and renamed: the test reads a file as soon as it exists
+DUMP = ("import json, os, sys; p = os.path.join(sys.argv[1], os.environ['DEEPREC_MEMBER_ID']); "
+        "f = open(p + '.tmp', 'w'); json.dump({k: os.environ.get(k) for k in "
+        "('TF_NUM_INTEROP_THREADS', 'TF_NUM_INTRAOP_THREADS')}, f); f.close(); "
+        "os.replace(p + '.tmp', p + '.json')")
 
 
 def test_a_workers_share_of_the_cores():
@@ -33,11 +35,11 @@ def _run(tmp_path, worker_env: dict) -> dict:
     try:
         s.apply(ScalePlan(workers=2))  # no PS started: two processes on this host
         deadline = time.monotonic() + 30
-        while len(os.listdir(out)) < 2 and time.monotonic() < deadline:
+        while len(list(out.glob("*.json"))) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
         s.shutdown(timeout=5)
-    return {p.stem: json.loads(p.read_text()) for p in out.iterdir()}
+    return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
 
 
 def test_local_workers_get_their_share(tmp_path, monkeypatch):
