@@ -578,17 +578,8 @@ class PSClient:
                 try:
                     resp = answer()
                 except grpc.RpcError as exc:
-                    err = _error_from_rpc(exc, "lookup with push on PS")
-                    if not isinstance(err, (StaleRoutingError, UnavailableError)):
-                        raise err from exc
-                    if parts and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                        raise err from exc  # the push may have been applied: never twice
-                    key = "stale_retries" if isinstance(err, StaleRoutingError) else "unavailable_retries"
-                    self.stats[key] += 1
-                    if isinstance(err, UnavailableError):
-                        prefetch.start()  # before the other answers are collected
-                    if failure is None or isinstance(err, StaleRoutingError):
-                        failure = err
+                    failure = self._refused(exc, "lookup with push on PS", bool(parts),
+                                            prefetch, failure)
                     retry.extend(("L", n, i, pos, None) for n, i, pos in lk)
                     retry.extend(("P", n, i, pos, sent_rid) for n, i, pos in parts)
                     continue
@@ -615,6 +606,23 @@ class PSClient:
             stall_ms = (time.monotonic() - first_failure) * 1000
             self.stats["max_stall_ms"] = max(self.stats.get("max_stall_ms", 0.0), stall_ms)
         return values, pushed
+
+    def _refused(self, exc: grpc.RpcError, what: str, resend_unsafe: bool,
+                 prefetch: "_RoutingPrefetch", failure):
+        """A part of a call was refused: raise what a resend cannot fix, and a push part
+        that timed out (``resend_unsafe``: it may have been applied, never twice); else
+        count it, start the routing long poll if the PS is unreachable, and return the
+        failure the call reports (stale routing wins: it names the epoch to wait for)."""
+        err = _error_from_rpc(exc, what)
+        if not isinstance(err, (StaleRoutingError, UnavailableError)):
+            raise err from exc
+        if resend_unsafe and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise err from exc
+        key = "stale_retries" if isinstance(err, StaleRoutingError) else "unavailable_retries"
+        self.stats[key] += 1
+        if isinstance(err, UnavailableError):
+            prefetch.start()  # before the other answers are collected
+        return err if failure is None or isinstance(err, StaleRoutingError) else failure
 
     def _reroute(self, failure, delays, prefetch: "_RoutingPrefetch | None" = None,
                  trace: dict | None = None) -> None:
@@ -696,17 +704,8 @@ class PSClient:
                 try:
                     resp = answer()
                 except grpc.RpcError as exc:
-                    err = _error_from_rpc(exc, f"{what} on PS")
-                    if not isinstance(err, (StaleRoutingError, UnavailableError)):
-                        raise err from exc
-                    if not idempotent and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                        raise err from exc
-                    key = "stale_retries" if isinstance(err, StaleRoutingError) else "unavailable_retries"
-                    self.stats[key] += 1
-                    if isinstance(err, UnavailableError):
-                        prefetch.start()  # before the other answers are collected
-                    if failure is None or isinstance(err, StaleRoutingError):
-                        failure = err
+                    failure = self._refused(exc, f"{what} on PS", not idempotent, prefetch,
+                                            failure)
                     retry.extend((n, i, pos, sent_rid) for n, i, pos in parts)
                     continue
                 if store is not None:
