@@ -42,8 +42,24 @@ def _assert_shards_cover_files(shards, paths):
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), p
 
 
+def _job_story(job) -> str:
+    """What a failed quality check needs to be explained: the job's events (restarts,
+    promotions, scale events) and each worker's steps and mean training loss."""
+    events = [line.split(" event ", 1)[1] for line in job.output().splitlines()
+              if " event " in line and " event register " not in line]
+    workers = [{k: m.get(k) for k in ("worker", "steps", "samples", "final_loss", "auc")}
+               for m in _metrics(job)]
+    return "events:\n  " + "\n  ".join(events) + f"\nworkers: {workers}"
+
+
+# Both sides start from the same dense weights: unseeded, Keras' initial DeepFM varies
+# from a training loss of 0.7 to 4 on this data, and which side drew the worse start
+# moved the AUC gap by up to 0.01 on its own.
+SEED = "0"
+
+
 def test_keras_2ps_2workers_matches_single_process_auc(start_job, criteo_data, tmp_path):
-    job = start_job(_job(criteo_data, extra=["--test", criteo_data["test"]]))
+    job = start_job(_job(criteo_data, extra=["--test", criteo_data["test"], "--seed", SEED]))
     assert job.wait(300) == 0, job.output()[-3000:]
     state = job.state()
     assert state["phase"] == "succeeded"
@@ -58,16 +74,16 @@ def test_keras_2ps_2workers_matches_single_process_auc(start_job, criteo_data, t
     out = subprocess.run(
         [sys.executable, "-m", "examples.criteo.train_local", "--train",
          os.path.join(os.path.dirname(criteo_data["train"][0]), "train-*.txt"),
-         "--test", criteo_data["test"]],
+         "--test", criteo_data["test"], "--seed", SEED],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, out.stderr[-3000:]
     local = json.loads(out.stdout.strip().splitlines()[-1])["auc"]
     print(f"AUC ours 2 PS + 2 workers {ours:.4f}, single-process Keras {local:.4f}")
-    assert ours > 0.7
+    assert ours > 0.7, _job_story(job)
     # no worse than the single process by more than 0.02 (asynchronous training with
     # server-side sparse Adam can also come out ahead)
-    assert ours >= local - 0.02
+    assert ours >= local - 0.02, _job_story(job)
 
 
 def test_tf1_monitored_session_job(start_job, criteo_data):

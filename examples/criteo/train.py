@@ -149,6 +149,8 @@ def main(argv=None) -> int:
                    help="data files are Parquet (label, I1..I13, C1..C26): read typed columns")
     p.add_argument("--dim", type=int, default=8)
     p.add_argument("--lr", type=float, default=0.001)
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed Keras' initializers (every worker builds the same initial model)")
     p.add_argument("--test", default="", help="test file; worker 0 reports its AUC")
     p.add_argument("--storage-dtype", default="float32", choices=("float32", "float16"),
                    help="how the PS stores the embedding values (float16: half the bytes)")
@@ -164,6 +166,8 @@ def main(argv=None) -> int:
                    help="default: $DEEPREC_STATE_DIR/metrics-<worker>.json")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.seed is not None:
+        keras.utils.set_random_seed(args.seed)
     ctx = dtf.get_context()
     log.info("worker %s (rank %d) starting, mode %s", ctx.worker_id, ctx.rank, args.mode)
     out = run_keras(args, ctx) if args.mode == "keras" else run_tf1(args, ctx)

@@ -30,11 +30,14 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=0.001)
     p.add_argument("--vocab-size", type=int, default=2 ** 20)
     p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--seed", type=int, default=None, help="seed Keras' initializers")
     p.add_argument("--metrics-out", default="")
     args = p.parse_args(argv)
     files = sorted(glob.glob(args.train))
     if not files:
         raise SystemExit(f"--train {args.train!r} matches no file")
+    if args.seed is not None:
+        keras.utils.set_random_seed(args.seed)
     model = build_deepfm(dim=args.dim, vocab_size=args.vocab_size)
     model.compile(optimizer=keras.optimizers.Adam(args.lr), loss="binary_crossentropy")
     ds = criteo_dataset(files, args.batch_size, vocab_size=args.vocab_size)
