@@ -193,6 +193,7 @@ def test_a_ps_that_ignores_the_carried_push_is_an_error_not_a_loss(start_job):
     job = start_job({"name": "carry-old-ps"}, ["--ps", "1", "--workers", "0"])
     ctx = WorkerContext(master_address=job.address, member_id="worker-0")
     server = grpc.server(futures.ThreadPoolExecutor(2))
+    svc = None
     try:
         _counter(ctx)
         svc = OldPS("ps-old")
@@ -211,4 +212,6 @@ def test_a_ps_that_ignores_the_carried_push_is_an_error_not_a_loss(start_job):
             ctx.client.lookup_with_push({"t": ids}, {"t": (ids, np.ones((5, 2), np.float32))})
     finally:
         server.stop(0)
+        if svc is not None:
+            svc.close()
         ctx.close()

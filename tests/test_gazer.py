@@ -86,6 +86,7 @@ def test_interceptor_times_counts_bytes_and_errors_on_a_real_ps():
             stats = gazer_pb2.MemberStats.FromString(stub.Stats(ps_pb2.StatsRequest()).gazer_stats)
     finally:
         server.stop(0)
+        servicer.close()
     rpcs = {r.method: r for r in stats.rpcs}
     lookup = rpcs["Lookup"]
     assert lookup.count == 6 and lookup.errors == 1 and sum(lookup.counts) == 6

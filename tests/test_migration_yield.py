@@ -5,7 +5,24 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from deeprec_ext.ps.server import ParameterServerServicer
+
+
+@pytest.fixture(autouse=True)
+def _close_servicers(monkeypatch):
+    """Close every servicer a test makes: its replicator thread would outlive the test."""
+    made, init = [], ParameterServerServicer.__init__
+
+    def tracked(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(ParameterServerServicer, "__init__", tracked)
+    yield
+    for svc in made:
+        svc.close()
 
 
 def test_yield_waits_only_while_training_calls_are_in_flight():

@@ -124,6 +124,7 @@ class _PS:
 
     def stop(self):
         self.server.stop(0).wait()
+        self.servicer.close()
 
 
 @pytest.fixture

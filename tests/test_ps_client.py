@@ -292,3 +292,4 @@ def test_push_routing_check_skipped_only_while_every_slot_is_owned():
         np.testing.assert_array_equal(value(kept), 3.0)
     finally:
         server.stop(0)
+        svc.close()

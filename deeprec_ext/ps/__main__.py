@@ -173,8 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         handed_off = servicer.hand_off(timeout=10.0)
     else:
         handed_off = False
-    servicer.replicator.close()
-    servicer.close()  # background eviction
+    servicer.close()  # replication and background eviction
     if session is not None:
         session.close("preempted" if handed_off else "stopped")
     # bounded: a call gRPC never completes must not keep the process alive after SIGTERM

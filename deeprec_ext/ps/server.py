@@ -946,7 +946,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             self.evict_now(due_only=True)
 
     def close(self) -> None:
-        """Stop the background eviction (the process is leaving)."""
+        """Stop what this PS runs in the background (the process is leaving): shipping to
+        its replica peer and the eviction. A servicer left running after its server
+        stopped would go on shipping deltas to a peer that may be gone."""
+        self.replicator.close()
         self._evict_stop.set()
 
     def _gazer_extra(self, out) -> None:
