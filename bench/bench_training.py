@@ -234,7 +234,7 @@ def _keras3_factory(keras, tf, args):
             self.table = keras.layers.Embedding(
                 int(args.vocab), dim, name=name + "_table",
                 embeddings_initializer=keras.initializers.RandomNormal(
-                    stddev=0.01 if dim > 1 else 0.0))
+                    stddev=0.01 if dim > 1 else 0.0, seed=7))  # as build_deepfm's
 
         def call(self, ids):
             uniq, idx = tf.unique(tf.reshape(ids, [-1]))
@@ -847,6 +847,7 @@ def write_job(path: str, name: str, data_dir: str, args, profile: bool,
             "command": ["{python}", os.path.abspath(__file__), "--_ours-worker",
                         "--batch-size", str(args.batch_size), "--dim", str(DIM),
                         "--lr", str(args.lr if lr is None else lr)]
+                       + (["--seed", str(args.init_seed)] if args.init_seed >= 0 else [])
                        + (["--overlap"] + ([overlap] if overlap in ("stale", "carry") else [])
                           if overlap else []) + eval_args,
             "max_restarts": 0,
@@ -1111,13 +1112,14 @@ def run_child(args, kind: str, vocab: int, data: dict, log_dir: str, inner: int 
         env["TF_USE_LEGACY_KERAS"] = "1"
     else:
         python = sys.executable
-    cmd = [python, os.path.abspath(__file__), "--_child", kind, "--_result", result_path,
+    cmd = ([python, os.path.abspath(__file__), "--_child", kind, "--_result", result_path,
            "--_files", json.dumps(data["train"]), "--_test", data.get("test") or "",
            "--test-rows", str(args.test_rows), "--rows", str(args.rows),
            "--batch-size", str(args.batch_size), "--vocab", str(vocab), "--lr", str(lr),
            "--optimizer", optimizer, "--warmup-steps", str(args.warmup_steps),
            "--pss-inner-steps", str(inner), "--pss-cluster", _pss_cluster_of(args, kind),
-           "--tf216-optimizer", args.tf216_optimizer] + (["--unique-ids"] if unique else [])
+           "--tf216-optimizer", args.tf216_optimizer, "--init-seed", str(args.init_seed)]
+           + (["--unique-ids"] if unique else []))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, env=env)
@@ -1198,6 +1200,11 @@ def main(argv=None) -> int:
                     help="rows of the test file every configuration's AUC is measured on "
                          "(default 50k; 0: no AUC)")
     ap.add_argument("--files", type=int, default=2, help="training files to split rows into")
+    ap.add_argument("--init-seed", type=int, default=0,
+                    help="Keras seed every configuration builds its model with, so that all "
+                         "start from the same dense weights and their AUCs compare training, "
+                         "not initial draws (unseeded, DeepFM's first loss ranges 0.7-4 on "
+                         "this data); negative: unseeded")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -1269,6 +1276,9 @@ def main(argv=None) -> int:
 
     if args._child:
         args.files_list = json.loads(args._files)
+        if args.init_seed >= 0:  # the same initial dense weights in every configuration
+            import tensorflow as tf
+            tf.keras.utils.set_random_seed(args.init_seed)
         res = CHILDREN[args._child](args)
         with open(args._result + ".tmp", "w") as f:
             json.dump(res, f)
@@ -1496,7 +1506,8 @@ def main(argv=None) -> int:
                     "loadavg_before": load_before, "loadavg_after": load_after},
         "versions": _versions(), "versions_tf216_venv": tf216,
         "params": {"rows": args.rows, "test_rows": args.test_rows, "files": args.files,
-                   "seed": args.seed, "batch_size": args.batch_size, "lr": args.lr,
+                   "seed": args.seed, "init_seed": args.init_seed,
+                   "batch_size": args.batch_size, "lr": args.lr,
                    "optimizer": args.optimizer, "fair_optimizer": fair,
                    "fair_lr": args.fair_lr, "dim": DIM,
                    "hidden": list(HIDDEN), "vocab": args.vocab,

@@ -437,3 +437,26 @@ def test_text_reader_needs_no_deeprec_ext():
                        env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "8"
+
+
+def test_seed_gives_the_same_dense_weights_with_ps_or_local_embeddings():
+    """``--seed`` compares like with like: the single-process model (local Keras
+    embeddings) and the PS job's (ElasticEmbedding) start from the same dense weights,
+    so a quality gap between them is the training's, not the initial draw's."""
+    import keras
+
+    import deeprec_ext.tf as dtf
+
+    def dense_weights(**kwargs):
+        keras.utils.set_random_seed(0)
+        m = model_lib.build_deepfm(dim=8, **kwargs)
+        return {w.path: w.numpy() for w in m.weights
+                if w.path.split("/")[0] not in ("embedding", "linear")}
+
+    local = dense_weights(vocab_size=1000)
+    ps = dense_weights(embedding_factory=lambda name, d: dtf.ElasticEmbedding(
+        d, table=name, initializer="zeros", optimizer="sgd", name=name))
+    ps = {k: v for k, v in ps.items() if k in local}
+    assert sorted(ps) == sorted(local) and len(local) == 8
+    for k in local:
+        np.testing.assert_array_equal(ps[k], local[k], err_msg=k)

@@ -35,8 +35,11 @@ def _default_factory(vocab_size):
     def factory(name, dim):
         return keras.layers.Embedding(
             int(vocab_size), dim, name=name,
+            # seeded like the PS tables' initializer (normal, stddev 0.01, seed 7): an
+            # unseeded one draws from Keras' global seed, so keras.utils.set_random_seed
+            # would give the dense layers other values than with PS embeddings
             embeddings_initializer=keras.initializers.RandomNormal(
-                stddev=0.01 if dim > 1 else 0.0))
+                stddev=0.01 if dim > 1 else 0.0, seed=7))
     return factory
 
 
