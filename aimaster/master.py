@@ -131,6 +131,11 @@ class JobMaster:
         self._main_calls: queue.Queue = queue.Queue()
         self._wake = threading.Event()
         self._ended_at: dict[str, float] = {}  # PS id -> time.monotonic() its end was handled
+        # PS id -> slots whose rows it holds with no second copy yet: taken over in a
+        # recovery (promoted or restored), until its own replica peer has them. Should it
+        # die meanwhile, its peer's copy lacks them: they come from the checkpoint
+        self._sole_copy: dict[str, np.ndarray] = {}
+        self._sole_lock = threading.Lock()
         self._stall_reports: list[tuple[float, float]] = []
         self._barrier_cond = threading.Condition()
         self._barrier_gen = 0
@@ -1209,11 +1214,14 @@ class JobMaster:
             return None
         return chains[0].head if chains else None
 
-    def _restore_slots_from_checkpoint(self, old: RoutingTable, mask, live, dead: str, why: str):
+    def _restore_slots_from_checkpoint(self, old: RoutingTable, mask, live, dead: str, why: str,
+                                       onto: str | None = None):
         """Both copies of some slots are gone: load them from the newest checkpoint onto a
-        live PS. Updates since that checkpoint are lost for those slots (reported)."""
+        live PS (``onto``, else the one with the fewest slots). Updates since that
+        checkpoint are lost for those slots (reported)."""
         head = self._newest_checkpoint()
-        candidates = [p for p in old.ps_ids if p in live and p != dead]
+        candidates = [onto] if onto is not None else \
+            [p for p in old.ps_ids if p in live and p != dead]
         if head is None or not candidates:
             self._set_phase(JobPhase.FAILED, f"{dead} died ({why}), its replica peer is not "
                             "alive and there is no checkpoint; its rows are lost")
@@ -1262,15 +1270,37 @@ class JobMaster:
         peer = ids[(i + 1) % n] if n > 1 else None
         live = {m.id for m in self.live_ps()}
         mask = old.slot_owner == i
+        with self._sole_lock:
+            sole = self._sole_copy.pop(dead, None)
+        # slots the dead PS itself had taken over in a recovery and not yet copied on to
+        # its peer: the peer's copy lacks them (or holds only the pushes sync replication
+        # sent since), so they come whole from the checkpoint
+        uncopied = mask & sole if sole is not None and sole.shape == mask.shape \
+            else np.zeros_like(mask)
         restored_from = None
+        from_ckpt = 0  # slots restored from the checkpoint
         routing = None  # set when the promotion carried it
-        if peer is None or peer not in live:
+        peer_only = False  # every slot restored onto the peer: nothing to promote
+        if uncopied.any() and peer is not None and peer in live:
+            part = self._restore_slots_from_checkpoint(old, uncopied, live, dead, why, onto=peer)
+            if part is None:
+                return
+            _, restored_from, restored = part
+            from_ckpt = int(uncopied.sum())
+            log.warning("%s died before its peer had a copy of %d slot(s) it had taken over: "
+                        "%d rows of them restored on %s from checkpoint %s", dead,
+                        from_ckpt, restored.rows, peer, restored_from)
+            peer_only = not (mask & ~uncopied).any()
+        if peer_only:
+            resp = restored
+        elif peer is None or peer not in live:
             # no live copy: restore only these slots from the newest checkpoint, onto the
             # live PS holding the fewest slots
             target = self._restore_slots_from_checkpoint(old, mask, live, dead, why)
             if target is None:
                 return
             peer, restored_from, resp = target
+            from_ckpt = int(mask.sum())
         else:
             # the routing goes with the promotion: the peer applies it in the same call,
             # and the other PS (whose slots do not change, only their ring peer) are told
@@ -1279,7 +1309,7 @@ class JobMaster:
             routing = self._recovery_routing(old, dead, peer, mask)
             others = _Background(self._push_routing, routing, skip=(peer,))
             resp, peer_answered = self._promote(
-                old, ids, peer, dead, mask,
+                old, ids, peer, dead, mask & ~uncopied,
                 self.fleet.routing_request(routing, routing.ps_ids.index(peer)))
             others.wait()  # before any newer routing (a fallback's) goes out
             if resp is None or not resp.routing_applied:
@@ -1292,11 +1322,20 @@ class JobMaster:
                 # answered is alive and may take them: after a double failure in a ring
                 # of 3 it is the only PS left (a ring re-formed after the first death
                 # makes it the second one's peer before it holds a copy)
+                # (the slots restored onto the peer above stay there if it answered; if
+                # it did not, they are restored again, with the rest, elsewhere)
+                rest = mask & ~uncopied if peer_answered else mask
                 target = self._restore_slots_from_checkpoint(
-                    old, mask, live if peer_answered else live - {peer}, dead, why)
+                    old, rest, live if peer_answered else live - {peer}, dead, why,
+                    onto=peer if uncopied.any() and peer_answered else None)
                 if target is None:
                     return
                 peer, restored_from, resp = target
+                from_ckpt = int(mask.sum())
+            elif uncopied.any():
+                resp = ps_pb2.PromoteResponse(rows=resp.rows + restored.rows,
+                                              replica_age_ms=restored.replica_age_ms,
+                                              routing_applied=resp.routing_applied)
         promoted = time.monotonic()
         if routing is None:  # restored from a checkpoint (or the peer did not apply it)
             routing = self._recovery_routing(old, dead, peer, mask)
@@ -1305,10 +1344,12 @@ class JobMaster:
             self.routing, self.epoch = routing, routing.epoch
         resumed = self.clock()
         published = time.monotonic()
+        self._note_sole_copy(peer, mask)
         exit_reported = getattr(self.scaler, "exit_reported", {}).get(dead)
         event = {"kind": "recovery", "dead": dead, "reason": why, "promoted_on": peer,
                  "promoted_rows": resp.rows, "epoch": routing.epoch,
                  "restored_from_checkpoint": restored_from,
+                 "slots_from_checkpoint": from_ckpt,
                  "last_heartbeat_age_ms": round(silent_ms, 1),
                  "resumed_ms": round((resumed - detected) * 1000, 1),
                  "replication_interval_ms": 0.0 if self.config.sync_replication
@@ -1340,6 +1381,49 @@ class JobMaster:
                                 args=(dead,))
         timer.daemon = True
         timer.start()
+
+    SOLE_COPY_POLL_SECONDS = 0.5
+    SOLE_COPY_WATCH_SECONDS = 3600.0
+
+    def _note_sole_copy(self, ps_id: str, mask) -> None:
+        """``ps_id`` now holds ``mask``'s rows with no second copy: until its replica peer
+        has everything it holds now, a death of ``ps_id`` restores those slots from the
+        checkpoint (``_recover_ps_once``). A background watch clears them once the PS
+        reports its peer's copy past the sequence number it had after taking them over."""
+        with self._sole_lock:
+            prev = self._sole_copy.get(ps_id)
+            self._sole_copy[ps_id] = mask.copy() if prev is None or prev.shape != mask.shape \
+                else prev | mask
+        threading.Thread(target=self._watch_sole_copy, args=(ps_id, mask.copy()),
+                         name=f"sole-copy-{ps_id}", daemon=True).start()
+
+    def _watch_sole_copy(self, ps_id: str, mask) -> None:
+        deadline = time.monotonic() + self.SOLE_COPY_WATCH_SECONDS
+        target = None
+        while time.monotonic() < deadline and self.phase not in FINAL_PHASES:
+            routing = self.routing
+            with self._sole_lock:
+                if ps_id not in self._sole_copy or routing is None or ps_id not in routing.ps_ids:
+                    return  # died (its recovery took the slots) or left
+            try:
+                st = self.fleet.stub(routing.ps_addresses[routing.ps_ids.index(ps_id)]).Stats(
+                    ps_pb2.StatsRequest(replication_only=True), timeout=5)
+            except grpc.RpcError:
+                time.sleep(self.SOLE_COPY_POLL_SECONDS)
+                continue
+            if target is None:
+                target = st.sequence  # every row it took over is stamped at or before this
+            elif st.shipped_sequence >= target:
+                with self._sole_lock:
+                    cur = self._sole_copy.get(ps_id)
+                    if cur is not None:
+                        cur &= ~mask
+                        if not cur.any():
+                            del self._sole_copy[ps_id]
+                self.record_event("replica_current", ps=ps_id, slots=int(mask.sum()),
+                                  shipped_sequence=int(st.shipped_sequence))
+                return
+            time.sleep(self.SOLE_COPY_POLL_SECONDS)
 
     def _recovery_routing(self, old: RoutingTable, dead: str, owner: str, mask) -> RoutingTable:
         """``old`` without ``dead``, its slots (``mask``) owned by ``owner``; a new epoch."""

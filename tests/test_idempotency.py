@@ -304,6 +304,8 @@ def test_sync_push_whose_replication_broke_midway_applies_once_after_failover():
         b.replicator.close()
         a_server.stop(0)
         b_server.stop(0)
+        a.close()
+        b.close()
 
 
 def test_sync_resend_to_the_same_ps_is_acknowledged_only_once_the_peer_has_it():
@@ -336,3 +338,5 @@ def test_sync_resend_to_the_same_ps_is_acknowledged_only_once_the_peer_has_it():
         b.replicator.close()
         a_server.stop(0)
         b_server.stop(0)
+        a.close()
+        b.close()

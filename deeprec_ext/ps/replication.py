@@ -540,7 +540,9 @@ class Replicator:
         return {"peer": self.peer, "behind_sequence": max(behind, 0) if self.peer else 0,
                 "since_ship_ms": (time.monotonic() - self.last_shipped) * 1000
                 if self.peer and self.last_shipped else 0.0,
-                "shipped_rows": self.shipped_rows, "errors": self.errors}
+                "shipped_rows": self.shipped_rows, "errors": self.errors,
+                "sequence": self.store.sequence.value,
+                "shipped_sequence": since if self.peer else -1}
 
     def _loop(self) -> None:
         failed = 0  # shipments failed in a row

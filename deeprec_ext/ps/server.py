@@ -976,6 +976,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             seconds=time.monotonic() - self.routing.counting_since)
 
     def Stats(self, request, context):
+        if request.replication_only:
+            lag = self.replicator.lag()
+            return ps_pb2.StatsResponse(ps_id=self.ps_id, epoch=self.routing.epoch,
+                                        sequence=lag["sequence"],
+                                        shipped_sequence=lag["shipped_sequence"])
         tables = []
         for name, st in self.store.stats().items():
             cfg = self._configs.get(name)
@@ -993,4 +998,5 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             ps_id=self.ps_id, epoch=self.routing.epoch, sequence=self.store.sequence.value,
             tables=tables, rss_bytes=proc.memory_info().rss,
             cpu_seconds=cpu.user + cpu.system, memory_limit_bytes=self.memory_limit_bytes,
-            gazer_stats=self.gazer.collect_bytes(self.ps_id), **c)
+            gazer_stats=self.gazer.collect_bytes(self.ps_id),
+            shipped_sequence=self.replicator.lag()["shipped_sequence"], **c)
