@@ -213,11 +213,11 @@ def test_chaos_kill9_random_ps_and_worker_during_training(start_job, tmp_path):
     assert job.wait(120) == 0, job.output()[-3000:]
 
 
-def test_ps_and_its_peer_dying_together_restore_from_checkpoint(start_job, tmp_path):
-    """Both copies of ps-1's rows are gone (ps-1 and its ring peer ps-2 killed together):
-    ps-1's slots come back from the newest checkpoint, ps-2's from its own peer."""
-    import json as _json
-    job = start_job({"name": "double", "ps": {"replicas": 4, "max_replicas": 4},
+def _four_ps_checkpointed(start_job, name: str):
+    """4 PS in a ring with sync replication; counter table "c": every key pushed once, a
+    checkpoint, every key pushed again (2 live, 1 in the checkpoint). Returns the job, a
+    client, the keys, the checkpoint's id and each key's PS in the even initial layout."""
+    job = start_job({"name": name, "ps": {"replicas": 4, "max_replicas": 4},
                      "replication": {"mode": "sync"}}, ["--workers", "0"])
     client = PSClient.connect(job.address, timeout=60)
     client.create_table("c", dim=1, initializer="zeros", optimizer={"name": "sgd", "learning_rate": 1.0})
@@ -225,8 +225,17 @@ def test_ps_and_its_peer_dying_together_restore_from_checkpoint(start_job, tmp_p
     client.push("c", ids, -np.ones((ids.size, 1), np.float32))
     code, out, err = _cli(job, "aimaster.cli", "checkpoint", "--master", job.address)
     assert code == 0, err
-    ckpt = _json.loads(out)["id"]
+    ckpt = json.loads(out)["id"]
     client.push("c", ids, -np.ones((ids.size, 1), np.float32))  # after the checkpoint
+    from deeprec_ext.hashing import slot_of
+    owner = np.array(["ps-0", "ps-1", "ps-2", "ps-3"])[slot_of(ids, 4096) * 4 // 4096]
+    return job, client, ids, ckpt, owner
+
+
+def test_ps_and_its_peer_dying_together_restore_from_checkpoint(start_job, tmp_path):
+    """Both copies of ps-1's rows are gone (ps-1 and its ring peer ps-2 killed together):
+    ps-1's slots come back from the newest checkpoint, ps-2's from its own peer."""
+    job, client, ids, ckpt, owner_before = _four_ps_checkpointed(start_job, "double")
     before = pids(job, "ps")
     # together: both are stopped before either is killed. Killed one after the other, on a
     # loaded machine the AIMaster can notice ps-1's death while ps-2 still runs and promote
@@ -244,9 +253,6 @@ def test_ps_and_its_peer_dying_together_restore_from_checkpoint(start_job, tmp_p
              "replacements")
     got = client.lookup("c", ids, insert_missing=False)[:, 0]
     routing = job.state()["routing"]
-    from deeprec_ext.hashing import slot_of
-    owner_before = np.array(["ps-0", "ps-1", "ps-2", "ps-3"])[
-        (slot_of(ids, 4096) * 4 // 4096)]  # the even initial layout
     # ps-1's keys are back at their checkpointed value (1); every other key kept both pushes
     np.testing.assert_array_equal(got[owner_before == "ps-1"], 1)
     np.testing.assert_array_equal(got[owner_before != "ps-1"], 2)
@@ -262,16 +268,7 @@ def test_a_peer_dying_after_it_took_over_loses_no_row(start_job, copied):
     loses the updates since, reported as such; it used to lose the rows themselves).
     Killed once ps-2 reports ps-3's copy current (``copied=True``): they come back from
     ps-3 with every update. Every other key keeps both pushes."""
-    import json as _json
-    job = start_job({"name": "cascade", "ps": {"replicas": 4, "max_replicas": 4},
-                     "replication": {"mode": "sync"}}, ["--workers", "0"])
-    client = PSClient.connect(job.address, timeout=60)
-    client.create_table("c", dim=1, initializer="zeros", optimizer={"name": "sgd", "learning_rate": 1.0})
-    ids = np.arange(20_000, dtype=np.int64)
-    client.push("c", ids, -np.ones((ids.size, 1), np.float32))
-    code, out, err = _cli(job, "aimaster.cli", "checkpoint", "--master", job.address)
-    assert code == 0, err
-    client.push("c", ids, -np.ones((ids.size, 1), np.float32))  # after the checkpoint
+    job, client, ids, _, owner_before = _four_ps_checkpointed(start_job, f"cascade-{copied}")
     before = pids(job, "ps")
     epoch = client.refresh_routing().epoch
     os.kill(before["ps-1"], signal.SIGKILL)
@@ -290,8 +287,6 @@ def test_a_peer_dying_after_it_took_over_loses_no_row(start_job, copied):
     wait_for(lambda: job.status()["phase"] == "running" and len(pids(job, "ps")) == 4, 120,
              "replacements")
     got = client.lookup("c", ids, insert_missing=False)[:, 0]
-    from deeprec_ext.hashing import slot_of
-    owner_before = np.array(["ps-0", "ps-1", "ps-2", "ps-3"])[(slot_of(ids, 4096) * 4 // 4096)]
     np.testing.assert_array_equal(got[owner_before != "ps-1"], 2)
     of_ps1 = got[owner_before == "ps-1"]
     assert np.isin(of_ps1, [1, 2]).all(), (np.unique(of_ps1, return_counts=True),
@@ -301,7 +296,7 @@ def test_a_peer_dying_after_it_took_over_loses_no_row(start_job, copied):
     assert second["slots_from_checkpoint"] == (0 if copied else 1024), second
     assert (second["restored_from_checkpoint"] is None) == copied, second
     print(f"ps-1's rows after the second failure: value {of_ps1[0]:.0f} "
-          f"(second recovery: {_json.dumps(second)})")
+          f"(second recovery: {json.dumps(second)})")
     client.close()
 
 
