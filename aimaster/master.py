@@ -1215,7 +1215,8 @@ class JobMaster:
         return chains[0].head if chains else None
 
     def _restore_slots_from_checkpoint(self, old: RoutingTable, mask, live, dead: str, why: str,
-                                       onto: str | None = None):
+                                       onto: str | None = None,
+                                       copy_gone: str = "its replica peer is not alive"):
         """Both copies of some slots are gone: load them from the newest checkpoint onto a
         live PS (``onto``, else the one with the fewest slots). Updates since that
         checkpoint are lost for those slots (reported)."""
@@ -1223,8 +1224,8 @@ class JobMaster:
         candidates = [onto] if onto is not None else \
             [p for p in old.ps_ids if p in live and p != dead]
         if head is None or not candidates:
-            self._set_phase(JobPhase.FAILED, f"{dead} died ({why}), its replica peer is not "
-                            "alive and there is no checkpoint; its rows are lost")
+            self._set_phase(JobPhase.FAILED, f"{dead} died ({why}), {copy_gone} and there is "
+                            "no checkpoint; its rows are lost")
             return None
         counts = {p: int((old.slot_owner == old.ps_ids.index(p)).sum()) for p in candidates}
         target = min(candidates, key=lambda p: counts[p])
@@ -1282,7 +1283,9 @@ class JobMaster:
         routing = None  # set when the promotion carried it
         peer_only = False  # every slot restored onto the peer: nothing to promote
         if uncopied.any() and peer is not None and peer in live:
-            part = self._restore_slots_from_checkpoint(old, uncopied, live, dead, why, onto=peer)
+            part = self._restore_slots_from_checkpoint(
+                old, uncopied, live, dead, why, onto=peer,
+                copy_gone=f"its peer {peer} had no copy yet of the slots it had taken over")
             if part is None:
                 return
             _, restored_from, restored = part
@@ -1327,7 +1330,10 @@ class JobMaster:
                 rest = mask & ~uncopied if peer_answered else mask
                 target = self._restore_slots_from_checkpoint(
                     old, rest, live if peer_answered else live - {peer}, dead, why,
-                    onto=peer if uncopied.any() and peer_answered else None)
+                    onto=peer if uncopied.any() and peer_answered else None,
+                    copy_gone=f"its replica peer {peer} holds no complete copy of it (a new "
+                    "peer after a scale event or a recovery: its full copy had not completed)"
+                    if peer_answered else "its replica peer is not alive")
                 if target is None:
                     return
                 peer, restored_from, resp = target
