@@ -213,8 +213,12 @@ class PsFleet:
             lookups += np.frombuffer(r.slot_lookups, "<i8")
         return nbytes, lookups
 
-    def stats(self, address: str, timeout: float = 2.0) -> ps_pb2.StatsResponse:
-        return self.stub(address).Stats(ps_pb2.StatsRequest(), timeout=timeout)
+    def stats(self, address: str, timeout: float = 2.0,
+              replication_only: bool = False) -> ps_pb2.StatsResponse:
+        """A PS's statistics; ``replication_only``: only its sequence number and how far
+        its peer's copy is current (reads no Gazer window)."""
+        return self.stub(address).Stats(ps_pb2.StatsRequest(replication_only=replication_only),
+                                        timeout=timeout)
 
     def restore(self, routing: RoutingTable, root: str, ckpt_id: int, warm: bool = False,
                 reset_optimizer: bool = False) -> int:

@@ -1412,8 +1412,8 @@ class JobMaster:
                 if ps_id not in self._sole_copy or routing is None or ps_id not in routing.ps_ids:
                     return  # died (its recovery took the slots) or left
             try:
-                st = self.fleet.stub(routing.ps_addresses[routing.ps_ids.index(ps_id)]).Stats(
-                    ps_pb2.StatsRequest(replication_only=True), timeout=5)
+                st = self.fleet.stats(routing.ps_addresses[routing.ps_ids.index(ps_id)],
+                                      timeout=5, replication_only=True)
             except grpc.RpcError:
                 time.sleep(self.SOLE_COPY_POLL_SECONDS)
                 continue

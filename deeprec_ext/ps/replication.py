@@ -531,18 +531,22 @@ class Replicator:
                     self._since, self._full_mode = -1, "new"
                 raise
 
+    def shipped_sequence(self) -> int:
+        """Every row written up to this sequence number is in the peer's copy; -1 when
+        there is no peer or its copy is not made yet."""
+        # a new peer (its full copy not started yet: deferred) holds nothing of this PS
+        return self._since if self.peer and self.peer == self._stub_peer else -1
+
     def lag(self) -> dict:
         """Gazer: how far the peer's copy trails this PS (sequence numbers not yet shipped,
         time since the last shipment)."""
-        # a new peer (its full copy not started yet: deferred) holds nothing of this PS
-        since = self._since if self.peer == self._stub_peer else -1
+        since = self.shipped_sequence()
         behind = self.store.sequence.value - since if since >= 0 else self.store.sequence.value
         return {"peer": self.peer, "behind_sequence": max(behind, 0) if self.peer else 0,
                 "since_ship_ms": (time.monotonic() - self.last_shipped) * 1000
                 if self.peer and self.last_shipped else 0.0,
                 "shipped_rows": self.shipped_rows, "errors": self.errors,
-                "sequence": self.store.sequence.value,
-                "shipped_sequence": since if self.peer else -1}
+                "sequence": self.store.sequence.value, "shipped_sequence": since}
 
     def _loop(self) -> None:
         failed = 0  # shipments failed in a row

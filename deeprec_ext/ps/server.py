@@ -977,10 +977,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Stats(self, request, context):
         if request.replication_only:
-            lag = self.replicator.lag()
             return ps_pb2.StatsResponse(ps_id=self.ps_id, epoch=self.routing.epoch,
-                                        sequence=lag["sequence"],
-                                        shipped_sequence=lag["shipped_sequence"])
+                                        sequence=self.store.sequence.value,
+                                        shipped_sequence=self.replicator.shipped_sequence())
         tables = []
         for name, st in self.store.stats().items():
             cfg = self._configs.get(name)
@@ -999,4 +998,4 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             tables=tables, rss_bytes=proc.memory_info().rss,
             cpu_seconds=cpu.user + cpu.system, memory_limit_bytes=self.memory_limit_bytes,
             gazer_stats=self.gazer.collect_bytes(self.ps_id),
-            shipped_sequence=self.replicator.lag()["shipped_sequence"], **c)
+            shipped_sequence=self.replicator.shipped_sequence(), **c)
