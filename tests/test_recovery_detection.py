@@ -26,6 +26,22 @@ from tests.test_elasticity import pids
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _three_ps_counted(start_job, name: str, n: int, master=None):
+    """3 PS in a ring with sync replication and a counter table "c" whose ``n`` keys were
+    pushed once (value 1): the job, a client, the keys."""
+    spec = {"name": name, "ps": {"replicas": 3, "max_replicas": 3},
+            "replication": {"mode": "sync"}}
+    if master:
+        spec["master"] = master
+    job = start_job(spec, ["--workers", "0"])
+    client = PSClient.connect(job.address, timeout=60)
+    client.create_table("c", dim=1, initializer="zeros",
+                        optimizer={"name": "sgd", "learning_rate": 1.0})
+    ids = np.arange(n, dtype=np.int64)
+    client.push("c", ids, -np.ones((ids.size, 1), np.float32))
+    return job, client, ids
+
+
 def _anon_kb(pid: int) -> int:
     with open(f"/proc/{pid}/smaps_rollup") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("Anonymous:"))
@@ -104,13 +120,7 @@ def test_second_death_in_a_ring_of_three_restores_from_checkpoint_onto_the_survi
     checkpoint onto ps-0, the only PS left, and the job keeps serving every key. Counted:
     ps-1's keys hold their checkpointed value, every other key both pushes."""
     import json as _json
-    job = start_job({"name": "second-death", "ps": {"replicas": 3, "max_replicas": 3},
-                     "replication": {"mode": "sync"}}, ["--workers", "0"])
-    client = PSClient.connect(job.address, timeout=60)
-    client.create_table("c", dim=1, initializer="zeros",
-                        optimizer={"name": "sgd", "learning_rate": 1.0})
-    ids = np.arange(30_000, dtype=np.int64)
-    client.push("c", ids, -np.ones((ids.size, 1), np.float32))
+    job, client, ids = _three_ps_counted(start_job, "second-death", 30_000)
     r = subprocess.run([sys.executable, "-m", "aimaster.cli", "checkpoint", "--master",
                         job.address], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -153,13 +163,7 @@ def test_client_resends_on_the_routing_its_poll_fetched_and_applies_once(start_j
     """A push refused by a PS killed -9 waits for the new epoch by polling the AIMaster and
     resends on the routing that poll returned: one GetRouting answer with the new epoch,
     not a second fetch. With sync replication every key is applied exactly once."""
-    job = start_job({"name": "poll", "ps": {"replicas": 3, "max_replicas": 3},
-                     "replication": {"mode": "sync"}}, ["--workers", "0"])
-    client = PSClient.connect(job.address, timeout=60)
-    client.create_table("c", dim=1, initializer="zeros",
-                        optimizer={"name": "sgd", "learning_rate": 1.0})
-    ids = np.arange(20_000, dtype=np.int64)
-    client.push("c", ids, -np.ones((ids.size, 1), np.float32))
+    job, client, ids = _three_ps_counted(start_job, "poll", 20_000)
     epoch0 = client.routing.epoch
     seen = []
     real = client._master.GetRouting
@@ -214,14 +218,8 @@ def test_a_frozen_ps_within_its_lease_is_not_promoted_away_and_counts_stay_exact
     while a push to it waits. The client's long poll and the AIMaster's quick reaction
     act on a process exit, never on silence shorter than the lease."""
     import threading
-    job = start_job({"name": "frozen", "ps": {"replicas": 3, "max_replicas": 3},
-                     "master": {"lease_seconds": 3.0, "heartbeat_seconds": 0.5},
-                     "replication": {"mode": "sync"}}, ["--workers", "0"])
-    client = PSClient.connect(job.address, timeout=60)
-    client.create_table("c", dim=1, initializer="zeros",
-                        optimizer={"name": "sgd", "learning_rate": 1.0})
-    ids = np.arange(6_000, dtype=np.int64)
-    client.push("c", ids, -np.ones((ids.size, 1), np.float32))
+    job, client, ids = _three_ps_counted(start_job, "frozen", 6_000,
+                                         master={"lease_seconds": 3.0, "heartbeat_seconds": 0.5})
     epoch0 = client.routing.epoch
     pid = pids(job, "ps")["ps-1"]
     os.kill(pid, signal.SIGSTOP)
