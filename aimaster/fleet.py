@@ -268,6 +268,15 @@ class PsFleet:
             dst_replica_after=self.control_address(dst_replica_after) if dst_replica_after else ""),
             timeout=3600)
 
+    def prepare_replica(self, address: str, ps_id: str, peer: str,
+                        wait: float) -> ps_pb2.PrepareReplicaResponse:
+        """Make-before-break: the PS at ``address`` (``ps_id``) keeps a copy of itself on
+        ``peer``, its ring peer after the routing change to come; waits up to ``wait``
+        seconds for that copy to be complete. An empty ``peer`` drops such a copy."""
+        return self.stub(address).PrepareReplica(ps_pb2.PrepareReplicaRequest(
+            peer=self.control_address(peer) if peer else "", wait_seconds=wait, ps_id=ps_id),
+            timeout=wait + 30.0)
+
     def drop_slots(self, address: str, mask: np.ndarray, num_slots: int) -> int:
         return self.stub(address).DropSlots(ps_pb2.DropSlotsRequest(
             slots=mask.astype(np.uint8).tobytes(), num_slots=num_slots), timeout=600).rows

@@ -867,7 +867,9 @@ class JobMaster:
                          # what the fence window is made of (fence calls, last delta,
                          # publish) and the rows of each round: where a long step went
                          phases_ms=result.phases_ms, round_rows=result.round_rows,
-                         round_ms=result.round_ms)
+                         round_ms=result.round_ms,
+                         # PS whose ring peer changed: their copy there was complete first
+                         prepared_replicas=sorted(result.prepared))
         if workers is not None and workers != workers_before:
             self._workers_started = True
             self._worker_target = workers  # before the change: 0 means "no completion check"

@@ -34,6 +34,9 @@ class MigrationResult:
     moved_bytes: int = 0
     rounds: int = 0
     fence_ms: float = 0.0
+    # PS whose ring peer changes, and the sequence number each one's copy on its new peer
+    # was current to when it was complete, before the routing change (make-before-break)
+    prepared: dict = field(default_factory=dict)
     drops: dict = field(default_factory=dict)
     # where the time went: snapshot, catchup (all rounds), fence_last_delta (the last
     # round's calls, each fencing its source first), publish; what a move waits on (a
@@ -89,6 +92,14 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
     # it): a destination that replicates elsewhere now skips that peer for its imports
     ring_after = {ps: new_addresses[(p + 1) % len(new_ids)] if len(new_ids) > 1 else ""
                   for p, ps in enumerate(new_ids)}
+    ring_before = {ps: old.ps_addresses[(p + 1) % len(old.ps_ids)] if len(old.ps_ids) > 1
+                   else "" for p, ps in enumerate(old.ps_ids)}
+    # make-before-break: a PS whose peer changes keeps a copy of itself on the new peer
+    # too, complete before the routing change. Changed at the publish alone, the new peer
+    # had no copy until its full copy after it: a failure of that PS seconds after a
+    # scale event found none (its updates since the last checkpoint lost, or the job)
+    rechained = {ps: ring_after[ps] for ps in new_ids
+                 if ring_after[ps] and ring_after[ps] != ring_before.get(ps)}
 
     def ship(pair, first: bool, last: bool = False):
         src, dst = pair
@@ -130,6 +141,13 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
             result.round_ms.append(round((time.monotonic() - t_round) * 1000, 3))
             result.rounds = 1
             lap("snapshot")
+            # after the snapshot: the copies then include the imported rows (prepared
+            # earlier, a destination's copy took each snapshot piece as a delta)
+            _progress(phase="prepare_replicas")
+            prepared = list(pool.map(lambda ps: _prepare(fleet, address[ps], ps, rechained[ps]),
+                                     sorted(rechained)))
+            result.prepared = dict(zip(sorted(rechained), prepared))
+            lap("prepare_replicas")
             for _ in range(max_catchup_rounds):
                 _progress(phase="catchup", pairs_done=0)
                 t_round = time.monotonic()
@@ -178,6 +196,7 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
                     log.exception("rollback to the old layout failed")
             if rolled_back:
                 _drop_copied(fleet, masks, address, old.num_slots)
+            _cancel_prepared(fleet, {ps: address[ps] for ps in rechained})
             raise MigrationError(f"slot migration failed: {exc}") from exc
     # 6. free the moved rows on sources that stay (leaving PS exit anyway)
     _progress(phase="cleanup")
@@ -188,6 +207,29 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
             result.drops[src] = dropped
     _progress(active=False, phase="done")
     return result
+
+
+PREPARE_REPLICA_SECONDS = 3600.0  # a full copy of a large PS takes a while
+
+
+def _prepare(fleet: "PsFleet", address: str, ps_id: str, peer: str) -> int:
+    """A copy of the PS at ``address`` on ``peer``, complete (raises otherwise: the
+    migration then fails before its fence, and the old layout stays)."""
+    r = fleet.prepare_replica(address, ps_id, peer, PREPARE_REPLICA_SECONDS)
+    if not r.complete:
+        raise RuntimeError(f"the copy of {address} on {peer}, its ring peer after the "
+                           f"change, was not complete within {PREPARE_REPLICA_SECONDS:.0f} s")
+    return int(r.sequence)
+
+
+def _cancel_prepared(fleet: "PsFleet", addresses: dict) -> None:
+    """After a failed migration: the copies prepared for the new ring are dropped (best
+    effort: left, a copy is shipped deltas until the next routing push)."""
+    for ps_id, address in addresses.items():
+        try:
+            fleet.prepare_replica(address, ps_id, "", 0.0)
+        except Exception:  # noqa: BLE001 - a PS that is gone has nothing to drop
+            log.info("could not drop the copy %s prepared", ps_id, exc_info=True)
 
 
 DROP_RETRY_SECONDS = (0.2, 1.0)  # short: a queued recovery waits behind this operation

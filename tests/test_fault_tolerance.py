@@ -12,7 +12,7 @@ import pytest
 
 from deeprec_ext import PSClient
 from tests.conftest import CounterPusher, wait_for
-from tests.test_elasticity import pids
+from tests.test_elasticity import pids, scale
 
 
 def _events(job, kind):
@@ -182,7 +182,8 @@ def test_chaos_kill9_random_ps_and_worker_during_training(start_job, tmp_path):
     kills = []
     try:
         for round_ in range(3):
-            if job.status()["shards"]["todo"] == 0:
+            shards = job.status()["shards"]
+            if shards["todo"] == 0 and shards["doing"] == 0:  # training is over
                 break
             ps = pids(job, "ps")
             workers = pids(job, "worker")
@@ -344,3 +345,36 @@ def test_restarted_aimaster_resumes_from_checkpoint(tmp_path):
         assert second.wait(120) == 0, second.output()[-3000:]
     finally:
         second.stop()
+
+
+@pytest.mark.parametrize("direction", ["in", "out"])
+def test_a_ps_dying_right_after_a_ring_change_loses_no_row(start_job, direction):
+    """A scale event gives ps-1 another ring peer (scale-in 3 -> 2: ps-0 instead of the
+    leaving ps-2; scale-out 2 -> 3: the new ps-2 instead of ps-0). ps-1 is killed the
+    moment the event ends: its new peer must already hold every acknowledged update (its
+    copy was made before the routing changed). Before, that peer had nothing of ps-1 until
+    a full copy seconds later, and the job failed without a checkpoint."""
+    before_n, after_n = (3, 2) if direction == "in" else (2, 3)
+    job = start_job({"name": f"rering-{direction}", "ps": {"replicas": before_n, "max_replicas": 3},
+                     "replication": {"mode": "sync"}}, ["--workers", "0"])
+    client = PSClient.connect(job.address, timeout=60)
+    client.create_table("c", dim=1, initializer="zeros", optimizer={"name": "sgd", "learning_rate": 1.0})
+    ids = np.arange(20_000, dtype=np.int64)
+    client.push("c", ids, -np.ones((ids.size, 1), np.float32))
+    client.push("c", ids, -np.ones((ids.size, 1), np.float32))
+    ev = scale(job, "--ps", str(after_n))
+    os.kill(pids(job, "ps")["ps-1"], signal.SIGKILL)
+    rec = wait_for(lambda: next((r for r in _events(job, "recovery") if r["dead"] == "ps-1"),
+                                None), 60, "ps-1's recovery")
+    assert rec["promoted_on"] == ("ps-0" if direction == "in" else "ps-2"), rec
+    assert rec["restored_from_checkpoint"] is None, rec
+    wait_for(lambda: job.status()["phase"] == "running", 120, "the job to run on")
+    got = client.lookup("c", ids, insert_missing=False)[:, 0]
+    lost = int(np.count_nonzero(got != 2))
+    assert lost == 0, (lost, np.unique(got, return_counts=True), json.dumps(rec))
+    client.push("c", ids, -np.ones((ids.size, 1), np.float32))  # the job serves on
+    np.testing.assert_array_equal(client.lookup("c", ids, insert_missing=False)[:, 0], 3)
+    assert "ps-1" in ev["prepared_replicas"], ev
+    print(f"scale-{direction}, ps-1 killed at once: {ids.size} keys all kept "
+          f"(recovery: {json.dumps(rec)})")
+    client.close()

@@ -59,6 +59,11 @@ class ParameterServerStub:
                 request_serializer=deeprec__ext_dot_proto_dot_ps__pb2.SetRoutingRequest.SerializeToString,
                 response_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.SetRoutingResponse.FromString,
                 _registered_method=True)
+        self.PrepareReplica = channel.unary_unary(
+                '/deeprec_ext.ps.ParameterServer/PrepareReplica',
+                request_serializer=deeprec__ext_dot_proto_dot_ps__pb2.PrepareReplicaRequest.SerializeToString,
+                response_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.PrepareReplicaResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/deeprec_ext.ps.ParameterServer/Stats',
                 request_serializer=deeprec__ext_dot_proto_dot_ps__pb2.StatsRequest.SerializeToString,
@@ -134,6 +139,12 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetRouting(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrepareReplica(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -220,6 +231,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.SetRouting,
                     request_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.SetRoutingRequest.FromString,
                     response_serializer=deeprec__ext_dot_proto_dot_ps__pb2.SetRoutingResponse.SerializeToString,
+            ),
+            'PrepareReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareReplica,
+                    request_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.PrepareReplicaRequest.FromString,
+                    response_serializer=deeprec__ext_dot_proto_dot_ps__pb2.PrepareReplicaResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -402,6 +418,33 @@ class ParameterServer:
             '/deeprec_ext.ps.ParameterServer/SetRouting',
             deeprec__ext_dot_proto_dot_ps__pb2.SetRoutingRequest.SerializeToString,
             deeprec__ext_dot_proto_dot_ps__pb2.SetRoutingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deeprec_ext.ps.ParameterServer/PrepareReplica',
+            deeprec__ext_dot_proto_dot_ps__pb2.PrepareReplicaRequest.SerializeToString,
+            deeprec__ext_dot_proto_dot_ps__pb2.PrepareReplicaResponse.FromString,
             options,
             channel_credentials,
             insecure,

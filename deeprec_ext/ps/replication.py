@@ -114,14 +114,18 @@ class ApplyGate(ReadWriteGate):
 
 
 class AppliedRequests:
-    """Ids of recently applied pushes (bounded), plus a log of ids not yet replicated."""
+    """Ids of recently applied pushes (bounded), plus, per replication stream (a cursor:
+    the peer's, and a future peer's while one is prepared), a log of ids not yet shipped."""
+
+    MAIN = "replica"
 
     def __init__(self, capacity: int = REQUEST_ID_WINDOW):
         self._lock = threading.Lock()
         self._ids: OrderedDict[str, None] = OrderedDict()
         self._capacity = capacity
-        self._unshipped: deque[str] = deque(maxlen=capacity)
-        self._overflowed = False  # unshipped ids were lost: the next shipment is a full copy
+        self._unshipped: dict[str, deque[str]] = {self.MAIN: deque(maxlen=capacity)}
+        # unshipped ids were lost: that stream's next shipment is a full copy
+        self._overflowed: dict[str, bool] = {self.MAIN: False}
 
     def seen(self, rid: str) -> bool:
         with self._lock:
@@ -142,27 +146,49 @@ class AppliedRequests:
     def _add(self, rid: str, ship: bool) -> None:
         self._ids[rid] = None
         if ship:
-            if len(self._unshipped) == self._unshipped.maxlen:
-                self._overflowed = True
-            self._unshipped.append(rid)
+            for name, log_ in self._unshipped.items():
+                if len(log_) == log_.maxlen:
+                    self._overflowed[name] = True
+                log_.append(rid)
         while len(self._ids) > self._capacity:  # forget the oldest, O(1) each
             self._ids.popitem(last=False)
 
-    def take_unshipped(self) -> tuple[list[str], bool]:
+    def open_cursor(self, name: str) -> None:
+        """A new stream's log of unshipped ids, empty: its first shipment is a full copy,
+        which sends every remembered id."""
+        with self._lock:
+            self._unshipped[name] = deque(maxlen=self._capacity)
+            self._overflowed[name] = False
+
+    def close_cursor(self, name: str) -> None:
+        with self._lock:
+            if name != self.MAIN:
+                self._unshipped.pop(name, None)
+                self._overflowed.pop(name, None)
+
+    def move_cursor(self, src: str, dst: str) -> None:
+        """``dst`` continues where ``src`` stands (a prepared peer becomes the peer)."""
+        with self._lock:
+            self._unshipped[dst] = self._unshipped.pop(src, deque(maxlen=self._capacity))
+            self._overflowed[dst] = self._overflowed.pop(src, True)
+
+    def take_unshipped(self, cursor: str = MAIN) -> tuple[list[str], bool]:
         """The ids not yet shipped, and whether some were lost (more than the window
         between two shipments): then only a full copy (every id) is exact."""
         with self._lock:
-            out = list(self._unshipped)
-            self._unshipped.clear()
-            lost, self._overflowed = self._overflowed, False
+            log_ = self._unshipped.setdefault(cursor, deque(maxlen=self._capacity))
+            out = list(log_)
+            log_.clear()
+            lost, self._overflowed[cursor] = self._overflowed.get(cursor, False), False
             return out, lost
 
-    def requeue(self, rids: list[str]) -> None:
+    def requeue(self, rids: list[str], cursor: str = MAIN) -> None:
         """Ids taken for a shipment that failed: they go out with the next one."""
         with self._lock:
-            if len(self._unshipped) + len(rids) > self._unshipped.maxlen:
-                self._overflowed = True
-            self._unshipped.extendleft(reversed(rids))
+            log_ = self._unshipped.setdefault(cursor, deque(maxlen=self._capacity))
+            if len(log_) + len(rids) > log_.maxlen:
+                self._overflowed[cursor] = True
+            log_.extendleft(reversed(rids))
 
     def snapshot(self) -> list[str]:
         """Every remembered id, oldest first (for a new peer or a slot's new owner)."""
@@ -185,8 +211,16 @@ class Replicator:
     # later (see configure); synchronous pushes still send it at once when they need it
     NEW_PEER_DELAY_SECONDS = 1.0
 
+    # a scale event's future peer: the copy prepared there before the routing changes
+    NEXT = "replica-next"
+    # a preparation gives up (the scale event is called off) after this many failed tries
+    PREPARE_FAILURES = 3
+    # taking a prepared copy over waits this long for its shipment in flight (a delta)
+    TAKE_OVER_WAIT_SECONDS = 5.0
+
     def __init__(self, store: EmbeddingStore, configs: dict, applied: AppliedRequests | None = None,
-                 gate: ApplyGate | None = None):
+                 gate: ApplyGate | None = None, name: str = AppliedRequests.MAIN):
+        self.name = name  # the store's log consumer and the request-id cursor of this stream
         self.store = store
         self.configs = configs
         self.applied = applied or AppliedRequests()
@@ -210,6 +244,8 @@ class Replicator:
         self.shipped_rows = 0
         self.full_copies = 0
         self.errors = 0
+        self.failed_in_row = 0  # shipments of the background loop failed in a row
+        self.last_error = ""
         # background full copies pace themselves with what this returns (a function called
         # between chunks; the PS sets it): a scale event's new ring makes two full copies
         # of 1.3M rows each right after the publish, which took the CPU from training
@@ -222,7 +258,16 @@ class Replicator:
         # shipped it every imported row (a delta of 70-110k rows every 0.3 s), to a copy
         # discarded at the publish. (peer, bool mask of the slots held back) or None.
         self._held: tuple[str, np.ndarray] | None = None
-        self._thread = threading.Thread(target=self._loop, name="replication", daemon=True)
+        # make-before-break (``prepare``): a second stream keeps a copy of this PS on the
+        # peer it will have after a routing change; the change takes it over (``_adopting``
+        # until the next shipment) instead of starting a full copy there. Until that copy
+        # was complete, a failure of this PS right after a scale event found no copy.
+        self._next: Replicator | None = None
+        self._adopting: Replicator | None = None
+        self._next_lock = threading.Lock()
+        self._catch_up = False  # a copy was just taken over: ship its delta before a push
+        self._copied = threading.Event()  # the current peer's full copy is complete
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def configure(self, origin: str, peer: str, interval_ms: float, sync: bool) -> None:
@@ -237,8 +282,20 @@ class Replicator:
         # a routing push ends a migration (its publish, or the rollback's old layout whose
         # copied rows are then dropped): every row this PS owns goes to its peer again
         self._held = None
+        with self._next_lock:
+            prepared, self._next = self._next, None
+            pending, self._adopting = self._adopting, None
+        for sb in (prepared, pending):
+            # the copy prepared for this peer is taken over at the next shipment; one
+            # prepared for another (a rolled back scale event) is dropped there
+            if sb is not None and (sb.peer != peer or peer == self.peer):
+                self._discard(sb)
+            elif sb is not None:
+                self._adopting = sb
         if peer != self.peer:
-            if self.peer and peer:
+            if self._adopting is not None:
+                self._not_before = 0.0  # its delta goes at once: the copy is the only one
+            elif self.peer and peer:
                 # a re-formed ring (a recovery, a scale event): the new peer needs a full
                 # copy of this PS, seconds of CPU on both. Started at once it ran during
                 # the clients' first steps on the new routing (a recovery's critical path)
@@ -254,6 +311,11 @@ class Replicator:
             return
         if self._channel is not None:
             self._channel.close()
+        sb, self._adopting = self._adopting, None
+        if sb is not None and sb.peer == peer and self._take_over(sb):
+            return
+        if sb is not None:
+            self._discard(sb)
         if self._stub_peer and self.origin:
             self._drop_peers.append(self._stub_peer)
         self._channel = insecure_channel(peer) if peer else None
@@ -261,7 +323,136 @@ class Replicator:
         self._stub_peer = peer
         self._since = -1  # new peer: full copy
         self._full_mode = "new"
-        self.store.set_consumer("replica", None if not peer else 0, moved=True)
+        self._copied.clear()
+        self.store.set_consumer(self.name, None if not peer else 0, moved=True)
+
+    # -- make-before-break ------------------------------------------------------------------
+    def prepare(self, peer: str, wait: float, origin: str = "") -> tuple[bool, int]:
+        """Before a routing change gives this PS the ring peer ``peer``: keep a copy of
+        this PS there too (a full copy, then deltas, alongside the current peer's), so that
+        the change finds it complete and a failure right after it loses nothing. Waits up
+        to ``wait`` seconds for that copy to be complete; returns (complete, the sequence
+        number it is current to, -1 while incomplete). Asked again for the same peer it
+        only waits; for another peer, the earlier copy is dropped."""
+        if origin and self.origin and origin != self.origin:
+            raise ValueError(f"this PS is {self.origin}, not {origin}")
+        origin = self.origin or origin
+        if not origin:
+            raise ValueError("this PS has no id yet (neither routing nor ps_id name it)")
+        with self._next_lock:
+            if peer == self.peer and self._adopting is None:
+                sb = self  # already the peer: its copy is the one to wait for
+            else:
+                sb = self._next
+                if sb is None or sb.peer != peer:
+                    if sb is not None:
+                        self._discard(sb)
+                    self.applied.open_cursor(self.NEXT)
+                    sb = Replicator(self.store, self.configs, self.applied, self.gate,
+                                    name=self.NEXT)
+                    sb.pace_factory = self.pace_factory
+                    sb.configure(origin, peer, self.interval * 1000.0, False)
+                    self._next = sb
+                    log.info("%s: preparing a copy on %s, its peer after the routing change",
+                             self.origin, peer)
+        deadline = time.monotonic() + max(wait, 0.0)
+        while not sb._copied.wait(min(0.2, max(deadline - time.monotonic(), 0.0))):
+            if sb.failed_in_row >= self.PREPARE_FAILURES:
+                if sb is not self:  # given up: not retried in the background for ever
+                    with self._next_lock:
+                        if self._next is sb:
+                            self._next = None
+                    self._discard(sb)
+                raise ReplicaUnavailable(
+                    "unreachable", f"the copy on {peer} failed {sb.failed_in_row} times in "
+                                   f"a row, last: {sb.last_error}")
+            if time.monotonic() >= deadline:
+                return False, -1
+        return True, sb._since
+
+    def _take_over(self, sb: "Replicator") -> bool:
+        """The prepared stream ``sb`` becomes this one (under ``_lock``): its channel, its
+        copy's base, its log position and request-id cursor. False if its copy is not
+        complete (the caller then starts a full copy as for any new peer)."""
+        sb._stop.set()
+        sb._wake.set()
+        if not sb._lock.acquire(timeout=self.TAKE_OVER_WAIT_SECONDS):
+            return False
+        try:
+            if sb._since < 0 or sb._stub is None:
+                return False
+            if self._channel is not None:
+                self._channel.close()
+            if self._stub_peer and self.origin:
+                self._drop_peers.append(self._stub_peer)  # the former peer's copy is stale
+            self._channel, self._stub, self._stub_peer = sb._channel, sb._stub, sb._stub_peer
+            sb._channel = sb._stub = None
+            self._since, self._full_mode = sb._since, "refresh"
+            self._known_tables = set(sb._known_tables)
+            self.store.set_consumer(self.name, self._since, moved=True)
+            self.store.set_consumer(sb.name, None)
+            self.applied.move_cursor(sb.name, self.name)
+            self._copied.set()
+            self._catch_up = True
+            self.shipped_rows += sb.shipped_rows  # this PS's shipping, whichever stream
+            self.full_copies += sb.full_copies
+            self.errors += sb.errors
+        finally:
+            sb._lock.release()
+        log.info("%s: replicating to %s, whose copy was prepared (current to %d)",
+                 self.origin, self._stub_peer, self._since)
+        return True
+
+    def _discard(self, sb: "Replicator") -> None:
+        """Stop a prepared stream; its peer drops the copy (at this stream's next shipment:
+        never waited for here), and its logs are released."""
+        sb.close()
+        self.shipped_rows += sb.shipped_rows  # this PS's shipping, whichever stream
+        self.full_copies += sb.full_copies
+        self.store.set_consumer(sb.name, None)
+        self.applied.close_cursor(sb.name)
+        if sb._stub_peer and sb._stub_peer != self._stub_peer:
+            self._drop_peers.append(sb._stub_peer)
+            self._wake.set()
+        log.info("%s: the copy prepared on %s is dropped", self.origin, sb.peer)
+
+    def cancel_prepared(self) -> None:
+        """The routing change a copy was prepared for was called off: drop it."""
+        with self._next_lock:
+            sb, self._next = self._next, None
+        if sb is not None:
+            self._discard(sb)
+
+    def taking_over(self) -> bool:
+        """A prepared copy is to become the peer's at the next shipment."""
+        return self._adopting is not None
+
+    def switch_now(self, timeout: float) -> None:
+        """Take a prepared copy over now and ship it what it lacks (a delta: never a full
+        copy, which the background loop makes if the copy cannot be taken over). Bounded
+        by ``timeout``; a failure is logged and left to the background loop."""
+        if not self._lock.acquire(timeout=timeout):
+            return
+        try:
+            self._follow_peer()
+            if self._stub is None or self._since < 0 or not self._catch_up:
+                return
+            try:
+                self._ship_delta(timeout)
+            except _NeedsFull as exc:
+                self._since, self._full_mode = -1, exc.mode
+                self._wake.set()
+            except grpc.RpcError as exc:
+                self.errors += 1
+                log.warning("%s: delta to %s failed: %s", self.origin, self._stub_peer,
+                            exc.code().name)
+        finally:
+            self._lock.release()
+
+    def next_peer(self) -> tuple[str, int]:
+        """The peer a copy is prepared on and the sequence number it is current to."""
+        sb = self._next or self._adopting
+        return (sb.peer, sb.shipped_sequence()) if sb is not None else ("", -1)
 
     def hold_unowned(self, peer_after: str, owned: np.ndarray | None) -> bool:
         """A migration's background round imports into this PS, which ``peer_after``
@@ -397,7 +588,7 @@ class Replicator:
                 raise _NeedsFull("refresh", f"more than {DELTA_MAX_ROWS} rows changed")
         pre, mark = self._ungated_rounds(since)
         with self.gate.exclusive():
-            ids, lost = self.applied.take_unshipped()
+            ids, lost = self.applied.take_unshipped(self.name)
             if lost:
                 raise _NeedsFull("refresh", "more pushes than the request-id window since "
                                             "the last shipment")
@@ -408,7 +599,7 @@ class Replicator:
             try:
                 batches = pre + self._delta_batches(mark)
             except LogTrimmed as exc:
-                self.applied.requeue(ids)
+                self.applied.requeue(ids, self.name)
                 raise _NeedsFull("refresh", str(exc)) from None
         if not batches:
             batches = [_Pending("", b"")]
@@ -421,29 +612,30 @@ class Replicator:
             resp = self._stub.Replicate(wire, timeout=timeout,
                                         metadata=self._meta("delta", since))
         except grpc.RpcError as exc:
-            self.applied.requeue(ids)
+            self.applied.requeue(ids, self.name)
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the peer lacks the base
                 raise _NeedsFull("new", f"the peer refused the delta: {exc.details()}") from None
             raise
         self._known_tables.update(b.name for b in batches if b.name)
         self._since = watermark
-        self.store.set_consumer("replica", watermark, moved=True)
+        self._catch_up = False
+        self.store.set_consumer(self.name, watermark, moved=True)
         self.last_shipped = time.monotonic()
         self.shipped_rows += resp.rows
         if resp.rows >= self.LOG_DELTA_ROWS:
-            log.info("%s: delta to %s: %d rows in %.0f ms", self.origin, self.peer, resp.rows,
-                     (self.last_shipped - t0) * 1000)
+            log.info("%s: delta to %s: %d rows in %.0f ms", self.origin, self._stub_peer,
+                     resp.rows, (self.last_shipped - t0) * 1000)
         return resp.rows
 
     def _ship_full(self, timeout: float, paced: bool = False) -> int:
         """A full copy in slices (no table is copied whole), then, under the apply gate, the
         rows and tombstones written meanwhile and every remembered request id."""
         start = self.store.sequence.value
-        self.store.set_consumer("replica", start, moved=True)  # logs from the start on
+        self.store.set_consumer(self.name, start, moved=True)  # logs from the start on
         done: dict = {}
         pace = self.pace_factory() if paced and self.pace_factory is not None else None
         t0 = time.monotonic()
-        log.info("%s: full copy to %s starts (%s)", self.origin, self.peer,
+        log.info("%s: full copy to %s starts (%s)", self.origin, self._stub_peer,
                  "paced" if pace else "unpaced")
 
         def stream():
@@ -471,7 +663,7 @@ class Replicator:
             for b in pre:
                 yield b.encode(origin)
             with self.gate.exclusive():
-                self.applied.take_unshipped()  # all of them are in the snapshot
+                self.applied.take_unshipped(self.name)  # all of them are in the snapshot
                 ids = self.applied.snapshot()
                 watermark = self.store.sequence.value
                 tail = self._delta_batches(mark)  # LogTrimmed: this copy fails, try again
@@ -489,11 +681,13 @@ class Replicator:
         self._known_tables = done["tables"]
         self._since = done["watermark"]
         self._full_mode = "refresh"
-        self.store.set_consumer("replica", self._since, moved=True)
+        self._catch_up = False
+        self.store.set_consumer(self.name, self._since, moved=True)
         self.last_shipped = time.monotonic()
         self.shipped_rows += resp.rows
         self.full_copies += 1
-        log.info("%s: full copy to %s done: %d rows in %.0f ms", self.origin, self.peer,
+        self._copied.set()
+        log.info("%s: full copy to %s done: %d rows in %.0f ms", self.origin, self._stub_peer,
                  resp.rows, (time.monotonic() - t0) * 1000)
         return resp.rows
 
@@ -508,6 +702,12 @@ class Replicator:
             self._send_drops()
             if self._stub is None:
                 return
+            if self._catch_up and self._since >= 0:
+                # a prepared copy just taken over: what it lacks goes before this push
+                try:
+                    self._ship_delta(60.0)
+                except _NeedsFull as exc:
+                    self._since, self._full_mode = -1, exc.mode
             if self._since < 0:  # the peer has no base copy yet: send everything
                 self._ship_full(60.0)
                 return
@@ -541,12 +741,16 @@ class Replicator:
         """Gazer: how far the peer's copy trails this PS (sequence numbers not yet shipped,
         time since the last shipment)."""
         since = self.shipped_sequence()
+        next_peer, next_since = self.next_peer()
+        sb = self._next or self._adopting
         behind = self.store.sequence.value - since if since >= 0 else self.store.sequence.value
         return {"peer": self.peer, "behind_sequence": max(behind, 0) if self.peer else 0,
                 "since_ship_ms": (time.monotonic() - self.last_shipped) * 1000
                 if self.peer and self.last_shipped else 0.0,
                 "shipped_rows": self.shipped_rows, "errors": self.errors,
-                "sequence": self.store.sequence.value, "shipped_sequence": since}
+                "sequence": self.store.sequence.value, "shipped_sequence": since,
+                "next_peer": next_peer, "next_shipped_sequence": next_since,
+                "full_copies": self.full_copies + (sb.full_copies if sb is not None else 0)}
 
     def _loop(self) -> None:
         failed = 0  # shipments failed in a row
@@ -570,14 +774,22 @@ class Replicator:
                 # (the peer applies a delta whole or not at all), a full copy only if the
                 # peer lost its copy or this PS's logs no longer reach back that far
                 self.errors += 1
+                self.last_error = f"{exc.code().name}: {exc.details()}"
                 log.warning("replication to %s failed: %s", self.peer, exc.code().name)
-            except Exception:  # noqa: BLE001 - never let the shipping thread die
+            except Exception as exc:  # noqa: BLE001 - never let the shipping thread die
                 self.errors += 1
+                self.last_error = repr(exc)
                 log.exception("replication to %s failed", self.peer)
+            self.failed_in_row = failed
 
     def close(self) -> None:
         """Stop shipping and cancel any stream in flight: two PS stopping together would
         otherwise each wait at exit for a handler serving the other's stream."""
+        with self._next_lock:
+            extra = [sb for sb in (self._next, self._adopting) if sb is not None]
+            self._next = self._adopting = None
+        for sb in extra:
+            sb.close()
         self._stop.set()
         self._wake.set()
         got = self._lock.acquire(timeout=1)  # a shipment may be stuck: close under it anyway

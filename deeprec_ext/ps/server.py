@@ -425,7 +425,35 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                       request.sync_replication)
         log.info("%s: routing epoch %d, owns %d/%d slots", self.ps_id, request.epoch,
                  int(owned.sum()), request.num_slots)
+        if request.ps_id and request.sync_replication and self.replicator.taking_over():
+            # a prepared copy becomes the peer's: with synchronous replication, the pushes
+            # acknowledged since its last delta reach it before this answer (the routing
+            # change is not published while a failure here could lose them)
+            self.replicator.switch_now(self.SWITCH_SHIP_SECONDS)
         return True
+
+    SWITCH_SHIP_SECONDS = 5.0  # within the AIMaster's 10 s for a routing push
+    PREPARE_WAIT_MAX_SECONDS = 3600.0
+
+    def PrepareReplica(self, request, context):
+        """Make-before-break (``PrepareReplicaRequest``): keep a copy of this PS on the peer
+        a routing change is about to give it, and wait (bounded by the request and the
+        caller's deadline) for that copy to be complete."""
+        wait = validation.seconds(request.wait_seconds, "wait_seconds", 0.0,
+                                  self.PREPARE_WAIT_MAX_SECONDS)
+        if not request.peer:
+            self.replicator.cancel_prepared()
+            return ps_pb2.PrepareReplicaResponse(complete=False, sequence=-1)
+        validation.address(request.peer, "peer")
+        try:
+            complete, seq = self.replicator.prepare(
+                request.peer, min(wait, validation.within_deadline(context, wait)),
+                origin=request.ps_id)
+        except ValueError as exc:
+            self._reject(context, grpc.StatusCode.FAILED_PRECONDITION, f"prepare replica: {exc}")
+        except ReplicaUnavailable as exc:
+            self._reject(context, grpc.StatusCode.UNAVAILABLE, f"prepare replica: {exc}")
+        return ps_pb2.PrepareReplicaResponse(complete=complete, sequence=seq)
 
     # -- live migration -------------------------------------------------------------------
     MIGRATE_CHUNK_ROWS = 1 << 14  # rows per streamed batch / per table-lock hold
@@ -959,6 +987,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                            **{k: int(pol.get(k, 0))
                               for k in ("admitted", "rejected", "candidates", "evicted")})
         out.replication.CopyFrom(gazer_pb2.ReplicationStats(**self.replicator.lag()))
+        for origin, c in sorted(self.replicas.origins().items()):
+            out.replication.held.add(origin=origin, sequence=c["sequence"], rows=c["rows"],
+                                     age_ms=c["age_ms"])
 
     def SlotStats(self, request, context):
         num_slots = self.routing.num_slots
