@@ -268,13 +268,16 @@ class PsFleet:
             dst_replica_after=self.control_address(dst_replica_after) if dst_replica_after else ""),
             timeout=3600)
 
-    def prepare_replica(self, address: str, ps_id: str, peer: str,
-                        wait: float) -> ps_pb2.PrepareReplicaResponse:
+    def prepare_replica(self, address: str, ps_id: str, peer: str, wait: float,
+                        owned_after: np.ndarray | None = None) -> ps_pb2.PrepareReplicaResponse:
         """Make-before-break: the PS at ``address`` (``ps_id``) keeps a copy of itself on
-        ``peer``, its ring peer after the routing change to come; waits up to ``wait``
-        seconds for that copy to be complete. An empty ``peer`` drops such a copy."""
+        ``peer``, its ring peer after the routing change to come (only the rows of
+        ``owned_after``, its slots then); waits up to ``wait`` seconds for that copy to be
+        complete. An empty ``peer`` drops such a copy."""
         return self.stub(address).PrepareReplica(ps_pb2.PrepareReplicaRequest(
-            peer=self.control_address(peer) if peer else "", wait_seconds=wait, ps_id=ps_id),
+            peer=self.control_address(peer) if peer else "", wait_seconds=wait, ps_id=ps_id,
+            slots=b"" if owned_after is None else owned_after.astype(np.uint8).tobytes(),
+            num_slots=0 if owned_after is None else int(owned_after.size)),
             timeout=wait + 30.0)
 
     def drop_slots(self, address: str, mask: np.ndarray, num_slots: int) -> int:

@@ -135,28 +135,42 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
     # one thread per pair, and one per old PS for the fence
     with ThreadPoolExecutor(max_workers=max(1, min(8, max(len(pairs), len(old_ids))))) as pool:
         try:
+            # 0. the copies on new ring peers start streaming (not waited for yet): a
+            # destination's copy then takes its imports as deltas while they arrive
+            # (started after the snapshot, each copy was a serial 5-6 s phase at 4M rows,
+            # and the catch-up rounds after it did not converge as well)
+            for ps in sorted(rechained):
+                _prepare(fleet, address[ps], ps, rechained[ps], new_owner_ids == ps, wait=0.0)
             # 1. snapshot while serving, 2. catch-up rounds until the deltas are small
             t_round = time.monotonic()
             result.round_rows.append(sum(pool.map(lambda p: ship(p, True), pairs)))
             result.round_ms.append(round((time.monotonic() - t_round) * 1000, 3))
             result.rounds = 1
             lap("snapshot")
-            # after the snapshot: the copies then include the imported rows (prepared
-            # earlier, a destination's copy took each snapshot piece as a delta)
-            _progress(phase="prepare_replicas")
-            prepared = list(pool.map(lambda ps: _prepare(fleet, address[ps], ps, rechained[ps]),
-                                     sorted(rechained)))
-            result.prepared = dict(zip(sorted(rechained), prepared))
-            lap("prepare_replicas")
-            for _ in range(max_catchup_rounds):
-                _progress(phase="catchup", pairs_done=0)
-                t_round = time.monotonic()
-                sent = list(pool.map(lambda p: ship(p, False), pairs))
-                result.round_ms.append(round((time.monotonic() - t_round) * 1000, 3))
-                result.round_rows.append(sum(sent))
-                result.rounds += 1
-                if max(sent, default=0) <= small_delta_rows:
-                    break
+
+            def catch_up() -> None:
+                for _ in range(max_catchup_rounds):
+                    _progress(phase="catchup", pairs_done=0)
+                    t_round = time.monotonic()
+                    sent = list(pool.map(lambda p: ship(p, False), pairs))
+                    result.round_ms.append(round((time.monotonic() - t_round) * 1000, 3))
+                    result.round_rows.append(sum(sent))
+                    result.rounds += 1
+                    if max(sent, default=0) <= small_delta_rows:
+                        break
+
+            catch_up()
+            if rechained:
+                # every copy on a new peer complete before the fence, then the rows
+                # written meanwhile caught up again
+                lap("catchup")
+                _progress(phase="prepare_replicas")
+                prepared = list(pool.map(
+                    lambda ps: _prepare(fleet, address[ps], ps, rechained[ps],
+                                        new_owner_ids == ps), sorted(rechained)))
+                result.prepared = dict(zip(sorted(rechained), prepared))
+                lap("prepare_replicas")
+                catch_up()
             lap("catchup")
             # 3. fence + 4. last delta, in one call per pair: every source keeps only what
             # it keeps in the new layout, then (nothing can write its moving slots any
@@ -212,10 +226,15 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
 PREPARE_REPLICA_SECONDS = 3600.0  # a full copy of a large PS takes a while
 
 
-def _prepare(fleet: "PsFleet", address: str, ps_id: str, peer: str) -> int:
-    """A copy of the PS at ``address`` on ``peer``, complete (raises otherwise: the
-    migration then fails before its fence, and the old layout stays)."""
-    r = fleet.prepare_replica(address, ps_id, peer, PREPARE_REPLICA_SECONDS)
+def _prepare(fleet: "PsFleet", address: str, ps_id: str, peer: str, owned_after: np.ndarray,
+             wait: float = PREPARE_REPLICA_SECONDS) -> int:
+    """A copy of the PS at ``address`` on ``peer`` (the rows of ``owned_after``, its
+    slots after the change), complete (raises otherwise: the migration then fails before
+    its fence, and the old layout stays). ``wait=0``: only start it (returns -1 unless
+    it is complete already)."""
+    r = fleet.prepare_replica(address, ps_id, peer, wait, owned_after)
+    if not wait:
+        return int(r.sequence)
     if not r.complete:
         raise RuntimeError(f"the copy of {address} on {peer}, its ring peer after the "
                            f"change, was not complete within {PREPARE_REPLICA_SECONDS:.0f} s")

@@ -13,13 +13,15 @@ import pytest
 from deeprec_ext import errors
 from deeprec_ext.proto import ps_pb2
 from tests.conftest import wait_for
-from tests.test_replication_races import ALL, NONE, _create, _push, cluster  # noqa: F401
+from tests.test_replication_races import ALL, NONE, NUM_SLOTS, _create, _push, cluster  # noqa: F401
 
 
-def _prepare(ps, peer, wait: float = 60.0, ps_id: str | None = None):
+def _prepare(ps, peer, wait: float = 60.0, ps_id: str | None = None, slots=None):
     return ps.stub.PrepareReplica(ps_pb2.PrepareReplicaRequest(
         peer=peer.address if peer is not None else "", wait_seconds=wait,
-        ps_id=ps.name if ps_id is None else ps_id), timeout=wait + 30)
+        ps_id=ps.name if ps_id is None else ps_id,
+        slots=b"" if slots is None else slots.astype(np.uint8).tobytes(),
+        num_slots=0 if slots is None else slots.size), timeout=wait + 30)
 
 
 def _no_copy_of(ps, origin) -> None:
@@ -106,6 +108,27 @@ def test_a_copy_prepared_for_a_change_called_off_is_dropped(cluster):
     np.testing.assert_array_equal(b.lookup("c", keys, 1)[:, 0], 2.0)
 
 
+def test_a_prepared_copy_holds_only_the_slots_owned_after_the_change(cluster):
+    """A source gives half its slots away in the change: its prepared copy holds the other
+    half only (the given rows would be dropped right after), with pushes to both halves
+    while it is kept current."""
+    a, b, c, keys = _counters(False, cluster)
+    from deeprec_ext.hashing import slot_of
+    keeps = np.arange(NUM_SLOTS) % 2 == 0
+    kept = keeps[slot_of(keys, NUM_SLOTS)]
+    assert _prepare(a, c, slots=keeps).complete
+    _push(a, "c", keys, -1.0, rid="p2")
+    wait_for(lambda: a.replication().next_shipped_sequence >= a.replication().sequence, 30,
+             "the prepared copy to be current")
+    held = {h.origin: h.rows for h in c.replication().held}
+    assert held == {"ps-a": int(kept.sum())}, held
+    a.route(ALL, c, interval_ms=50)
+    a.wait_shipped()
+    assert c.promote(a, keeps).rows == int(kept.sum())
+    c.route(keeps, None)
+    np.testing.assert_array_equal(c.lookup("c", keys[kept], 1)[:, 0], 2.0)
+
+
 def test_bad_prepare_requests_are_refused_and_the_ps_serves_on(cluster):
     a, b, c, keys = _counters(False, cluster)
     cases = [
@@ -116,6 +139,8 @@ def test_bad_prepare_requests_are_refused_and_the_ps_serves_on(cluster):
          grpc.StatusCode.INVALID_ARGUMENT, "wait_seconds"),
         (dict(peer=c.address, wait_seconds=1, ps_id="ps-z"), grpc.StatusCode.FAILED_PRECONDITION,
          "ps-a"),
+        (dict(peer=c.address, wait_seconds=1, ps_id="ps-a", slots=b"\x01" * 5, num_slots=64),
+         grpc.StatusCode.INVALID_ARGUMENT, "slots"),
     ]
     for req, code, word in cases:
         with pytest.raises(grpc.RpcError) as info:

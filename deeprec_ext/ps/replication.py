@@ -258,6 +258,10 @@ class Replicator:
         # shipped it every imported row (a delta of 70-110k rows every 0.3 s), to a copy
         # discarded at the publish. (peer, bool mask of the slots held back) or None.
         self._held: tuple[str, np.ndarray] | None = None
+        # a prepared stream copies only the slots its PS owns after the routing change
+        # (bool per routing slot; None: every row): a source's rows of the slots it gives
+        # away would be dropped right after the change
+        self.scope: np.ndarray | None = None
         # make-before-break (``prepare``): a second stream keeps a copy of this PS on the
         # peer it will have after a routing change; the change takes it over (``_adopting``
         # until the next shipment) instead of starting a full copy there. Until that copy
@@ -282,16 +286,17 @@ class Replicator:
         # a routing push ends a migration (its publish, or the rollback's old layout whose
         # copied rows are then dropped): every row this PS owns goes to its peer again
         self._held = None
+        # the copy prepared for this peer is taken over at the next shipment; one prepared
+        # for another (a rolled back scale event) is dropped
+        drop = []
         with self._next_lock:
-            prepared, self._next = self._next, None
-            pending, self._adopting = self._adopting, None
-        for sb in (prepared, pending):
-            # the copy prepared for this peer is taken over at the next shipment; one
-            # prepared for another (a rolled back scale event) is dropped there
-            if sb is not None and (sb.peer != peer or peer == self.peer):
-                self._discard(sb)
-            elif sb is not None:
-                self._adopting = sb
+            for sb in (self._next, self._adopting):
+                if sb is not None and (sb.peer != peer or peer == self.peer):
+                    drop.append(sb)
+            keep = [sb for sb in (self._next, self._adopting) if sb is not None and sb not in drop]
+            self._next, self._adopting = None, (keep[0] if keep else None)
+        for sb in drop:
+            self._discard(sb)
         if peer != self.peer:
             if self._adopting is not None:
                 self._not_before = 0.0  # its delta goes at once: the copy is the only one
@@ -311,7 +316,8 @@ class Replicator:
             return
         if self._channel is not None:
             self._channel.close()
-        sb, self._adopting = self._adopting, None
+        with self._next_lock:  # configure may be handing one over right now
+            sb, self._adopting = self._adopting, None
         if sb is not None and sb.peer == peer and self._take_over(sb):
             return
         if sb is not None:
@@ -327,7 +333,8 @@ class Replicator:
         self.store.set_consumer(self.name, None if not peer else 0, moved=True)
 
     # -- make-before-break ------------------------------------------------------------------
-    def prepare(self, peer: str, wait: float, origin: str = "") -> tuple[bool, int]:
+    def prepare(self, peer: str, wait: float, origin: str = "",
+                scope: np.ndarray | None = None) -> tuple[bool, int]:
         """Before a routing change gives this PS the ring peer ``peer``: keep a copy of
         this PS there too (a full copy, then deltas, alongside the current peer's), so that
         the change finds it complete and a failure right after it loses nothing. Waits up
@@ -344,13 +351,14 @@ class Replicator:
                 sb = self  # already the peer: its copy is the one to wait for
             else:
                 sb = self._next
-                if sb is None or sb.peer != peer:
+                if sb is None or sb.peer != peer or not _same_scope(sb.scope, scope):
                     if sb is not None:
                         self._discard(sb)
                     self.applied.open_cursor(self.NEXT)
                     sb = Replicator(self.store, self.configs, self.applied, self.gate,
                                     name=self.NEXT)
                     sb.pace_factory = self.pace_factory
+                    sb.scope = None if scope is None else np.asarray(scope, dtype=bool)
                     sb.configure(origin, peer, self.interval * 1000.0, False)
                     self._next = sb
                     log.info("%s: preparing a copy on %s, its peer after the routing change",
@@ -475,7 +483,11 @@ class Replicator:
 
     def _owned_only(self, keys: np.ndarray, *arrays):
         """``keys`` and ``arrays`` without the rows of held slots while the channel's
-        peer is held (``hold_unowned``); else as they are."""
+        peer is held (``hold_unowned``), and of slots outside ``scope``; else as they are."""
+        scope = self.scope
+        if keys.size and scope is not None:
+            keep = scope[slot_of(keys, scope.size)]
+            keys, arrays = keys[keep], tuple(a[keep] for a in arrays)
         held = self._held
         if not keys.size or held is None or held[0] != self._stub_peer or not held[1].any():
             return (keys, *arrays)
@@ -552,6 +564,49 @@ class Replicator:
                 raise _NeedsFull("refresh", str(exc)) from None
             since = mark
         return out, since
+
+    def _copy_mask(self) -> np.ndarray:
+        """The slots a full copy reads: ``scope``, else one slot (every key maps to it)."""
+        return np.ones(1, dtype=bool) if self.scope is None else self.scope
+
+    def _ungated_stream(self, since: int, pace, out: dict):
+        """A full copy's tail (rows and tombstones written while it streamed) read outside
+        the apply gate while it is large, as ``_ungated_rounds`` does, but planned (row
+        ids only) and read chunk by chunk, pacing (or yielding the interpreter) between
+        chunks; ``out["since"]``: where the gated rest starts. A copy made during a
+        migration's imports (a scale event's prepared copy on a destination) has a tail
+        of a million rows at 4M: read in one piece, it held the interpreter for hundreds
+        of ms and stalled that PS's training calls."""
+        everything = self._copy_mask()
+        for _ in range(UNGATED_ROUNDS):
+            tables = self.store.tables()
+            if all(t.changed_at_most(since, GATED_MAX_ROWS)
+                   and t.tombstone_count_since(since, include_moved=True) <= GATED_MAX_ROWS
+                   for t in tables.values()):
+                break
+            mark = self.store.sequence.value
+            for name, table in sorted(tables.items()):
+                cfg = table_config(self.configs, name, table).SerializeToString()
+                try:
+                    deleted = table.tombstones_since(since, include_moved=True, distinct=False)
+                except LogTrimmed as exc:
+                    raise _NeedsFull("refresh", str(exc)) from None
+                if deleted.size:
+                    yield _Pending(name, cfg, deleted=deleted)
+                codes, bits = table.plan_export(everything, since)
+                for i in range(0, codes.size, CHUNK_ROWS):
+                    keys, (rows, counts), _ = table.gather_planned(
+                        codes[i:i + CHUNK_ROWS], bits, everything.size, with_counts="apart",
+                        since_seq=since)
+                    keys, rows, counts = self._owned_only(keys, rows, counts)
+                    if keys.size:
+                        yield _Pending(name, cfg, keys, rows, counts)
+                    if pace is not None:
+                        pace()
+                    else:
+                        time.sleep(0)
+            since = mark
+        out["since"] = since
 
     def ship(self, timeout: float = 60.0, paced: bool = False) -> int:
         """Send everything changed since the last shipment; returns rows sent. ``paced``:
@@ -644,7 +699,7 @@ class Replicator:
             # CPU during a scale-out (its full copy to the ring peer)
             origin = self.origin
             yield rowwire.encode(origin=origin, reset=True)
-            everything = np.ones(1, dtype=bool)  # with one slot every key maps to slot 0
+            everything = self._copy_mask()
             for name, table in sorted(self.store.tables().items()):
                 cfg = table_config(self.configs, name, table).SerializeToString()
                 # empty tables too; the rows coming are announced so that the peer sizes
@@ -659,9 +714,10 @@ class Replicator:
                         yield rowwire.encode(cfg, keys, rows, counts, origin=origin)
                     if pace is not None and row is not None:
                         pace()
-            pre, mark = self._ungated_rounds(start)  # _NeedsFull: this copy fails, try again
-            for b in pre:
+            tail: dict = {}
+            for b in self._ungated_stream(start, pace, tail):  # _NeedsFull: the copy fails
                 yield b.encode(origin)
+            mark = tail["since"]
             with self.gate.exclusive():
                 self.applied.take_unshipped(self.name)  # all of them are in the snapshot
                 ids = self.applied.snapshot()
@@ -800,6 +856,11 @@ class Replicator:
         finally:
             if got:
                 self._lock.release()
+
+
+def _same_scope(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None
+                                         and np.array_equal(a, b))
 
 
 class ReplicaUnavailable(Exception):

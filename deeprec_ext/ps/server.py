@@ -445,10 +445,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             self.replicator.cancel_prepared()
             return ps_pb2.PrepareReplicaResponse(complete=False, sequence=-1)
         validation.address(request.peer, "peer")
+        scope = self._slot_mask(request.slots, request.num_slots, context, routed=True) \
+            if request.slots else None
         try:
             complete, seq = self.replicator.prepare(
                 request.peer, min(wait, validation.within_deadline(context, wait)),
-                origin=request.ps_id)
+                origin=request.ps_id, scope=scope)
         except ValueError as exc:
             self._reject(context, grpc.StatusCode.FAILED_PRECONDITION, f"prepare replica: {exc}")
         except ReplicaUnavailable as exc:
