@@ -708,8 +708,11 @@ class Replicator:
                                      total_rows=int(len(table) * 1.02) + 64)
                 row = 0
                 while row is not None:
+                    # rows written since the start come with the tail: a copy made while
+                    # a migration imports (or a fill) sent each new row twice
                     keys, (rows, counts), _, row = table.export_slots(
-                        everything, None, row, CHUNK_ROWS, with_counts="apart")
+                        everything, None, row, CHUNK_ROWS, with_counts="apart",
+                        upto_seq=start)
                     if keys.size:
                         yield rowwire.encode(cfg, keys, rows, counts, origin=origin)
                     if pace is not None and row is not None:

@@ -1806,7 +1806,8 @@ class EmbeddingTable:
             return out
 
     def export_slots(self, slot_mask: np.ndarray, since_seq: int | None = None,
-                     row_start: int = 0, max_rows: int = 1 << 18, with_counts: bool = False):
+                     row_start: int = 0, max_rows: int = 1 << 18, with_counts: bool = False,
+                     upto_seq: int | None = None):
         """Live rows whose key's routing slot is set in ``slot_mask`` (bool [num_slots]),
         scanning arena rows [row_start, row_start + max_rows) so that a large table is
         exported in slices without holding the table lock for long.
@@ -1815,6 +1816,8 @@ class EmbeddingTable:
         reached the end of the arena. ``with_counts="apart"``: ``rows`` is a pair
         ``(float32 [m, row_width], uint32 counts [m])``, the store's layout (migration). Pass 0 first, then each ``next_row`` returned (an
         opaque cursor: with a segment, the segment's rows come first, then this table's).
+        ``upto_seq``: only rows last written at or before it (a full copy's scan: what is
+        written after its start comes with its tail, not twice).
         """
         if row_start & _SEG_CURSOR or (row_start == 0 and self._seg is not None):
             with self._lock:
@@ -1822,7 +1825,7 @@ class EmbeddingTable:
                 if seg is not None:
                     keys, rows, seqs, nxt = seg._export_slots_main(
                         self._seg_slots(slot_mask), since_seq, row_start & ~_SEG_CURSOR,
-                        max_rows, with_counts)
+                        max_rows, with_counts, upto_seq)
                     return keys, rows, seqs, (_SEG_CURSOR | nxt if nxt is not None
                                               else _MAIN_CURSOR)
             # merged meanwhile: its rows are in this table, after any row scanned so far
@@ -1830,14 +1833,15 @@ class EmbeddingTable:
         flag = row_start & _MAIN_CURSOR
         keys, rows, seqs, nxt = self._export_slots_main(slot_mask, since_seq,
                                                         row_start & ~_MAIN_CURSOR, max_rows,
-                                                        with_counts)
+                                                        with_counts, upto_seq)
         return keys, rows, seqs, (None if nxt is None else nxt | flag)
 
-    def _export_slots_main(self, slot_mask, since_seq, row_start, max_rows, with_counts):
+    def _export_slots_main(self, slot_mask, since_seq, row_start, max_rows, with_counts,
+                           upto_seq=None):
         threshold = 0 if since_seq is None else max(int(since_seq), 0)
         num_slots = int(slot_mask.size)
         with self._lock:
-            if since_seq is not None and row_start == 0:  # the change log, if it answers
+            if since_seq is not None and row_start == 0 and upto_seq is None:  # the change log
                 sel = self._changed_rows(threshold)
                 if sel is not None and sel.size <= max_rows:
                     keys = self._row_key.take(sel)
@@ -1850,7 +1854,8 @@ class EmbeddingTable:
                     return self._row_key.take(sel), block, self._row_seq.take(sel), None
             stop = min(self._hwm, row_start + max_rows)
             seqs = self._row_seq[row_start:stop]
-            sel = np.flatnonzero(seqs > threshold)
+            sel = np.flatnonzero(seqs > threshold if upto_seq is None
+                                 else (seqs > threshold) & (seqs <= upto_seq))
             if sel.size:
                 keys = self._row_key[row_start:stop].take(sel)
                 sel = sel[slot_mask[slot_of(keys, num_slots)]]
