@@ -347,15 +347,19 @@ def test_restarted_aimaster_resumes_from_checkpoint(tmp_path):
         second.stop()
 
 
-@pytest.mark.parametrize("direction", ["in", "out"])
-def test_a_ps_dying_right_after_a_ring_change_loses_no_row(start_job, direction):
-    """A scale event gives ps-1 another ring peer (scale-in 3 -> 2: ps-0 instead of the
-    leaving ps-2; scale-out 2 -> 3: the new ps-2 instead of ps-0). ps-1 is killed the
-    moment the event ends: its new peer must already hold every acknowledged update (its
-    copy was made before the routing changed). Before, that peer had nothing of ps-1 until
-    a full copy seconds later, and the job failed without a checkpoint."""
+@pytest.mark.parametrize("direction,victim,new_peer",
+                         [("in", "ps-1", "ps-0"), ("out", "ps-1", "ps-2"), ("out", "ps-2", "ps-0")])
+def test_a_ps_dying_right_after_a_ring_change_loses_no_row(start_job, direction, victim,
+                                                           new_peer):
+    """A scale event gives a PS another ring peer (scale-in 3 -> 2: ps-1 replicates to ps-0
+    instead of the leaving ps-2; scale-out 2 -> 3: ps-1 to the new ps-2 instead of ps-0,
+    and the new ps-2, which imported its rows, to ps-0). That PS is killed the moment the
+    event ends: its new peer must already hold every acknowledged update (its copy was
+    made before the routing changed). Before, that peer had nothing of it until a full
+    copy seconds later, and the job failed without a checkpoint."""
     before_n, after_n = (3, 2) if direction == "in" else (2, 3)
-    job = start_job({"name": f"rering-{direction}", "ps": {"replicas": before_n, "max_replicas": 3},
+    job = start_job({"name": f"rering-{direction}-{victim}",
+                     "ps": {"replicas": before_n, "max_replicas": 3},
                      "replication": {"mode": "sync"}}, ["--workers", "0"])
     client = PSClient.connect(job.address, timeout=60)
     client.create_table("c", dim=1, initializer="zeros", optimizer={"name": "sgd", "learning_rate": 1.0})
@@ -363,10 +367,10 @@ def test_a_ps_dying_right_after_a_ring_change_loses_no_row(start_job, direction)
     client.push("c", ids, -np.ones((ids.size, 1), np.float32))
     client.push("c", ids, -np.ones((ids.size, 1), np.float32))
     ev = scale(job, "--ps", str(after_n))
-    os.kill(pids(job, "ps")["ps-1"], signal.SIGKILL)
-    rec = wait_for(lambda: next((r for r in _events(job, "recovery") if r["dead"] == "ps-1"),
-                                None), 60, "ps-1's recovery")
-    assert rec["promoted_on"] == ("ps-0" if direction == "in" else "ps-2"), rec
+    os.kill(pids(job, "ps")[victim], signal.SIGKILL)
+    rec = wait_for(lambda: next((r for r in _events(job, "recovery") if r["dead"] == victim),
+                                None), 60, f"{victim}'s recovery")
+    assert rec["promoted_on"] == new_peer, rec
     assert rec["restored_from_checkpoint"] is None, rec
     wait_for(lambda: job.status()["phase"] == "running", 120, "the job to run on")
     got = client.lookup("c", ids, insert_missing=False)[:, 0]
@@ -374,7 +378,7 @@ def test_a_ps_dying_right_after_a_ring_change_loses_no_row(start_job, direction)
     assert lost == 0, (lost, np.unique(got, return_counts=True), json.dumps(rec))
     client.push("c", ids, -np.ones((ids.size, 1), np.float32))  # the job serves on
     np.testing.assert_array_equal(client.lookup("c", ids, insert_missing=False)[:, 0], 3)
-    assert "ps-1" in ev["prepared_replicas"], ev
-    print(f"scale-{direction}, ps-1 killed at once: {ids.size} keys all kept "
+    assert victim in ev["prepared_replicas"], ev
+    print(f"scale-{direction}, {victim} killed at once: {ids.size} keys all kept "
           f"(recovery: {json.dumps(rec)})")
     client.close()
