@@ -33,7 +33,7 @@ def test_schedule_is_a_function_of_the_seed():
 @pytest.mark.timeout(900)
 def test_short_soak_sync_replication_loses_nothing(tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "soak.py"), "--seed", str(SEED),
-           "--minutes", "3", "--events-per-minute", "6", "--replication", "sync",
+           "--minutes", "2", "--events-per-minute", "8", "--replication", "sync",
            "--ps", "3", "--workers", "2", "--records", "81000", *(["--skip", ",".join(SKIP)] if SKIP else []),
            "--workdir", str(tmp_path / "soak")]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=840)
