@@ -525,6 +525,66 @@ def test_a_failed_migration_leaves_no_copied_rows_on_its_destination(two_ps, fai
     fleet.close()
 
 
+class _FailingPrepareFleet(PsFleet):
+    """A real fleet whose wait for a prepared copy fails (the future peer unreachable,
+    as the PS answers it: UNAVAILABLE after 3 failed tries)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def prepare_replica(self, address, ps_id, peer, wait, owned_after=None):
+        self.calls.append((ps_id, peer, wait))
+        if peer and wait > 0:
+            raise RuntimeError("injected: the copy on the new peer failed 3 times in a row")
+        return super().prepare_replica(address, ps_id, peer, wait, owned_after)
+
+
+def test_a_copy_on_a_new_ring_peer_that_cannot_be_made_calls_the_scale_in_off():
+    """Scale-in 3 -> 2: ps-1's ring peer would change from the leaving ps-2 to ps-0, so
+    ps-1 prepares a copy on ps-0 as the migration starts. When that copy cannot be
+    completed the migration fails before its fence: no PS changed epoch, the rows copied
+    to the destinations are dropped, the prepared copy is dropped, every row stays."""
+    from aimaster.migration import MigrationError, migrate
+    from deeprec_ext import codec
+    from deeprec_ext.proto import ps_pb2
+    servers = [_PS(f"ps-{i}") for i in range(3)]
+    fleet = _FailingPrepareFleet()
+    try:
+        addrs, n = [s.address for s in servers], 12
+        owner = np.array([0, 1, 2] * 4, np.int32)
+        old = RoutingTable(fleet.next_epoch(), n, ("ps-0", "ps-1", "ps-2"), tuple(addrs), owner)
+        assert fleet.publish(old, lambda ps_id: True) == []
+        for a in addrs:
+            fleet.stub(a).CreateTable(ps_pb2.CreateTableRequest(config=ps_pb2.TableConfig(
+                name="t", dim=2, initializer_json='{"name": "zeros"}',
+                optimizer_json='{"name": "sgd", "learning_rate": 1.0}')), timeout=10)
+        keys = np.arange(1, 30001, dtype=np.int64)
+        by_ps = owner[slot_of(keys, n)]
+        for p, a in enumerate(addrs):
+            fleet.stub(a).Push(ps_pb2.PushRequest(epoch=old.epoch, tables=[ps_pb2.TableUpdate(
+                table="t", ids=codec.ids_to_bytes(keys[by_ps == p]),
+                values=codec.floats_to_bytes(-np.ones((int((by_ps == p).sum()), 2),
+                                                      np.float32)))]), timeout=30)
+        new_owner = np.where(owner == 2, np.arange(n) % 2, owner).astype(np.int32)
+        with pytest.raises(MigrationError, match="3 times in a row"):
+            migrate(fleet, old, new_owner, ["ps-0", "ps-1"], addrs[:2],
+                    lambda routing: fleet.publish(routing, lambda ps_id: True))
+        assert ("ps-1", addrs[0], 0.0) in fleet.calls  # started with the migration...
+        assert ("ps-1", "", 0.0) in fleet.calls        # ...and called off
+        for p, s in enumerate(servers):
+            assert s.servicer.routing.epoch == old.epoch  # never fenced
+            assert s.servicer.replicator.next_peer()[0] == ""
+            t = s.servicer.store.get("t")
+            assert t.size == int((by_ps == p).sum()), (p, t.size)  # copied rows dropped
+            np.testing.assert_array_equal(
+                t.lookup(keys[by_ps == p], insert_missing=False), 1.0)
+    finally:
+        fleet.close()
+        for s in servers:
+            s.stop()
+
+
 def test_a_last_round_with_the_fence_moves_every_row_and_refuses_bad_fences(two_ps):
     """The last round carries its source's fence (one call instead of two): the source
     refuses writes to the moved slots from then on and the destination holds every row of
