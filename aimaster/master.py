@@ -1334,7 +1334,7 @@ class JobMaster:
                     old, rest, live if peer_answered else live - {peer}, dead, why,
                     onto=peer if uncopied.any() and peer_answered else None,
                     copy_gone=f"its replica peer {peer} holds no complete copy of it (a new "
-                    "peer after a scale event or a recovery: its full copy had not completed)"
+                    "peer after a recovery, whose full copy had not completed)"
                     if peer_answered else "its replica peer is not alive")
                 if target is None:
                     return
