@@ -237,7 +237,7 @@ def _prepare(fleet: "PsFleet", address: str, ps_id: str, peer: str, owned_after:
         return int(r.sequence)
     if not r.complete:
         raise RuntimeError(f"the copy of {address} on {peer}, its ring peer after the "
-                           f"change, was not complete within {PREPARE_REPLICA_SECONDS:.0f} s")
+                           f"change, was not complete within {wait:.0f} s")
     return int(r.sequence)
 
 

@@ -560,25 +560,31 @@ def test_failed_deltas_are_retried_from_their_base_and_big_ones_become_full_copi
 
 def test_large_deltas_are_read_outside_the_apply_gate_and_the_copy_stays_exact(monkeypatch):
     """Rows written during a full copy (and a large delta) are read in rounds outside the
-    apply gate, which stops every push: only the last, small part is read under it. The
-    peer's copy still equals the primary's table, deletions included."""
+    apply gate, which stops every push, chunk by chunk: only the last, small part is read
+    under it. The peer's copy still equals the primary's table, deletions included."""
     from deeprec_ext.ps import replication
     monkeypatch.setattr(replication, "GATED_MAX_ROWS", 64)
     monkeypatch.setattr(replication, "CHUNK_ROWS", 256)
     t, peer, rep = _table_with_local_peer(5000)
-    reads = []  # changed rows read per round
+    gated = []  # (rows, tombstones) read under the gate, per shipment
     real = rep._delta_batches
-    writes = iter(range(3))
 
     def delta_batches(since):
         out = real(since)
-        reads.append(sum(b.ids.size for b in out))
-        if next(writes, None) is not None:  # "pushes" land while the copy streams
-            t.apply_gradients(np.arange(1000), np.ones((1000, 4), np.float32))
-            t.delete(np.arange(4990 - len(reads), 5000 - len(reads) * 5))
+        gated.append((sum(b.ids.size for b in out),
+                      sum(0 if b.deleted is None else b.deleted.size for b in out)))
         return out
 
     monkeypatch.setattr(rep, "_delta_batches", delta_batches)
+    ungated_tombstones = []
+    stream = rep._ungated_stream
+
+    def ungated(*a, **kw):
+        for b in stream(*a, **kw):
+            ungated_tombstones.append(0 if b.deleted is None else b.deleted.size)
+            yield b
+
+    monkeypatch.setattr(rep, "_ungated_stream", ungated)
     first = t.export_slots  # the full scan: rows change under it too
 
     def scan(*a, **kw):
@@ -586,8 +592,8 @@ def test_large_deltas_are_read_outside_the_apply_gate_and_the_copy_stays_exact(m
         return first(*a, **kw)
 
     monkeypatch.setattr(t, "export_slots", scan)
-    # a full copy's tail is planned and read chunk by chunk (gather_planned), with
-    # "pushes" landing between its chunks too
+    # the ungated rounds are planned and read chunk by chunk (gather_planned), with
+    # "pushes" landing between the chunks
     chunks = []
     gather = t.gather_planned
     tail_writes = iter(range(3))
@@ -601,27 +607,30 @@ def test_large_deltas_are_read_outside_the_apply_gate_and_the_copy_stays_exact(m
         return out
 
     monkeypatch.setattr(t, "gather_planned", gather_chunk)
-    writes = iter(())
     rep.ship()
     monkeypatch.setattr(t, "export_slots", first)
-    monkeypatch.setattr(t, "gather_planned", gather)
     assert peer.kinds == ["full-new"]
     # the tail was read ungated in chunks of at most CHUNK_ROWS...
     assert len(chunks) >= 2 and sum(chunks) > 64 and max(chunks) <= 256, chunks
-    assert len(reads) == 1 and reads[0] <= 1000, reads  # ...the gated rest is small
+    assert len(gated) == 1 and gated[0][0] <= 1000, gated  # ...the gated rest is small
     _same_rows(t, peer.replicas.copies["ps-a"].store["c"])
-    reads.clear()
-    writes = iter(range(2))
+    # a large delta, pushes landing while it is read
+    chunks.clear(), gated.clear()
+    tail_writes = iter(range(2))
     t.apply_gradients(np.arange(3000, 4000), np.ones((1000, 4), np.float32))
     rep.ship()
-    assert peer.kinds[-1] == "delta" and len(reads) >= 2, (peer.kinds, reads)
+    assert peer.kinds[-1] == "delta", peer.kinds
+    assert len(chunks) >= 2 and sum(chunks) >= 1000 and max(chunks) <= 256, chunks
+    assert len(gated) == 1 and gated[0][0] <= 1000, gated
     _same_rows(t, peer.replicas.copies["ps-a"].store["c"])
     # a migration's clean-up: many "moved" tombstones and no changed row
-    reads.clear()
-    writes = iter(())
+    chunks.clear(), gated.clear(), ungated_tombstones.clear()
+    tail_writes = iter(())
     t.delete(np.arange(0, 3000), log_tombstone=False, moved=True)
     rep.ship()
-    assert peer.kinds[-1] == "delta" and len(reads) >= 2, (peer.kinds, reads)
+    assert peer.kinds[-1] == "delta", peer.kinds
+    assert sum(ungated_tombstones) >= 3000, ungated_tombstones  # read ungated...
+    assert len(gated) == 1 and gated[0][1] <= 64, gated  # ...not under the gate
     _same_rows(t, peer.replicas.copies["ps-a"].store["c"])
 
 

@@ -290,11 +290,13 @@ class Replicator:
         # for another (a rolled back scale event) is dropped
         drop = []
         with self._next_lock:
-            for sb in (self._next, self._adopting):
-                if sb is not None and (sb.peer != peer or peer == self.peer):
+            prepared = [sb for sb in (self._next, self._adopting) if sb is not None]
+            self._next = self._adopting = None
+            for sb in prepared:
+                if sb.peer == peer and peer != self.peer and self._adopting is None:
+                    self._adopting = sb
+                else:
                     drop.append(sb)
-            keep = [sb for sb in (self._next, self._adopting) if sb is not None and sb not in drop]
-            self._next, self._adopting = None, (keep[0] if keep else None)
         for sb in drop:
             self._discard(sb)
         if peer != self.peer:
@@ -379,9 +381,10 @@ class Replicator:
         return True, sb._since
 
     def _take_over(self, sb: "Replicator") -> bool:
-        """The prepared stream ``sb`` becomes this one (under ``_lock``): its channel, its
-        copy's base, its log position and request-id cursor. False if its copy is not
-        complete (the caller then starts a full copy as for any new peer)."""
+        """The prepared stream ``sb`` becomes this one (under ``_lock``; ``_follow_peer``
+        closed the former channel): its channel, its copy's base, its log position and
+        request-id cursor. False if its copy is not complete (the caller then starts a
+        full copy as for any new peer)."""
         sb._stop.set()
         sb._wake.set()
         if not sb._lock.acquire(timeout=self.TAKE_OVER_WAIT_SECONDS):
@@ -389,8 +392,6 @@ class Replicator:
         try:
             if sb._since < 0 or sb._stub is None:
                 return False
-            if self._channel is not None:
-                self._channel.close()
             if self._stub_peer and self.origin:
                 self._drop_peers.append(self._stub_peer)  # the former peer's copy is stale
             self._channel, self._stub, self._stub_peer = sb._channel, sb._stub, sb._stub_peer
@@ -541,45 +542,32 @@ class Replicator:
         return out
 
     def _ungated_rounds(self, since: int) -> tuple[list, int]:
-        """Deltas (rows and tombstones) read outside the apply gate while they are large;
-        returns the batches and the sequence number the gated rest starts from. The gate
-        stops every push on
-        this PS: reading a delta of hundreds of thousands of rows under it (the rows
-        written during a full copy on a busy PS) stalled training for seconds. A row
-        written during a round has a newer sequence number and is read again by the next
-        round or the gated one, which also sends the request ids of every push it holds."""
-        out = []
-        for _ in range(UNGATED_ROUNDS):
-            tables = self.store.tables().values()
-            # tombstones too: the "moved" ones of a migration's clean-up (every key of the
-            # slots that left) made each gated read sort hundreds of thousands of keys
-            if all(t.changed_at_most(since, GATED_MAX_ROWS)
-                   and t.tombstone_count_since(since, include_moved=True) <= GATED_MAX_ROWS
-                   for t in tables):
-                break
-            mark = self.store.sequence.value
-            try:
-                out.extend(self._delta_batches(since))
-            except LogTrimmed as exc:
-                raise _NeedsFull("refresh", str(exc)) from None
-            since = mark
-        return out, since
+        """``_ungated_stream`` gathered (a delta is sent whole): the batches and the
+        sequence number the gated rest starts from."""
+        out: dict = {}
+        batches = list(self._ungated_stream(since, None, out))
+        return batches, out["since"]
 
     def _copy_mask(self) -> np.ndarray:
         """The slots a full copy reads: ``scope``, else one slot (every key maps to it)."""
         return np.ones(1, dtype=bool) if self.scope is None else self.scope
 
     def _ungated_stream(self, since: int, pace, out: dict):
-        """A full copy's tail (rows and tombstones written while it streamed) read outside
-        the apply gate while it is large, as ``_ungated_rounds`` does, but planned (row
-        ids only) and read chunk by chunk, pacing (or yielding the interpreter) between
-        chunks; ``out["since"]``: where the gated rest starts. A copy made during a
-        migration's imports (a scale event's prepared copy on a destination) has a tail
-        of a million rows at 4M: read in one piece, it held the interpreter for hundreds
-        of ms and stalled that PS's training calls."""
+        """Rows and tombstones written since ``since``, read outside the apply gate while
+        they are large (the gate stops every push on this PS: reading hundreds of
+        thousands of rows under it, the rows written during a full copy on a busy PS,
+        stalled training for seconds). A row written during a round has a newer sequence
+        number and is read again by the next round or by the gated rest, which also sends
+        the request ids of every push it holds; ``out["since"]``: where that rest starts.
+        Each round is planned (row ids only) and read chunk by chunk, pacing (or yielding
+        the interpreter) between chunks: a copy made during a migration's imports has a
+        tail of a million rows at 4M, and read in one piece it held the interpreter for
+        hundreds of ms."""
         everything = self._copy_mask()
         for _ in range(UNGATED_ROUNDS):
             tables = self.store.tables()
+            # tombstones too: the "moved" ones of a migration's clean-up (every key of the
+            # slots that left) made each gated read sort hundreds of thousands of keys
             if all(t.changed_at_most(since, GATED_MAX_ROWS)
                    and t.tombstone_count_since(since, include_moved=True) <= GATED_MAX_ROWS
                    for t in tables.values()):
