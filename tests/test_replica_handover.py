@@ -4,6 +4,7 @@ is about to give it, the routing push takes that copy over (no new full copy), o
 names another peer drops it. Every counter is checked exactly."""
 from __future__ import annotations
 
+import signal
 import time
 
 import grpc
@@ -169,3 +170,26 @@ def test_a_copy_on_an_unreachable_peer_is_refused_as_unavailable(cluster):
     _push(a, "c", keys, -1.0, rid="p2")
     a.wait_shipped()
     assert b.promote(a, ALL).rows == keys.size
+
+
+def test_a_ps_stopping_while_it_waits_for_a_copy_exits_in_seconds(cluster):
+    """SIGTERM to a PS whose copy on its future peer cannot finish (the peer is frozen):
+    the PrepareReplica waiting for it is answered UNAVAILABLE at once and the process
+    exits in seconds. The wait used to run to its end (an hour for the AIMaster's) and
+    its handler thread kept the stopping process alive until the launcher's SIGKILL."""
+    a, b, c, keys = _counters(False, cluster)
+    c.proc.send_signal(signal.SIGSTOP)  # takes the stream, never answers
+    try:
+        waiting = a.stub.PrepareReplica.future(ps_pb2.PrepareReplicaRequest(
+            peer=c.address, wait_seconds=600, ps_id=a.name), timeout=630)
+        time.sleep(1.0)
+        assert not waiting.done()  # the copy cannot complete
+        t0 = time.monotonic()
+        a.proc.terminate()
+        a.proc.wait(20)
+        assert time.monotonic() - t0 < 10, "the PS took too long to exit after SIGTERM"
+        with pytest.raises(grpc.RpcError) as info:
+            waiting.result(timeout=10)
+        assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+    finally:
+        c.proc.send_signal(signal.SIGCONT)

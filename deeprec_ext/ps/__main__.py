@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from deeprec_ext import auth
 from deeprec_ext.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, create_server
@@ -180,7 +181,28 @@ def main(argv: list[str] | None = None) -> int:
     control_stopped = control.stop(grace=2)
     if not (server.stop(grace=2).wait(10) and control_stopped.wait(5)):
         log.warning("PS %s: the gRPC server did not finish stopping; exiting anyway", servicer.ps_id)
+    _exit_bounded(servicer.ps_id)
     return 0
+
+
+EXIT_JOIN_SECONDS = 5.0
+
+
+def _exit_bounded(ps_id: str) -> None:
+    """Python joins every non-daemon thread at exit, gRPC's handler threads among them: a
+    handler still busy (a call the server stop cancelled but whose code runs on) would
+    keep this process alive until the launcher's SIGKILL. Give them a few seconds, then
+    leave without them."""
+    deadline = time.monotonic() + EXIT_JOIN_SECONDS
+    busy = [t for t in threading.enumerate()
+            if t is not threading.main_thread() and not t.daemon]
+    for t in busy:
+        t.join(max(0.0, deadline - time.monotonic()))
+    left = [t.name for t in busy if t.is_alive()]
+    if left:
+        log.warning("PS %s: threads %s still busy at exit; exiting without them", ps_id, left)
+        logging.shutdown()
+        os._exit(0)
 
 
 if __name__ == "__main__":

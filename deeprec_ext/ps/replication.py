@@ -336,13 +336,17 @@ class Replicator:
 
     # -- make-before-break ------------------------------------------------------------------
     def prepare(self, peer: str, wait: float, origin: str = "",
-                scope: np.ndarray | None = None) -> tuple[bool, int]:
+                scope: np.ndarray | None = None,
+                caller_waits=lambda: True) -> tuple[bool, int]:
         """Before a routing change gives this PS the ring peer ``peer``: keep a copy of
         this PS there too (a full copy, then deltas, alongside the current peer's), so that
         the change finds it complete and a failure right after it loses nothing. Waits up
         to ``wait`` seconds for that copy to be complete; returns (complete, the sequence
         number it is current to, -1 while incomplete). Asked again for the same peer it
-        only waits; for another peer, the earlier copy is dropped."""
+        only waits; for another peer, the earlier copy is dropped. The wait ends early
+        when ``caller_waits()`` turns false (the RPC was cancelled) and, with
+        ``ReplicaUnavailable``, when this PS stops: a handler left waiting would keep a
+        stopping process alive for the rest of an hour's wait."""
         if origin and self.origin and origin != self.origin:
             raise ValueError(f"this PS is {self.origin}, not {origin}")
         origin = self.origin or origin
@@ -376,7 +380,11 @@ class Replicator:
                 raise ReplicaUnavailable(
                     "unreachable", f"the copy on {peer} failed {sb.failed_in_row} times in "
                                    f"a row, last: {sb.last_error}")
-            if time.monotonic() >= deadline:
+            if self._stop.is_set() or sb._stop.is_set():
+                raise ReplicaUnavailable(
+                    "stopping", f"the copy on {peer} was stopped before it was complete "
+                                "(this PS is stopping or the copy was called off)")
+            if time.monotonic() >= deadline or not caller_waits():
                 return False, -1
         return True, sb._since
 

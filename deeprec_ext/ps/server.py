@@ -450,7 +450,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         try:
             complete, seq = self.replicator.prepare(
                 request.peer, min(wait, validation.within_deadline(context, wait)),
-                origin=request.ps_id, scope=scope)
+                origin=request.ps_id, scope=scope, caller_waits=context.is_active)
         except ValueError as exc:
             self._reject(context, grpc.StatusCode.FAILED_PRECONDITION, f"prepare replica: {exc}")
         except ReplicaUnavailable as exc:
