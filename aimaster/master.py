@@ -1070,7 +1070,8 @@ class JobMaster:
             placement.balance(old.slot_owner, old_ids, new_ids, loads)
         with self._around_migration():
             return migrate(self.fleet, old, new_owner, new_ids,
-                           [addresses[i] for i in new_ids], self._publish)
+                           [addresses[i] for i in new_ids], self._publish,
+                           stopping=lambda: self._closing)
 
     def _replace_op(self, slow: str, detail: dict, timeout: float) -> dict:
         self._require_running()

@@ -65,12 +65,21 @@ class MigrationError(RuntimeError):
     """A migration step failed; the old layout was restored at a newer epoch."""
 
 
+class MigrationCancelled(RuntimeError):
+    """The AIMaster is stopping: called off before the fence (nothing changed hands)."""
+
+
 def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids: list[str],
             new_addresses: list[str], publish: Callable[[RoutingTable], None],
-            small_delta_rows: int = 2000, max_catchup_rounds: int = 4) -> MigrationResult:
+            small_delta_rows: int = 2000, max_catchup_rounds: int = 4,
+            stopping: Callable[[], bool] = lambda: False) -> MigrationResult:
     """Move slots from the ``old`` layout to ``new_owner`` (indices into ``new_ids``), then
     call ``publish`` with the new routing table before cleaning up. Epochs: the fence takes
-    one from the fleet, the new layout the next (a PS only ever moves forward)."""
+    one from the fleet, the new layout the next (a PS only ever moves forward).
+
+    ``stopping()`` true (the AIMaster is shutting down) calls the migration off at its next
+    step before the fence, rolled back like any failure while the PS still answer; from the
+    fence on it finishes (a fenced layout is left only by a publish)."""
     old_owner_ids = np.asarray(old.ps_ids, dtype=object)[old.slot_owner]
     new_owner_ids = np.asarray(new_ids, dtype=object)[new_owner]
     address = dict(zip(old.ps_ids, old.ps_addresses))
@@ -100,6 +109,10 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
     # scale event found none (its updates since the last checkpoint lost, or the job)
     rechained = {ps: ring_after[ps] for ps in new_ids
                  if ring_after[ps] and ring_after[ps] != ring_before.get(ps)}
+
+    def check_stop() -> None:
+        if stopping():
+            raise MigrationCancelled("the AIMaster is stopping")
 
     def ship(pair, first: bool, last: bool = False):
         src, dst = pair
@@ -142,6 +155,7 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
             for ps in sorted(rechained):
                 _prepare(fleet, address[ps], ps, rechained[ps], new_owner_ids == ps, wait=0.0)
             # 1. snapshot while serving, 2. catch-up rounds until the deltas are small
+            check_stop()
             t_round = time.monotonic()
             result.round_rows.append(sum(pool.map(lambda p: ship(p, True), pairs)))
             result.round_ms.append(round((time.monotonic() - t_round) * 1000, 3))
@@ -150,6 +164,7 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
 
             def catch_up() -> None:
                 for _ in range(max_catchup_rounds):
+                    check_stop()
                     _progress(phase="catchup", pairs_done=0)
                     t_round = time.monotonic()
                     sent = list(pool.map(lambda p: ship(p, False), pairs))
@@ -167,11 +182,13 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
                 _progress(phase="prepare_replicas")
                 prepared = list(pool.map(
                     lambda ps: _prepare(fleet, address[ps], ps, rechained[ps],
-                                        new_owner_ids == ps), sorted(rechained)))
+                                        new_owner_ids == ps, stopping=stopping),
+                    sorted(rechained)))
                 result.prepared = dict(zip(sorted(rechained), prepared))
                 lap("prepare_replicas")
                 catch_up()
             lap("catchup")
+            check_stop()
             # 3. fence + 4. last delta, in one call per pair: every source keeps only what
             # it keeps in the new layout, then (nothing can write its moving slots any
             # more) ships what changed since the last round; the new owners also learn
@@ -209,8 +226,10 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
                 except Exception:  # noqa: BLE001 - reported with the migration's error
                     log.exception("rollback to the old layout failed")
             if rolled_back:
-                _drop_copied(fleet, masks, address, old.num_slots)
-            _cancel_prepared(fleet, {ps: address[ps] for ps in rechained})
+                _drop_copied(fleet, masks, address, old.num_slots, stopping)
+            _cancel_prepared(fleet, {ps: address[ps] for ps in rechained}, stopping)
+            if isinstance(exc, MigrationCancelled):
+                raise MigrationError(f"slot migration called off: {exc}") from exc
             raise MigrationError(f"slot migration failed: {exc}") from exc
     # 6. free the moved rows on sources that stay (leaving PS exit anyway)
     _progress(phase="cleanup")
@@ -224,53 +243,66 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
 
 
 PREPARE_REPLICA_SECONDS = 3600.0  # a full copy of a large PS takes a while
+PREPARE_POLL_SECONDS = 2.0  # the wait is asked for in pieces: a stopping AIMaster leaves
 
 
 def _prepare(fleet: "PsFleet", address: str, ps_id: str, peer: str, owned_after: np.ndarray,
-             wait: float = PREPARE_REPLICA_SECONDS) -> int:
+             wait: float = PREPARE_REPLICA_SECONDS,
+             stopping: Callable[[], bool] = lambda: False) -> int:
     """A copy of the PS at ``address`` on ``peer`` (the rows of ``owned_after``, its
     slots after the change), complete (raises otherwise: the migration then fails before
     its fence, and the old layout stays). ``wait=0``: only start it (returns -1 unless
-    it is complete already)."""
-    r = fleet.prepare_replica(address, ps_id, peer, wait, owned_after)
-    if not wait:
-        return int(r.sequence)
-    if not r.complete:
-        raise RuntimeError(f"the copy of {address} on {peer}, its ring peer after the "
-                           f"change, was not complete within {wait:.0f} s")
-    return int(r.sequence)
+    it is complete already). Waits in pieces (asked again, the PS only waits), so that
+    ``stopping()`` ends the wait (``MigrationCancelled``)."""
+    deadline = time.monotonic() + wait
+    while True:
+        piece = min(PREPARE_POLL_SECONDS, max(0.0, deadline - time.monotonic()))
+        r = fleet.prepare_replica(address, ps_id, peer, piece, owned_after)
+        if not wait or r.complete:
+            return int(r.sequence)
+        if stopping():
+            raise MigrationCancelled("the AIMaster is stopping")
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"the copy of {address} on {peer}, its ring peer after the "
+                               f"change, was not complete within {wait:.0f} s")
 
 
-def _cancel_prepared(fleet: "PsFleet", addresses: dict) -> None:
+def _cancel_prepared(fleet: "PsFleet", addresses: dict,
+                     stopping: Callable[[], bool] = lambda: False) -> None:
     """After a failed migration: the copies prepared for the new ring are dropped (best
     effort: left, a copy is shipped deltas until the next routing push)."""
     for ps_id, address in addresses.items():
         try:
             fleet.prepare_replica(address, ps_id, "", 0.0)
         except Exception:  # noqa: BLE001 - a PS that is gone has nothing to drop
-            log.info("could not drop the copy %s prepared", ps_id, exc_info=True)
+            log.info("could not drop the copy %s prepared", ps_id, exc_info=not stopping())
 
 
 DROP_RETRY_SECONDS = (0.2, 1.0)  # short: a queued recovery waits behind this operation
 
 
 def _drop_with_retries(fleet: "PsFleet", address: str, mask: np.ndarray,
-                       num_slots: int) -> int | None:
+                       num_slots: int, stopping: Callable[[], bool] = lambda: False) -> int | None:
     """Drop the rows of ``mask``'s slots on a PS that does not own them, retried: left
     there, they are not just memory. A later promotion of those slots onto this PS, or a
     move of them back to it, would serve its stale copy of a key deleted meanwhile by the
-    owner. Returns the rows dropped, or None when every attempt failed (logged)."""
+    owner. Returns the rows dropped, or None when every attempt failed (logged). One
+    attempt only once the AIMaster is stopping (its members stop with it)."""
     for attempt, pause in enumerate((0.0, *DROP_RETRY_SECONDS)):
         time.sleep(pause)
         try:
             return fleet.drop_slots(address, mask, num_slots)
         except Exception:  # noqa: BLE001 - retried, then reported
+            last = attempt == len(DROP_RETRY_SECONDS) or stopping()
             log.warning("could not drop rows of slots it does not own on %s (attempt %d)",
-                        address, attempt + 1, exc_info=attempt == len(DROP_RETRY_SECONDS))
+                        address, attempt + 1, exc_info=last and not stopping())
+            if last:
+                break
     return None
 
 
-def _drop_copied(fleet: "PsFleet", masks: dict, address: dict, num_slots: int) -> None:
+def _drop_copied(fleet: "PsFleet", masks: dict, address: dict, num_slots: int,
+                 stopping: Callable[[], bool] = lambda: False) -> None:
     """After a failed migration (the old layout in force again): the destinations drop
     what the snapshot and catch-up rounds copied to them, rows of slots they never
     owned. A destination that is gone (a new PS the caller retires) is skipped."""
@@ -278,4 +310,4 @@ def _drop_copied(fleet: "PsFleet", masks: dict, address: dict, num_slots: int) -
     for (_, dst), mask in masks.items():
         by_dst[dst] = by_dst[dst] | mask if dst in by_dst else mask.copy()
     for dst, mask in by_dst.items():
-        _drop_with_retries(fleet, address[dst], mask, num_slots)
+        _drop_with_retries(fleet, address[dst], mask, num_slots, stopping)

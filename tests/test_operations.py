@@ -540,45 +540,100 @@ class _FailingPrepareFleet(PsFleet):
         return super().prepare_replica(address, ps_id, peer, wait, owned_after)
 
 
+def _scale_in_of_three(fleet):
+    """Three in-process PS holding 30,000 rows (-1 pushed once, so 1.0 each), and the
+    layout of a scale-in 3 -> 2 that gives ps-2's slots to ps-0 and ps-1."""
+    from deeprec_ext import codec
+    from deeprec_ext.proto import ps_pb2
+    servers = [_PS(f"ps-{i}") for i in range(3)]
+    addrs, n = [s.address for s in servers], 12
+    owner = np.array([0, 1, 2] * 4, np.int32)
+    old = RoutingTable(fleet.next_epoch(), n, ("ps-0", "ps-1", "ps-2"), tuple(addrs), owner)
+    assert fleet.publish(old, lambda ps_id: True) == []
+    for a in addrs:
+        fleet.stub(a).CreateTable(ps_pb2.CreateTableRequest(config=ps_pb2.TableConfig(
+            name="t", dim=2, initializer_json='{"name": "zeros"}',
+            optimizer_json='{"name": "sgd", "learning_rate": 1.0}')), timeout=10)
+    keys = np.arange(1, 30001, dtype=np.int64)
+    by_ps = owner[slot_of(keys, n)]
+    for p, a in enumerate(addrs):
+        fleet.stub(a).Push(ps_pb2.PushRequest(epoch=old.epoch, tables=[ps_pb2.TableUpdate(
+            table="t", ids=codec.ids_to_bytes(keys[by_ps == p]),
+            values=codec.floats_to_bytes(-np.ones((int((by_ps == p).sum()), 2),
+                                                  np.float32)))]), timeout=30)
+    new_owner = np.where(owner == 2, np.arange(n) % 2, owner).astype(np.int32)
+    return servers, addrs, old, new_owner, keys, by_ps
+
+
+def _nothing_changed_hands(servers, old, keys, by_ps) -> None:
+    for p, s in enumerate(servers):
+        assert s.servicer.routing.epoch == old.epoch  # never fenced
+        assert s.servicer.replicator.next_peer()[0] == ""  # prepared copies dropped
+        t = s.servicer.store.get("t")
+        assert t.size == int((by_ps == p).sum()), (p, t.size)  # copied rows dropped
+        np.testing.assert_array_equal(t.lookup(keys[by_ps == p], insert_missing=False), 1.0)
+
+
 def test_a_copy_on_a_new_ring_peer_that_cannot_be_made_calls_the_scale_in_off():
     """Scale-in 3 -> 2: ps-1's ring peer would change from the leaving ps-2 to ps-0, so
     ps-1 prepares a copy on ps-0 as the migration starts. When that copy cannot be
     completed the migration fails before its fence: no PS changed epoch, the rows copied
     to the destinations are dropped, the prepared copy is dropped, every row stays."""
     from aimaster.migration import MigrationError, migrate
-    from deeprec_ext import codec
-    from deeprec_ext.proto import ps_pb2
-    servers = [_PS(f"ps-{i}") for i in range(3)]
     fleet = _FailingPrepareFleet()
+    servers, addrs, old, new_owner, keys, by_ps = _scale_in_of_three(fleet)
     try:
-        addrs, n = [s.address for s in servers], 12
-        owner = np.array([0, 1, 2] * 4, np.int32)
-        old = RoutingTable(fleet.next_epoch(), n, ("ps-0", "ps-1", "ps-2"), tuple(addrs), owner)
-        assert fleet.publish(old, lambda ps_id: True) == []
-        for a in addrs:
-            fleet.stub(a).CreateTable(ps_pb2.CreateTableRequest(config=ps_pb2.TableConfig(
-                name="t", dim=2, initializer_json='{"name": "zeros"}',
-                optimizer_json='{"name": "sgd", "learning_rate": 1.0}')), timeout=10)
-        keys = np.arange(1, 30001, dtype=np.int64)
-        by_ps = owner[slot_of(keys, n)]
-        for p, a in enumerate(addrs):
-            fleet.stub(a).Push(ps_pb2.PushRequest(epoch=old.epoch, tables=[ps_pb2.TableUpdate(
-                table="t", ids=codec.ids_to_bytes(keys[by_ps == p]),
-                values=codec.floats_to_bytes(-np.ones((int((by_ps == p).sum()), 2),
-                                                      np.float32)))]), timeout=30)
-        new_owner = np.where(owner == 2, np.arange(n) % 2, owner).astype(np.int32)
         with pytest.raises(MigrationError, match="3 times in a row"):
             migrate(fleet, old, new_owner, ["ps-0", "ps-1"], addrs[:2],
                     lambda routing: fleet.publish(routing, lambda ps_id: True))
         assert ("ps-1", addrs[0], 0.0) in fleet.calls  # started with the migration...
         assert ("ps-1", "", 0.0) in fleet.calls        # ...and called off
-        for p, s in enumerate(servers):
-            assert s.servicer.routing.epoch == old.epoch  # never fenced
-            assert s.servicer.replicator.next_peer()[0] == ""
-            t = s.servicer.store.get("t")
-            assert t.size == int((by_ps == p).sum()), (p, t.size)  # copied rows dropped
-            np.testing.assert_array_equal(
-                t.lookup(keys[by_ps == p], insert_missing=False), 1.0)
+        _nothing_changed_hands(servers, old, keys, by_ps)
+    finally:
+        fleet.close()
+        for s in servers:
+            s.stop()
+
+
+class _SlowPrepareFleet(PsFleet):
+    """A real fleet whose prepared copies never report complete (a copy of a large PS
+    still streaming), and which notes each wait it asked for."""
+
+    def __init__(self):
+        super().__init__()
+        self.waits = []
+
+    def prepare_replica(self, address, ps_id, peer, wait, owned_after=None):
+        r = super().prepare_replica(address, ps_id, peer, wait, owned_after)
+        if peer and wait > 0:
+            self.waits.append(wait)
+            return type(r)(complete=False, sequence=-1)
+        return r
+
+
+def test_a_stopping_aimaster_calls_a_migration_off_while_it_waits_for_a_copy():
+    """SIGTERM to the AIMaster while a scale-in waits for a copy on a new ring peer: the
+    wait is asked for in pieces, so the migration sees the AIMaster stopping within one
+    piece and calls the scale-in off before its fence, rolled back while the PS still
+    answer: no epoch changed, copied rows and the prepared copy dropped, every row kept.
+    It used to wait on (an hour's wait in one call) until the PS were stopped under it."""
+    from aimaster import migration
+    fleet = _SlowPrepareFleet()
+    servers, addrs, old, new_owner, keys, by_ps = _scale_in_of_three(fleet)
+    stop_at = []
+    try:
+        def stopping():
+            if len(fleet.waits) >= 2 and not stop_at:
+                stop_at.append(time.monotonic())
+            return bool(stop_at)
+        t0 = time.monotonic()
+        with pytest.raises(migration.MigrationError, match="called off: the AIMaster is stopping"):
+            migration.migrate(fleet, old, new_owner, ["ps-0", "ps-1"], addrs[:2],
+                              lambda routing: fleet.publish(routing, lambda ps_id: True),
+                              stopping=stopping)
+        assert fleet.waits and max(fleet.waits) <= migration.PREPARE_POLL_SECONDS
+        assert time.monotonic() - t0 < 30
+        _nothing_changed_hands(servers, old, keys, by_ps)
     finally:
         fleet.close()
         for s in servers:
