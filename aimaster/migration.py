@@ -148,14 +148,27 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
     # one thread per pair, and one per old PS for the fence
     with ThreadPoolExecutor(max_workers=max(1, min(8, max(len(pairs), len(old_ids))))) as pool:
         try:
-            # 0. the copies on new ring peers start streaming (not waited for yet): a
-            # destination's copy then takes its imports as deltas while they arrive
-            # (started after the snapshot, each copy was a serial 5-6 s phase at 4M rows,
-            # and the catch-up rounds after it did not converge as well)
-            for ps in sorted(rechained):
-                _prepare(fleet, address[ps], ps, rechained[ps], new_owner_ids == ps, wait=0.0)
+            # 0. every copy on a new ring peer complete before the first row moves; the
+            # imports then reach it as the copy's deltas while they arrive. Waited for
+            # after the catch-up rounds instead (the copies streaming beside the
+            # snapshot), a scale-in's 2.5M-row copy kept the event waiting 5-7 s while
+            # training wrote 0.6M more rows of moving slots, all shipped again by the
+            # catch-up after it: 9.3-9.5 s events at 0.70-0.76x throughput this way,
+            # against 11.9 s at 0.61-0.65x (bench_migration, 4M rows, alternated).
+            if rechained:
+                _progress(phase="prepare_replicas")
+                for ps in sorted(rechained):
+                    _prepare(fleet, address[ps], ps, rechained[ps], new_owner_ids == ps,
+                             wait=0.0)
+                prepared = list(pool.map(
+                    lambda ps: _prepare(fleet, address[ps], ps, rechained[ps],
+                                        new_owner_ids == ps, stopping=stopping),
+                    sorted(rechained)))
+                result.prepared = dict(zip(sorted(rechained), prepared))
+                lap("prepare_replicas")
             # 1. snapshot while serving, 2. catch-up rounds until the deltas are small
             check_stop()
+            _progress(phase="snapshot")
             t_round = time.monotonic()
             result.round_rows.append(sum(pool.map(lambda p: ship(p, True), pairs)))
             result.round_ms.append(round((time.monotonic() - t_round) * 1000, 3))
@@ -174,19 +187,19 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
                     if max(sent, default=0) <= small_delta_rows:
                         break
 
-            catch_up()
             if rechained:
-                # every copy on a new peer complete before the fence, then the rows
-                # written meanwhile caught up again
-                lap("catchup")
+                # each new peer's copy current to what its PS holds after the snapshot
+                # (the imports included), before the catch-up rounds: the publish's
+                # take-over then ships only what those rounds and training wrote since.
+                # Waited for after the catch-up instead, the rows written during this
+                # wait (4 s on a scale-out) all went into the fenced last round (a 590-
+                # 760 ms stall)
                 _progress(phase="prepare_replicas")
-                prepared = list(pool.map(
-                    lambda ps: _prepare(fleet, address[ps], ps, rechained[ps],
-                                        new_owner_ids == ps, stopping=stopping),
-                    sorted(rechained)))
-                result.prepared = dict(zip(sorted(rechained), prepared))
-                lap("prepare_replicas")
-                catch_up()
+                result.prepared = dict(zip(sorted(rechained), pool.map(
+                    lambda ps: _current(fleet, address[ps], ps, rechained[ps],
+                                        new_owner_ids == ps, stopping), sorted(rechained))))
+                lap("replicas_current")
+            catch_up()
             lap("catchup")
             check_stop()
             # 3. fence + 4. last delta, in one call per pair: every source keeps only what
@@ -265,6 +278,33 @@ def _prepare(fleet: "PsFleet", address: str, ps_id: str, peer: str, owned_after:
         if time.monotonic() >= deadline:
             raise RuntimeError(f"the copy of {address} on {peer}, its ring peer after the "
                                f"change, was not complete within {wait:.0f} s")
+
+
+CURRENT_WAIT_SECONDS = 300.0  # a copy's deltas of a PS's imports, shipped paced
+CURRENT_POLL_SECONDS = 0.05
+
+
+def _current(fleet: "PsFleet", address: str, ps_id: str, peer: str, owned_after: np.ndarray,
+             stopping: Callable[[], bool] = lambda: False,
+             wait: float | None = None) -> int:
+    """Until the (complete) copy of the PS at ``address`` on ``peer`` is current to the
+    sequence number that PS has now; returns the sequence it is current to. Raises like
+    :func:`_prepare` (the migration then fails before its fence)."""
+    wait = CURRENT_WAIT_SECONDS if wait is None else wait
+    target = fleet.stats(address, timeout=10, replication_only=True).sequence
+    deadline = time.monotonic() + wait
+    while True:
+        seq = _prepare(fleet, address, ps_id, peer, owned_after,
+                       wait=max(0.0, deadline - time.monotonic()), stopping=stopping)
+        if seq >= target:
+            return seq
+        if stopping():
+            raise MigrationCancelled("the AIMaster is stopping")
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"the copy of {address} on {peer}, its ring peer after the "
+                               f"change, was not current within {wait:.0f} s (at {seq}, "
+                               f"its PS at {target})")
+        time.sleep(CURRENT_POLL_SECONDS)
 
 
 def _cancel_prepared(fleet: "PsFleet", addresses: dict,

@@ -778,3 +778,51 @@ def test_get_routing_long_poll_answers_when_the_epoch_is_published(tmp_path, two
         channel.close()
         master.stop()
         master.shutdown()
+
+
+class _LaggingCopyFleet(PsFleet):
+    """A real fleet whose prepared copies report complete but behind their PS (deltas
+    still streaming) for the first ``lag_calls`` waits, or for ever (``None``)."""
+
+    def __init__(self, lag_calls):
+        super().__init__()
+        self.lag_calls, self.waits = lag_calls, 0
+
+    def prepare_replica(self, address, ps_id, peer, wait, owned_after=None):
+        r = super().prepare_replica(address, ps_id, peer, wait, owned_after)
+        if peer and wait > 0:
+            self.waits += 1
+        if peer and (self.lag_calls is None or (wait > 0 and self.waits <= self.lag_calls)):
+            return type(r)(complete=True, sequence=-1)
+        return r
+
+
+@pytest.mark.parametrize("lag_calls", [3, None])
+def test_a_copy_is_waited_for_until_it_holds_its_ps_imports(lag_calls):
+    """After the snapshot the migration waits until each copy on a new ring peer is
+    current to its PS's sequence (its imports included), not merely complete; one that
+    never gets there fails the migration before its fence, every row kept."""
+    from aimaster import migration
+    fleet = _LaggingCopyFleet(lag_calls)
+    servers, addrs, old, new_owner, keys, by_ps = _scale_in_of_three(fleet)
+    try:
+        if lag_calls is None:
+            with pytest.raises(RuntimeError, match="was not current within"):
+                migration._current(fleet, addrs[1], "ps-1", addrs[0], new_owner == 1, wait=0.5)
+            with pytest.raises(migration.MigrationError, match="was not current within"):
+                orig = migration.CURRENT_WAIT_SECONDS
+                migration.CURRENT_WAIT_SECONDS = 0.5
+                try:
+                    migration.migrate(fleet, old, new_owner, ["ps-0", "ps-1"], addrs[:2],
+                                      lambda routing: fleet.publish(routing, lambda i: True))
+                finally:
+                    migration.CURRENT_WAIT_SECONDS = orig
+            _nothing_changed_hands(servers, old, keys, by_ps)
+        else:
+            target = fleet.stats(addrs[1], replication_only=True).sequence
+            seq = migration._current(fleet, addrs[1], "ps-1", addrs[0], new_owner == 1)
+            assert seq >= target and fleet.waits == lag_calls + 1
+    finally:
+        fleet.close()
+        for s in servers:
+            s.stop()
