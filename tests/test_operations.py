@@ -565,6 +565,22 @@ def _scale_in_of_three(fleet):
     return servers, addrs, old, new_owner, keys, by_ps
 
 
+@pytest.fixture
+def three_ps():
+    """``_scale_in_of_three`` on a given fleet; the fleet and the PS are closed after."""
+    made = []
+
+    def make(fleet):
+        out = _scale_in_of_three(fleet)
+        made.append((fleet, out[0]))
+        return out
+    yield make
+    for fleet, servers in made:
+        fleet.close()
+        for s in servers:
+            s.stop()
+
+
 def _nothing_changed_hands(servers, old, keys, by_ps) -> None:
     for p, s in enumerate(servers):
         assert s.servicer.routing.epoch == old.epoch  # never fenced
@@ -574,25 +590,20 @@ def _nothing_changed_hands(servers, old, keys, by_ps) -> None:
         np.testing.assert_array_equal(t.lookup(keys[by_ps == p], insert_missing=False), 1.0)
 
 
-def test_a_copy_on_a_new_ring_peer_that_cannot_be_made_calls_the_scale_in_off():
+def test_a_copy_on_a_new_ring_peer_that_cannot_be_made_calls_the_scale_in_off(three_ps):
     """Scale-in 3 -> 2: ps-1's ring peer would change from the leaving ps-2 to ps-0, so
     ps-1 prepares a copy on ps-0 as the migration starts. When that copy cannot be
     completed the migration fails before its fence: no PS changed epoch, the rows copied
     to the destinations are dropped, the prepared copy is dropped, every row stays."""
     from aimaster.migration import MigrationError, migrate
     fleet = _FailingPrepareFleet()
-    servers, addrs, old, new_owner, keys, by_ps = _scale_in_of_three(fleet)
-    try:
-        with pytest.raises(MigrationError, match="3 times in a row"):
-            migrate(fleet, old, new_owner, ["ps-0", "ps-1"], addrs[:2],
-                    lambda routing: fleet.publish(routing, lambda ps_id: True))
-        assert ("ps-1", addrs[0], 0.0) in fleet.calls  # started with the migration...
-        assert ("ps-1", "", 0.0) in fleet.calls        # ...and called off
-        _nothing_changed_hands(servers, old, keys, by_ps)
-    finally:
-        fleet.close()
-        for s in servers:
-            s.stop()
+    servers, addrs, old, new_owner, keys, by_ps = three_ps(fleet)
+    with pytest.raises(MigrationError, match="3 times in a row"):
+        migrate(fleet, old, new_owner, ["ps-0", "ps-1"], addrs[:2],
+                lambda routing: fleet.publish(routing, lambda ps_id: True))
+    assert ("ps-1", addrs[0], 0.0) in fleet.calls  # started with the migration...
+    assert ("ps-1", "", 0.0) in fleet.calls        # ...and called off
+    _nothing_changed_hands(servers, old, keys, by_ps)
 
 
 class _SlowPrepareFleet(PsFleet):
@@ -611,7 +622,7 @@ class _SlowPrepareFleet(PsFleet):
         return r
 
 
-def test_a_stopping_aimaster_calls_a_migration_off_while_it_waits_for_a_copy():
+def test_a_stopping_aimaster_calls_a_migration_off_while_it_waits_for_a_copy(three_ps):
     """SIGTERM to the AIMaster while a scale-in waits for a copy on a new ring peer: the
     wait is asked for in pieces, so the migration sees the AIMaster stopping within one
     piece and calls the scale-in off before its fence, rolled back while the PS still
@@ -619,25 +630,21 @@ def test_a_stopping_aimaster_calls_a_migration_off_while_it_waits_for_a_copy():
     It used to wait on (an hour's wait in one call) until the PS were stopped under it."""
     from aimaster import migration
     fleet = _SlowPrepareFleet()
-    servers, addrs, old, new_owner, keys, by_ps = _scale_in_of_three(fleet)
+    servers, addrs, old, new_owner, keys, by_ps = three_ps(fleet)
     stop_at = []
-    try:
-        def stopping():
-            if len(fleet.waits) >= 2 and not stop_at:
-                stop_at.append(time.monotonic())
-            return bool(stop_at)
-        t0 = time.monotonic()
-        with pytest.raises(migration.MigrationError, match="called off: the AIMaster is stopping"):
-            migration.migrate(fleet, old, new_owner, ["ps-0", "ps-1"], addrs[:2],
-                              lambda routing: fleet.publish(routing, lambda ps_id: True),
-                              stopping=stopping)
-        assert fleet.waits and max(fleet.waits) <= migration.PREPARE_POLL_SECONDS
-        assert time.monotonic() - t0 < 30
-        _nothing_changed_hands(servers, old, keys, by_ps)
-    finally:
-        fleet.close()
-        for s in servers:
-            s.stop()
+
+    def stopping():
+        if len(fleet.waits) >= 2 and not stop_at:
+            stop_at.append(time.monotonic())
+        return bool(stop_at)
+    t0 = time.monotonic()
+    with pytest.raises(migration.MigrationError, match="called off: the AIMaster is stopping"):
+        migration.migrate(fleet, old, new_owner, ["ps-0", "ps-1"], addrs[:2],
+                          lambda routing: fleet.publish(routing, lambda ps_id: True),
+                          stopping=stopping)
+    assert fleet.waits and max(fleet.waits) <= migration.PREPARE_POLL_SECONDS
+    assert time.monotonic() - t0 < 30
+    _nothing_changed_hands(servers, old, keys, by_ps)
 
 
 def test_a_last_round_with_the_fence_moves_every_row_and_refuses_bad_fences(two_ps):
@@ -798,31 +805,26 @@ class _LaggingCopyFleet(PsFleet):
 
 
 @pytest.mark.parametrize("lag_calls", [3, None])
-def test_a_copy_is_waited_for_until_it_holds_its_ps_imports(lag_calls):
+def test_a_copy_is_waited_for_until_it_holds_its_ps_imports(three_ps, lag_calls):
     """After the snapshot the migration waits until each copy on a new ring peer is
     current to its PS's sequence (its imports included), not merely complete; one that
     never gets there fails the migration before its fence, every row kept."""
     from aimaster import migration
     fleet = _LaggingCopyFleet(lag_calls)
-    servers, addrs, old, new_owner, keys, by_ps = _scale_in_of_three(fleet)
-    try:
-        if lag_calls is None:
-            with pytest.raises(RuntimeError, match="was not current within"):
-                migration._current(fleet, addrs[1], "ps-1", addrs[0], new_owner == 1, wait=0.5)
-            with pytest.raises(migration.MigrationError, match="was not current within"):
-                orig = migration.CURRENT_WAIT_SECONDS
-                migration.CURRENT_WAIT_SECONDS = 0.5
-                try:
-                    migration.migrate(fleet, old, new_owner, ["ps-0", "ps-1"], addrs[:2],
-                                      lambda routing: fleet.publish(routing, lambda i: True))
-                finally:
-                    migration.CURRENT_WAIT_SECONDS = orig
-            _nothing_changed_hands(servers, old, keys, by_ps)
-        else:
-            target = fleet.stats(addrs[1], replication_only=True).sequence
-            seq = migration._current(fleet, addrs[1], "ps-1", addrs[0], new_owner == 1)
-            assert seq >= target and fleet.waits == lag_calls + 1
-    finally:
-        fleet.close()
-        for s in servers:
-            s.stop()
+    servers, addrs, old, new_owner, keys, by_ps = three_ps(fleet)
+    if lag_calls is None:
+        with pytest.raises(RuntimeError, match="was not current within"):
+            migration._current(fleet, addrs[1], "ps-1", addrs[0], new_owner == 1, wait=0.5)
+        with pytest.raises(migration.MigrationError, match="was not current within"):
+            orig = migration.CURRENT_WAIT_SECONDS
+            migration.CURRENT_WAIT_SECONDS = 0.5
+            try:
+                migration.migrate(fleet, old, new_owner, ["ps-0", "ps-1"], addrs[:2],
+                                  lambda routing: fleet.publish(routing, lambda i: True))
+            finally:
+                migration.CURRENT_WAIT_SECONDS = orig
+        _nothing_changed_hands(servers, old, keys, by_ps)
+    else:
+        target = fleet.stats(addrs[1], replication_only=True).sequence
+        seq = migration._current(fleet, addrs[1], "ps-1", addrs[0], new_owner == 1)
+        assert seq >= target and fleet.waits == lag_calls + 1
