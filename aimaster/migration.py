@@ -153,8 +153,8 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
             # after the catch-up rounds instead (the copies streaming beside the
             # snapshot), a scale-in's 2.5M-row copy kept the event waiting 5-7 s while
             # training wrote 0.6M more rows of moving slots, all shipped again by the
-            # catch-up after it: 9.3-9.5 s events at 0.70-0.76x throughput this way,
-            # against 11.9 s at 0.61-0.65x (bench_migration, 4M rows, alternated).
+            # catch-up after it (bench_migration, 4M rows: 0.24-0.28M catch-up rows this
+            # way against 0.60-0.76M, scale-in throughput 0.62-0.67x against 0.52-0.65x).
             if rechained:
                 _progress(phase="prepare_replicas")
                 for ps in sorted(rechained):
@@ -194,7 +194,7 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
                 # Waited for after the catch-up instead, the rows written during this
                 # wait (4 s on a scale-out) all went into the fenced last round (a 590-
                 # 760 ms stall)
-                _progress(phase="prepare_replicas")
+                _progress(phase="replicas_current")
                 result.prepared = dict(zip(sorted(rechained), pool.map(
                     lambda ps: _current(fleet, address[ps], ps, rechained[ps],
                                         new_owner_ids == ps, stopping), sorted(rechained))))
