@@ -805,7 +805,7 @@ class _LaggingCopyFleet(PsFleet):
 
 
 @pytest.mark.parametrize("lag_calls", [3, None])
-def test_a_copy_is_waited_for_until_it_holds_its_ps_imports(three_ps, lag_calls):
+def test_a_copy_is_waited_for_until_it_holds_its_ps_imports(three_ps, lag_calls, monkeypatch):
     """After the snapshot the migration waits until each copy on a new ring peer is
     current to its PS's sequence (its imports included), not merely complete; one that
     never gets there fails the migration before its fence, every row kept."""
@@ -815,14 +815,10 @@ def test_a_copy_is_waited_for_until_it_holds_its_ps_imports(three_ps, lag_calls)
     if lag_calls is None:
         with pytest.raises(RuntimeError, match="was not current within"):
             migration._current(fleet, addrs[1], "ps-1", addrs[0], new_owner == 1, wait=0.5)
+        monkeypatch.setattr(migration, "CURRENT_WAIT_SECONDS", 0.5)
         with pytest.raises(migration.MigrationError, match="was not current within"):
-            orig = migration.CURRENT_WAIT_SECONDS
-            migration.CURRENT_WAIT_SECONDS = 0.5
-            try:
-                migration.migrate(fleet, old, new_owner, ["ps-0", "ps-1"], addrs[:2],
-                                  lambda routing: fleet.publish(routing, lambda i: True))
-            finally:
-                migration.CURRENT_WAIT_SECONDS = orig
+            migration.migrate(fleet, old, new_owner, ["ps-0", "ps-1"], addrs[:2],
+                              lambda routing: fleet.publish(routing, lambda i: True))
         _nothing_changed_hands(servers, old, keys, by_ps)
     else:
         target = fleet.stats(addrs[1], replication_only=True).sequence
