@@ -162,8 +162,11 @@ def fresh_child(kind: str, where: str, ckpt_id: int) -> None:
     print(json.dumps(out), flush=True)
 
 
-def run_fresh(kind: str, where: str, ckpt_id: int = 0) -> dict:
+def run_fresh(kind: str, where: str, ckpt_id: int = 0, ps_malloc_mb: float | None = None) -> dict:
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    if ps_malloc_mb is not None and kind == "ours":  # --ps-malloc: as a PS allocates
+        size = int(ps_malloc_mb * (1 << 20))
+        env.update(MALLOC_MMAP_THRESHOLD_=str(size), MALLOC_TRIM_THRESHOLD_=str(2 * size))
     got = subprocess.run([sys.executable, os.path.abspath(__file__), "--fresh-child", kind,
                           where, str(ckpt_id)], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=600)
@@ -422,7 +425,7 @@ def main() -> None:
             for i in range(args.reps):
                 for kind in (("tf", "ours") if i % 2 == 0 else ("ours", "tf")):
                     fresh[kind].append(run_fresh(kind, kept if kind == "tf" else root,
-                                                 args.reps))
+                                                 args.reps, ps_malloc))
                 print(f"fresh-process restore {i + 1}: TF {fresh['tf'][-1]['ms']:.0f} ms "
                       f"(made {fresh['tf'][-1]['create_ms']:.0f}, read "
                       f"{fresh['tf'][-1]['read_ms']:.0f}), ours {fresh['ours'][-1]['ms']:.0f} "
