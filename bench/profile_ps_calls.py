@@ -177,6 +177,16 @@ def main(argv=None) -> int:
         ]
         for label, fn in calls:
             rows.append(("3. PSClient call over gRPC (1 PS)", label, _ms(fn, timed)))
+        # what a training step sends: the batch's distinct ids (TF de-duplicates them in
+        # the graph) with unique=True, both tables in one call each way
+        ug = [(u, np.full((u.size, 8), 1e-3, np.float32), np.full((u.size, 1), 1e-3, np.float32))
+              for u in uniq[warm:]]
+        for label, fn in [
+                ("lookup_many, distinct ids, unique=True", lambda x: client.lookup_many(
+                    {"embedding": x[0], "linear": x[0]}, unique=True)),
+                ("push_many, distinct ids, unique=True", lambda x: client.push_many(
+                    {"embedding": (x[0], x[1]), "linear": (x[0], x[2])}, unique=True))]:
+            rows.append(("3. PSClient call over gRPC (1 PS)", label, _ms(fn, ug)))
         client.close()
     finally:
         try:
