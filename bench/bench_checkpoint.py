@@ -142,8 +142,7 @@ def fresh_child(kind: str, where: str, ckpt_id: int) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if kind == "tf":
         import tensorflow as tf
-        shapes = {n: tf.train.load_checkpoint(where).get_variable_to_shape_map()[n]
-                  for n in ("emb/.ATTRIBUTES/VARIABLE_VALUE", "accum/.ATTRIBUTES/VARIABLE_VALUE")}
+        shapes = tf.train.load_checkpoint(where).get_variable_to_shape_map()
         t = time.perf_counter()
         v = tf.Variable(tf.zeros(shapes["emb/.ATTRIBUTES/VARIABLE_VALUE"]))
         a = tf.Variable(tf.zeros(shapes["accum/.ATTRIBUTES/VARIABLE_VALUE"]))
@@ -162,11 +161,18 @@ def fresh_child(kind: str, where: str, ckpt_id: int) -> None:
     print(json.dumps(out), flush=True)
 
 
+def ps_malloc_env(mb: float) -> dict:
+    """The environment that gives a child process the malloc setting
+    ``bound_malloc_retention(mb)`` applies in a PS (glibc reads it at the child's start),
+    the threshold clamped as the PS clamps it."""
+    size = max(128 * 1024, min(int(mb * 2**20), 32 * 2**20))
+    return {"MALLOC_MMAP_THRESHOLD_": str(size), "MALLOC_TRIM_THRESHOLD_": str(2 * size)}
+
+
 def run_fresh(kind: str, where: str, ckpt_id: int = 0, ps_malloc_mb: float | None = None) -> dict:
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
     if ps_malloc_mb is not None and kind == "ours":  # --ps-malloc: as a PS allocates
-        size = int(ps_malloc_mb * (1 << 20))
-        env.update(MALLOC_MMAP_THRESHOLD_=str(size), MALLOC_TRIM_THRESHOLD_=str(2 * size))
+        env.update(ps_malloc_env(ps_malloc_mb))
     got = subprocess.run([sys.executable, os.path.abspath(__file__), "--fresh-child", kind,
                           where, str(ckpt_id)], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=600)

@@ -71,10 +71,9 @@ def main() -> None:
         mb = float(get_args_parser().parse_args([]).malloc_mmap_threshold_mb)
         if not bound_malloc_retention(mb):
             sys.exit("error: --ps-malloc: the malloc setting could not be applied")
-        size = max(128 * 1024, min(int(mb * 2**20), 32 * 2**20))  # as the PS clamps it
-        # the same two mallopt settings, read by glibc at the children's start
-        child_env = {"MALLOC_MMAP_THRESHOLD_": str(size), "MALLOC_TRIM_THRESHOLD_": str(2 * size)}
     import bench_checkpoint as B
+    if args.ps_malloc:  # the same two mallopt settings, read by glibc at the children's start
+        child_env = B.ps_malloc_env(mb)
     import checkpoint.format as fmt
     from checkpoint import CheckpointWriter
 
