@@ -711,7 +711,8 @@ def ours_worker(argv: list[str]) -> int:
         def on_train_end(self, logs=None):
             super().on_train_end(logs)
             ctx = get_context()
-            out = {"worker": ctx.worker_id, "series": series, "threads": _thread_cpu()}
+            out = {"worker": ctx.worker_id, "series": series, "threads": _thread_cpu(),
+                   "lookahead": dict(ctx.lookahead.stats), "batcher": dict(ctx.batcher.stats)}
             if prof is not None:
                 out["profile"] = _summarize_profile(prof)
             path = os.path.join(os.environ.get("DEEPREC_STATE_DIR", "."),
@@ -951,10 +952,11 @@ def _aimaster_cmd() -> list[str]:
 
 def run_ours(args, data: dict, ps: int, workers: int, profile: bool = False,
              tag: str | None = None, overlap: bool | str = False, optimizer: str = "adam",
-             lr: float | None = None) -> dict:
+             lr: float | None = None, look_ahead: bool = True) -> dict:
     tag = tag or (f"{ps}x{workers}" + ({"stale": "-overlap-stale", "carry": "-carry"}
                                        .get(overlap, "-overlap")
                                        if overlap else "")
+                  + ("" if look_ahead else "-no-lookahead")
                   + ("" if optimizer == "adam" else f"-{optimizer}"))
     state_dir = os.path.join(REPO, "runs", f"bench-ours-{tag}")
     shutil.rmtree(state_dir, ignore_errors=True)
@@ -969,8 +971,10 @@ def run_ours(args, data: dict, ps: int, workers: int, profile: bool = False,
     log_path = os.path.join(state_dir, "aimaster.out")
     pyspy = None
     with open(log_path, "wb") as log:
+        # the A/B row: the next batch's rows not fetched ahead (deeprec_ext.lookahead)
+        env = dict(os.environ, DEEPREC_LOOKAHEAD="1" if look_ahead else "0")
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         cpu = _CpuSampler(proc.pid)
         try:
             if profile and args.py_spy:
@@ -1173,7 +1177,8 @@ def _fmt(x, spec=",.0f"):
 
 
 CONFIGS = ("single", "pss", "tfk-single", "tfk-pss", "tfra-single", "tfra-pss", "ours-1x1",
-           "ours-1x1-overlap", "ours-1x1-overlap-stale", "ours-1x1-carry", "ours-2x2")
+           "ours-1x1-overlap", "ours-1x1-overlap-stale", "ours-1x1-carry", "ours-1x1-no-lookahead",
+           "ours-2x2")
 DEFAULT_CONFIGS = "single,pss,ours-1x1,ours-1x1-overlap,ours-2x2"
 # --configs tfra: TFRA and the stock TF baselines in both Keras flavours next to ours
 TFRA_PRESET = ("tfra-single", "tfra-pss", "tfk-single", "tfk-pss", "single", "pss",
@@ -1182,7 +1187,8 @@ TFRA_PRESET = ("tfra-single", "tfra-pss", "tfk-single", "tfk-pss", "single", "ps
 ROW = {"single": "single", "pss": "tf-pss", "tfk-single": "tfk-single", "tfk-pss": "tfk-pss",
        "tfra-single": "tfra-single", "tfra-pss": "tfra-pss", "ours-1x1": "ours-1x1",
        "ours-1x1-overlap": "ours-1x1-overlap", "ours-1x1-overlap-stale": "ours-1x1-overlap-stale",
-       "ours-1x1-carry": "ours-1x1-carry", "ours-2x2": "ours-2x2"}
+       "ours-1x1-carry": "ours-1x1-carry", "ours-1x1-no-lookahead": "ours-1x1-no-lookahead",
+       "ours-2x2": "ours-2x2"}
 QUICK = {"rows": 60_000, "test_rows": 10_000, "repeat": 1, "extra_vocab": 0,
          "extra_pss_inner_steps": 0, "timeout": 300.0, "warmup_steps": 10}
 DEFAULTS = {"rows": 400_000, "test_rows": 50_000, "repeat": 2, "extra_vocab": 2 ** 20,
@@ -1315,9 +1321,9 @@ def main(argv=None) -> int:
             # the fair rows: the stock baselines de-duplicate ids like TFRA and ours do
             return lambda: run_child(args, kind, vocab, data, log_dir, inner, opt, lr, unique)
 
-        def ours(ps, workers, overlap=False, opt=opt, lr=lr):
+        def ours(ps, workers, overlap=False, opt=opt, lr=lr, look_ahead=True):
             return lambda: run_ours(args, data, ps, workers, overlap=overlap, optimizer=opt,
-                                    lr=lr)
+                                    lr=lr, look_ahead=look_ahead)
 
         for c in configs:
             if c in ("single", "tfk-single", "tfra-single", "tfk-pss", "tfra-pss"):
@@ -1338,6 +1344,8 @@ def main(argv=None) -> int:
                 plan.append(("ours-1x1-overlap-stale" + sfx, sfx, ours(1, 1, "stale")))
             elif c == "ours-1x1-carry":
                 plan.append(("ours-1x1-carry" + sfx, sfx, ours(1, 1, "carry")))
+            elif c == "ours-1x1-no-lookahead":
+                plan.append(("ours-1x1-no-lookahead" + sfx, sfx, ours(1, 1, look_ahead=False)))
             elif c == "ours-2x2":
                 plan.append(("ours-2x2" + sfx, sfx, ours(2, 2)))
 
@@ -1399,6 +1407,7 @@ def main(argv=None) -> int:
         "ours-1x1-overlap": "ours 1 worker + 1 PS, --overlap (fresh lookups)",
         "ours-1x1-overlap-stale": "ours 1 worker + 1 PS, --overlap stale",
         "ours-1x1-carry": "ours 1 worker + 1 PS, --overlap carry (push in the next lookup)",
+        "ours-1x1-no-lookahead": "ours 1 worker + 1 PS, no rows fetched ahead (the A/B row)",
         "ours-2x2": "ours 2 workers + 2 PS",
     }
     names = [n for n, _, _ in plan]

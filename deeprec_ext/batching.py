@@ -54,12 +54,30 @@ class StepBatcher:
         self._carrying: Future | None = None
         self._carry_step = 0
         self.steps_done = 0  # the worker's step count (WorkerContext.step_done)
+        # the next batch's rows fetched while this step trains (deeprec_ext.lookahead);
+        # followed while pushes come back with the rows they leave (waited, or overlap=True)
+        self.lookahead = None
+        self.ahead_ok = lambda: True  # pushes come back with rows (not overlap="stale")
+        self.served_ahead: set = set()  # tables whose last lookup was fetched ahead
 
     # -- lookups ---------------------------------------------------------------------
     def lookup(self, table: str, ids: np.ndarray, insert_missing: bool) -> np.ndarray:
         """Values of unique ``ids`` in ``table`` (float32 [n, dim])."""
         self._next_step_if_pushed(table)
         key = (table, insert_missing)
+        ahead = self.lookahead if insert_missing and not self.carry and self.ahead_ok() \
+            else None
+        self.served_ahead.discard(table)
+        if ahead is not None:
+            values = ahead.take(table, ids)
+            if values is not None:
+                self.served_ahead.add(table)
+                with self._lock:
+                    self.stats["ahead_hits"] = self.stats.get("ahead_hits", 0) + 1
+                    self._looked_up.add(table)
+                    group = sorted(self._groups.get(key, ()))
+                ahead.advance(table, ids, group)
+                return values
         with self._lock:
             entry = self._prefetched.pop(key, None)
         if entry is not None:
@@ -92,7 +110,10 @@ class StepBatcher:
                     self._prefetched[(other, insert_missing)] = (ids, fut)
             self.stats["lookup_calls"] += 1
         if fut is None and not self.carry:
-            return self.client.lookup(table, ids, insert_missing=insert_missing, unique=True)
+            values = self.client.lookup(table, ids, insert_missing=insert_missing, unique=True)
+            if ahead is not None:
+                ahead.advance(table, ids, companions)
+            return values
         try:
             out = self._lookup_call({table: ids, **{t: ids for t in companions}},
                                     insert_missing)
@@ -102,6 +123,8 @@ class StepBatcher:
             raise
         if fut is not None:
             fut.set_result(out)
+        if ahead is not None:
+            ahead.advance(table, ids, companions)
         return out[table]
 
     def _lookup_call(self, requests: dict, insert_missing: bool) -> dict:
@@ -130,6 +153,32 @@ class StepBatcher:
         return values
 
     # -- pushes ----------------------------------------------------------------------
+    def _send(self, batch: dict, return_tables=None, wait: bool = True):
+        """Send a step's push; it also returns the rows it leaves in the tables looked up
+        ahead of it (the lookahead patches the next batch's rows with them)."""
+        ahead = self.lookahead
+        if ahead is not None and (self.carry or not self.ahead_ok()):
+            ahead.forget()  # no rows come back to patch with: nothing is fetched ahead
+            ahead = None
+        if ahead is None:
+            if not wait:
+                return self._send_push(batch, return_tables, wait=False)
+            return self._send_push(batch, return_tables) if return_tables else \
+                self._send_push(batch)
+        push, wanted = ahead.before_push(batch)
+        extra = wanted - set(return_tables or ())
+        tables = set(return_tables or ()) | extra or None
+        try:
+            out = self._send_push(batch, tables) if wait else \
+                self._send_push(batch, tables, wait=False)
+        except BaseException as exc:
+            ahead.answered(push, exc)
+            raise
+        ahead.answered(push, out)
+        if wait and extra and out is not None:
+            out = {t: v for t, v in out.items() if t not in extra}
+        return out  # in flight: a Future whose answer may hold the extra tables too
+
     def _next_step_if_pushed(self, table: str) -> None:
         """A table that already pushed in this step is looked up or pushed again: a new
         step began without a step end (Keras' ``steps_per_execution`` > 1 runs several
@@ -147,7 +196,7 @@ class StepBatcher:
             if batch:
                 self.stats["push_calls"] += 1
         if batch:
-            self._send_push(batch)
+            self._send(batch)
 
     def push(self, table: str, ids: np.ndarray, grads: np.ndarray) -> None:
         """Queue a push; the step's pushes leave together once every table looked up for
@@ -160,7 +209,7 @@ class StepBatcher:
             batch, self._pending = self._pending, {}
             self._looked_up.clear()
             self.stats["push_calls"] += 1
-        self._send_push(batch)
+        self._send(batch)
 
     def end_step(self, extra: dict | None = None, return_tables=None, wait: bool = True):
         """The step is over: send what it still holds, plus ``extra`` updates, in one call;
@@ -186,9 +235,7 @@ class StepBatcher:
                 self._carry_step = self.steps_done
             return None if wait else done
         if batch:
-            if not wait:
-                return self._send_push(batch, return_tables, wait=False)
-            return self._send_push(batch, return_tables)
+            return self._send(batch, return_tables, wait=wait)
         return None
 
     def flush(self, older: bool = False) -> None:

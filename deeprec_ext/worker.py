@@ -27,6 +27,7 @@ from deeprec_ext.evaluation import EVALUATOR
 from deeprec_ext.evaluation import role as process_role
 from deeprec_ext.grpc_util import RetryPolicy, call_with_retry
 from deeprec_ext.launcher import launcher_alive, watch_launcher
+from deeprec_ext.lookahead import Lookahead
 from deeprec_ext.member import MEMBER_ID_ENV, MasterSession, master_address_from_env
 from deeprec_ext.proto import master_pb2
 from deeprec_ext.stats import MemberCollector
@@ -163,6 +164,11 @@ class WorkerContext:
         self._push_rows: dict[str, tuple[Future, np.ndarray]] = {}
         self._push_lock = threading.Lock()
         self.batcher = StepBatcher(self.client, self._send_push)
+        # the next batch's rows are looked up while a step trains (deeprec_ext.lookahead)
+        self.lookahead = Lookahead(self.client)
+        if role != EVALUATOR:
+            self.batcher.lookahead = self.lookahead
+        self.batcher.ahead_ok = lambda: self.fresh_lookups or not self.async_pushes
 
     @property
     def worker_id(self) -> str:
@@ -184,8 +190,8 @@ class WorkerContext:
         if inflight is not None and inflight[0].done():
             inflight = None  # applied before this lookup left: the PS answers fresh rows
         values = self.batcher.lookup(table, ids, insert_missing)
-        if inflight is None:
-            return values
+        if inflight is None or table in self.batcher.served_ahead:
+            return values  # rows fetched ahead are patched with the push's already
         # the push was in flight while this lookup ran: its ids take the rows it left
         fut, pushed = inflight
         after = fut.result()[table]
@@ -388,6 +394,7 @@ class WorkerContext:
             return
         self._closed = True
         self.settle()
+        self.lookahead.close()
         self._push_pool.shutdown()
         self.tracker.finish()
         self.client.close()

@@ -61,10 +61,12 @@ def test_overlap_takes_only_its_three_values():
             dtf.ElasticCallback(overlap=bad)
 
 
-def _fit(job, table: str, overlap, steps: int = 12, slow: float = 0.0, spe: int = 1):
+def _fit(job, table: str, overlap, steps: int = 12, slow: float = 0.0, spe: int = 1,
+         look_ahead: bool = False, transform=None):
     """Train a small Keras model in this process against the job's real PS with
     ``ElasticCallback(overlap=overlap)``: the final embedding rows, dense weights and
-    the batcher's push count."""
+    the batcher's push count (and the lookahead's counts). ``look_ahead``: the dataset
+    goes through ``dtf.look_ahead``; ``transform``: applied to the ids in the model."""
     import os
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras
@@ -85,7 +87,8 @@ def _fit(job, table: str, overlap, steps: int = 12, slow: float = 0.0, spe: int 
         labels = (ids.sum(1, keepdims=True) % 3 == 0).astype(np.float32)
         inp = keras.Input((4,), dtype="int64")
         emb = dtf.ElasticEmbedding(4, table=table, initializer="zeros",
-                                   optimizer={"name": "sgd", "learning_rate": 20.0})(inp)
+                                   optimizer={"name": "sgd", "learning_rate": 20.0})(
+            transform(inp) if transform is not None else inp)
         out = keras.layers.Dense(1, activation="sigmoid", kernel_initializer="ones")(
             keras.layers.Flatten()(emb))
         model = keras.Model(inp, out)
@@ -100,13 +103,15 @@ def _fit(job, table: str, overlap, steps: int = 12, slow: float = 0.0, spe: int 
             def on_train_batch_end(self, batch, logs=None):
                 if batch == steps - 1 or (batch == steps - spe and spe > 1):
                     rpcs.append(ctx.client.stats["rpcs"])
-        model.fit(tf.data.Dataset.from_tensor_slices((ids, labels)).batch(64), epochs=1,
+        ds = tf.data.Dataset.from_tensor_slices((ids, labels)).batch(64)
+        model.fit(dtf.look_ahead(ds).prefetch(2) if look_ahead else ds, epochs=1,
                   verbose=0, shuffle=False,
                   callbacks=[dtf.ElasticCallback(overlap=overlap), Count()])
         uniq = np.unique(ids)
         rows = ctx.client.lookup(table, uniq, insert_missing=False)
         dense = [np.asarray(v.numpy()) for v in model.layers[-1].weights]
-        return rows, dense, dict(ctx.batcher.stats, rpcs_in_training=rpcs[1] - rpcs[0])
+        return rows, dense, dict(ctx.batcher.stats, rpcs_in_training=rpcs[1] - rpcs[0],
+                                 lookahead=dict(ctx.lookahead.stats))
     finally:
         set_context(None)
         ctx.close()

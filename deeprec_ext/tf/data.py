@@ -112,4 +112,33 @@ def shard_dataset(batch_size: int, parse_fn: Callable | None = None,
         ds = ds.map(lambda *flat: columns_from_flat(list(flat), kinds))
     if parse_fn is not None:
         ds = ds.map(parse_fn, num_parallel_calls=tf.data.AUTOTUNE)
-    return ds.prefetch(prefetch)
+    return look_ahead(ds, ctx).prefetch(prefetch)
+
+
+def look_ahead(dataset: tf.data.Dataset, context: WorkerContext | None = None) -> tf.data.Dataset:
+    """``dataset`` unchanged, each batch's integer features noted as it is produced, so
+    that a step's lookups of the next batch's ids leave while the step trains
+    (``deeprec_ext.lookahead``). ``shard_dataset`` does this already; call it on a
+    dataset of your own, last before its ``prefetch``. Features a table does not read
+    cost their ``tf.unique`` on the input thread and are never looked up."""
+    ctx = context or get_context()
+    if is_evaluator():
+        return dataset
+
+    def note(*uniqs):
+        ctx.lookahead.note(uniqs)
+        return np.int8(0)
+
+    def mark(*element):
+        flat = tf.nest.flatten(element)
+        ints = [t for t in flat if t.dtype in (tf.int32, tf.int64) and t.shape.rank != 0]
+        if not ints:
+            return element if len(element) > 1 else element[0]
+        uniqs = [tf.unique(tf.reshape(tf.cast(t, tf.int64), [-1]))[0] for t in ints]
+        done = tf.numpy_function(note, uniqs, tf.int8, stateful=True, name="deeprec_note_ids")
+        with tf.control_dependencies([done]):
+            flat = [tf.identity(t) for t in flat]
+        out = tf.nest.pack_sequence_as(element, flat)
+        return out if len(out) > 1 else out[0]
+
+    return dataset.map(mark)

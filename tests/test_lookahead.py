@@ -1,0 +1,107 @@
+"""The next batch's rows are looked up while a step trains, and patched with the step's
+push (``deeprec_ext.lookahead``): a worker must read exactly what a waited push followed
+by a lookup reads, and anything the lookahead cannot follow falls back to a lookup."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deeprec_ext.errors import InvalidRequestError
+from deeprec_ext.lookahead import match
+from deeprec_ext.worker import WorkerContext
+from tests.test_fresh_overlap import _fit
+
+
+def test_match_pairs_equal_ids():
+    prev = np.array([9, 4, 7, 1, -3], np.int64)
+    nxt = np.array([7, 2, -3, 9, 100], np.int64)
+    dst, src = match(prev, nxt)
+    np.testing.assert_array_equal(nxt[dst], prev[src])
+    assert sorted(nxt[dst].tolist()) == [-3, 7, 9]
+    assert match(prev, np.empty(0, np.int64))[0].size == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_keras_lookahead_trains_exactly_like_a_waited_lookup(start_job, overlap):
+    """2 PS, heavy id reuse between steps: with the lookahead (and with the push left in
+    flight, overlap=True) one worker ends with the rows and dense weights of plain waited
+    training, every step after the first reads rows fetched ahead, and rows are patched."""
+    job = start_job({"name": f"lookahead-{overlap}"}, ["--ps", "2", "--workers", "0"])
+    ref_rows, ref_dense, _ = _fit(job, f"la_ref_{overlap}", False)
+    rows, dense, stats = _fit(job, f"la_{overlap}", overlap, look_ahead=True,
+                              slow=0.05 if overlap else 0.0)
+    assert np.abs(ref_rows).max() > 0.01  # the model trained
+    np.testing.assert_allclose(rows, ref_rows, atol=1e-5)
+    for a, b in zip(dense, ref_dense):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    la = stats["lookahead"]
+    assert la["used"] >= 10 and la["dropped"] == 0, la  # 12 steps: from the 2nd on
+    assert la["patched_rows"] > 0
+    assert stats["ahead_hits"] == la["used"]
+
+
+def test_keras_lookahead_several_steps_per_execution(start_job):
+    """Three steps per call: pushes leave between steps inside the call; rows fetched
+    ahead are still patched with exactly the push in between, or dropped."""
+    job = start_job({"name": "lookahead-spe"}, ["--ps", "1", "--workers", "0"])
+    ref_rows, ref_dense, _ = _fit(job, "las_ref", False)
+    rows, dense, stats = _fit(job, "las", False, spe=3, look_ahead=True)
+    np.testing.assert_allclose(rows, ref_rows, atol=1e-5)
+    for a, b in zip(dense, ref_dense):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert stats["lookahead"]["used"] > 0
+
+
+def test_keras_lookahead_never_guesses_transformed_ids(start_job):
+    """The model looks up ``ids % 250``, not a feature of the batch: nothing is fetched
+    ahead (no table ever matches a noted feature) and training is unchanged."""
+    import keras
+    job = start_job({"name": "lookahead-transformed"}, ["--ps", "1", "--workers", "0"])
+    mod = lambda x: keras.ops.mod(x, 250)  # noqa: E731
+    ref_rows, _, _ = _fit(job, "lat_ref", False, transform=mod)
+    rows, _, stats = _fit(job, "lat", False, look_ahead=True, transform=mod)
+    np.testing.assert_allclose(rows, ref_rows, atol=1e-5)
+    assert stats["lookahead"]["ahead"] == 0
+
+
+def test_lookahead_counts_every_update_and_drops_after_a_refused_push(start_job):
+    """Without TensorFlow: batches noted ahead, 2 PS, sgd with gradient -1 per id per
+    step, so a row is the number of pushes that included it. Every step must read the
+    exact counts; a push refused mid-way (non-finite gradients) changes nothing, raises,
+    and the rows fetched ahead of it are dropped, not patched with its answer."""
+    job = start_job({"name": "lookahead-direct"}, ["--ps", "2", "--workers", "0"])
+    ctx = WorkerContext(master_address=job.address, member_id="worker-0")
+    try:
+        ctx.client.create_table("t", dim=2, initializer="zeros",
+                                optimizer={"name": "sgd", "learning_rate": 1.0})
+        rng = np.random.default_rng(0)
+        batches = [np.unique(rng.integers(0, 500, 300)).astype(np.int64)
+                   for _ in range(8)]
+        for b in batches:
+            rng.shuffle(b)  # first-seen order, as tf.unique gives it
+            ctx.lookahead.note([b])
+        counts: dict[int, float] = {}
+        for step, ids in enumerate(batches):
+            got = ctx.lookup("t", ids)
+            want = np.array([counts.get(int(i), 0.0) for i in ids], np.float32)
+            np.testing.assert_array_equal(got[:, 0], want)
+            np.testing.assert_array_equal(got[:, 1], 2 * want)
+            grads = np.tile(np.array([[-1.0, -2.0]], np.float32), (ids.size, 1))
+            if step == 4:
+                grads[3, 0] = np.nan
+                with pytest.raises((InvalidRequestError, ValueError), match="finite|NaN|nan"):
+                    ctx.push_async("t", ids, grads)
+            else:
+                ctx.push_async("t", ids, grads)
+                for i in ids:
+                    counts[int(i)] = counts.get(int(i), 0.0) + 1.0
+            ctx.step_done()
+        stats = ctx.lookahead.stats
+        assert stats["used"] >= 5, stats
+        assert stats["dropped"] >= 1, stats  # the batch after the refused push
+        assert stats["patched_rows"] > 0
+        ids = np.array(sorted(counts), np.int64)
+        final = ctx.client.lookup("t", ids, insert_missing=False)
+        np.testing.assert_array_equal(final[:, 0], [counts[int(i)] for i in ids])
+    finally:
+        ctx.close()
