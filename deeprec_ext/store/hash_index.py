@@ -114,7 +114,7 @@ class HashIndex:
     """
 
     __slots__ = ("_tab", "_mask", "_size", "_deleted", "_prev", "_cursor", "_row_keys",
-                 "_own")
+                 "_own", "version")
 
     def __init__(self, capacity: int = 1024,
                  row_keys: Callable[[], np.ndarray] | None = None):
@@ -124,6 +124,10 @@ class HashIndex:
         self._cursor = 0  # next position of _prev to move
         self._own = _OwnKeys() if row_keys is None else None
         self._row_keys = self._own if row_keys is None else row_keys
+        # bumped by every call that may give a present key another row or none (insert,
+        # place_rows, remove, clear): rows found at one version hold for the same keys
+        # while it is unchanged (inserting absent keys and rehashing move no row)
+        self.version = 0
 
     def _alloc(self, cap: int) -> None:
         self._tab = np.zeros(cap, dtype=np.int32)
@@ -381,6 +385,7 @@ class HashIndex:
         prev._tab, prev._mask = self._tab, self._mask
         prev._size, prev._deleted, prev._prev, prev._cursor = self._size, self._deleted, None, 0
         prev._own, prev._row_keys = self._own, self._row_keys
+        prev.version = 0  # removals reach it through this index, which counts them
         self._alloc(new_cap)
         self._size = 0
         self._prev, self._cursor = prev, 0
@@ -424,6 +429,7 @@ class HashIndex:
     # -- mutation -----------------------------------------------------------------------
     def insert(self, keys, rows) -> None:
         """Insert keys that the caller guarantees are absent and unique."""
+        self.version += 1
         keys = _as_keys(keys)
         rows = np.asarray(rows, dtype=np.int64)
         if rows.shape != keys.shape:
@@ -572,6 +578,7 @@ class HashIndex:
         increasing (e.g. freed rows reused, sorted), so a later key of the batch still has
         the higher row; a key already in the index before the call is superseded by the
         batch's copy whatever its row."""
+        self.version += 1
         keys = _as_keys(keys)
         n = keys.size
         if n == 0:
@@ -652,6 +659,7 @@ class HashIndex:
         ``once`` only one occurrence of a key repeated in ``keys`` gets its row (the others
         -1), so the rows >= 0 are distinct and the caller needs no ``np.unique`` (it was
         most of a migration clean-up's delete: a hash or sort per chunk)."""
+        self.version += 1
         keys = _as_keys(keys)
         pos = self._probe(keys, True) if keys.size else np.empty(0, dtype=np.int64)
         found = pos >= 0
@@ -682,6 +690,7 @@ class HashIndex:
         return rows
 
     def clear(self) -> None:
+        self.version += 1
         self._alloc(_MIN_CAPACITY)
         self._size = 0
         self._prev, self._cursor = None, 0
