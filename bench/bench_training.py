@@ -849,7 +849,8 @@ def write_job(path: str, name: str, data_dir: str, args, profile: bool,
                         "--batch-size", str(args.batch_size), "--dim", str(DIM),
                         "--lr", str(args.lr if lr is None else lr)]
                        + (["--seed", str(args.init_seed)] if args.init_seed >= 0 else [])
-                       + (["--overlap"] + ([overlap] if overlap in ("stale", "carry") else [])
+                       + (["--overlap"] + ([overlap] if overlap in ("stale", "carry", "off")
+                                           else [])
                           if overlap else []) + eval_args,
             "max_restarts": 0,
             "env": env,
@@ -953,7 +954,8 @@ def _aimaster_cmd() -> list[str]:
 def run_ours(args, data: dict, ps: int, workers: int, profile: bool = False,
              tag: str | None = None, overlap: bool | str = False, optimizer: str = "adam",
              lr: float | None = None, look_ahead: bool = True) -> dict:
-    tag = tag or (f"{ps}x{workers}" + ({"stale": "-overlap-stale", "carry": "-carry"}
+    tag = tag or (f"{ps}x{workers}" + ({"stale": "-overlap-stale", "carry": "-carry",
+                                        "off": "-waited"}
                                        .get(overlap, "-overlap")
                                        if overlap else "")
                   + ("" if look_ahead else "-no-lookahead")
@@ -1177,8 +1179,8 @@ def _fmt(x, spec=",.0f"):
 
 
 CONFIGS = ("single", "pss", "tfk-single", "tfk-pss", "tfra-single", "tfra-pss", "ours-1x1",
-           "ours-1x1-overlap", "ours-1x1-overlap-stale", "ours-1x1-carry", "ours-1x1-no-lookahead",
-           "ours-2x2")
+           "ours-1x1-overlap", "ours-1x1-overlap-stale", "ours-1x1-carry", "ours-1x1-waited",
+           "ours-1x1-no-lookahead", "ours-2x2")
 DEFAULT_CONFIGS = "single,pss,ours-1x1,ours-1x1-overlap,ours-2x2"
 # --configs tfra: TFRA and the stock TF baselines in both Keras flavours next to ours
 TFRA_PRESET = ("tfra-single", "tfra-pss", "tfk-single", "tfk-pss", "single", "pss",
@@ -1187,7 +1189,8 @@ TFRA_PRESET = ("tfra-single", "tfra-pss", "tfk-single", "tfk-pss", "single", "ps
 ROW = {"single": "single", "pss": "tf-pss", "tfk-single": "tfk-single", "tfk-pss": "tfk-pss",
        "tfra-single": "tfra-single", "tfra-pss": "tfra-pss", "ours-1x1": "ours-1x1",
        "ours-1x1-overlap": "ours-1x1-overlap", "ours-1x1-overlap-stale": "ours-1x1-overlap-stale",
-       "ours-1x1-carry": "ours-1x1-carry", "ours-1x1-no-lookahead": "ours-1x1-no-lookahead",
+       "ours-1x1-carry": "ours-1x1-carry", "ours-1x1-waited": "ours-1x1-waited",
+       "ours-1x1-no-lookahead": "ours-1x1-no-lookahead",
        "ours-2x2": "ours-2x2"}
 QUICK = {"rows": 60_000, "test_rows": 10_000, "repeat": 1, "extra_vocab": 0,
          "extra_pss_inner_steps": 0, "timeout": 300.0, "warmup_steps": 10}
@@ -1344,8 +1347,11 @@ def main(argv=None) -> int:
                 plan.append(("ours-1x1-overlap-stale" + sfx, sfx, ours(1, 1, "stale")))
             elif c == "ours-1x1-carry":
                 plan.append(("ours-1x1-carry" + sfx, sfx, ours(1, 1, "carry")))
-            elif c == "ours-1x1-no-lookahead":
-                plan.append(("ours-1x1-no-lookahead" + sfx, sfx, ours(1, 1, look_ahead=False)))
+            elif c == "ours-1x1-waited":
+                plan.append(("ours-1x1-waited" + sfx, sfx, ours(1, 1, "off")))
+            elif c == "ours-1x1-no-lookahead":  # the configuration before the lookahead
+                plan.append(("ours-1x1-no-lookahead" + sfx, sfx,
+                             ours(1, 1, "off", look_ahead=False)))
             elif c == "ours-2x2":
                 plan.append(("ours-2x2" + sfx, sfx, ours(2, 2)))
 
@@ -1404,10 +1410,11 @@ def main(argv=None) -> int:
         f"tf-pss-x{args.extra_pss_inner_steps}":
             f"TF PSS, {args.extra_pss_inner_steps} steps per schedule() (info)",
         "ours-1x1": "ours 1 worker + 1 PS",
-        "ours-1x1-overlap": "ours 1 worker + 1 PS, --overlap (fresh lookups)",
+        "ours-1x1-overlap": "ours 1 worker + 1 PS, --overlap (fresh lookups, the default)",
+        "ours-1x1-waited": "ours 1 worker + 1 PS, --overlap off (every push waited)",
         "ours-1x1-overlap-stale": "ours 1 worker + 1 PS, --overlap stale",
         "ours-1x1-carry": "ours 1 worker + 1 PS, --overlap carry (push in the next lookup)",
-        "ours-1x1-no-lookahead": "ours 1 worker + 1 PS, no rows fetched ahead (the A/B row)",
+        "ours-1x1-no-lookahead": "ours 1 worker + 1 PS, waited, no rows fetched ahead",
         "ours-2x2": "ours 2 workers + 2 PS",
     }
     names = [n for n, _, _ in plan]

@@ -87,7 +87,7 @@ def training_input(args):
 def run_keras(args, ctx) -> dict:
     model = build_keras(args.lr, args.dim, args.storage_dtype)
     ds = training_input(args)
-    callback = dtf.ElasticCallback(overlap={"": False, "fresh": True, "stale": "stale",
+    callback = dtf.ElasticCallback(overlap={"off": False, "fresh": True, "stale": "stale",
                                             "carry": "carry"}[args.overlap])
     if args.predictions_before_out and args.test and ctx.rank == 0:
         # the model as the job starts (e.g. warm-started): shared weights, nothing trained
@@ -154,10 +154,13 @@ def main(argv=None) -> int:
     p.add_argument("--test", default="", help="test file; worker 0 reports its AUC")
     p.add_argument("--storage-dtype", default="float32", choices=("float32", "float16"),
                    help="how the PS stores the embedding values (float16: half the bytes)")
-    p.add_argument("--overlap", nargs="?", const="fresh", default="", choices=("fresh", "stale", "carry"),
-                   help="pushes one step in flight and dense sync in the background: faster; "
-                        "'stale' also skips fresh lookups; 'carry' sends a step's push in "
-                        "the next step's lookup call (see docs/guide-tensorflow.md)")
+    p.add_argument("--overlap", nargs="?", const="fresh", default="fresh",
+                   choices=("fresh", "off", "stale", "carry"),
+                   help="'fresh' (the default): each step's push stays in flight while the "
+                        "next step starts, its rows patched into the next step's; 'off': "
+                        "every push waited; 'stale' also skips fresh lookups; 'carry' sends "
+                        "a step's push in the next step's lookup call "
+                        "(see docs/guide-tensorflow.md)")
     p.add_argument("--predictions-out", default="",
                    help="worker 0 saves its predictions on --test at the end (.npy)")
     p.add_argument("--predictions-before-out", default="",
