@@ -101,6 +101,9 @@ class Costs:
     n_w: float = 1.0     # cores one worker process can use (Python + GIL: about 1)
     n_ps: float = 1.0    # cores one PS process can use (gRPC-Python handlers: about 1)
     rtt_s: float = 100e-6  # network round trip on a cluster; 0 on one machine
+    # the step's calls overlap the worker's CPU (the next batch's rows fetched ahead, the
+    # push in flight: ElasticCallback's default since 2026-11-28); False: one serial chain
+    overlap: bool = True
 
     def q(self, p: int) -> float:
         return self.rpcs_per_step_per_ps * p / self.batch
@@ -131,13 +134,34 @@ def mva(customers: int, delay: float, demand: float, servers: float = 1.0) -> fl
     return x
 
 
+def mva_overlapped(customers: int, own: float, delay: float, demand: float,
+                   servers: float = 1.0) -> float:
+    """Throughput of ``customers`` whose cycle is the longer of their own work ``own``
+    (no one else's) and a round trip of ``delay`` plus one visit of ``demand`` at a
+    station of ``servers`` servers, overlapped: a worker computes a step while its PS
+    serve the calls of the steps around it. Mean-value analysis as ``mva``, the cycle a
+    max instead of a sum."""
+    servers = max(servers, 1e-9)
+    sq = demand / servers
+    z = demand * (servers - 1) / servers if servers > 1 else 0.0
+    x = q = 0.0
+    for n in range(1, customers + 1):
+        resp = sq * (1 + q)
+        x = n / max(own, delay + z + resp)
+        q = x * resp
+    return x
+
+
 def predict(c: Costs, workers: int, ps: int, cores: float, gbit: float | None = None,
             shared: bool = False, background: float = 0.0, rtt_s: float | None = None,
             replication: bool = True) -> dict:
     """Samples/s of ``workers`` + ``ps`` with per-sample costs ``c``.
 
     Each worker is a customer of a closed queueing network that loops over one step:
-    its own CPU, then its lookups and pushes at the PS, which wait for each other.
+    its own CPU, then its lookups and pushes at the PS, which wait for each other; with
+    ``c.overlap`` (rows fetched ahead, pushes in flight) the calls overlap the worker's
+    CPU instead: on one machine the PS' work takes cores beside the steps (as the
+    replication does), on a cluster a step lasts the longer of the two.
 
     ``shared`` (this machine): all processes and the AIMaster share ONE machine of
     ``cores`` cores, so the whole CPU work of a step, the worker's and the PS', queues
@@ -169,15 +193,20 @@ def predict(c: Costs, workers: int, ps: int, cores: float, gbit: float | None = 
     if shared:
         if cores - master <= 0:
             raise ValueError(f"no CPU left: {cores} cores, AIMaster {master:.2f}")
-        for _ in range(50):  # fixed point: the replication's share depends on the rate
-            free = max(cores - master - x * B * rep_cpu, 0.05 * cores)
-            x = mva(W, net, B * (cw + cps_path), free)
+        beside = rep_cpu + (cps_path if c.overlap else 0.0)
+        on_path = cw + (0.0 if c.overlap else cps_path)
+        for _ in range(50):  # fixed point: the work beside the steps depends on the rate
+            free = max(cores - master - x * B * beside, 0.05 * cores)
+            x = mva(W, net, B * on_path, free)
         bounds["queueing"] = x * B
     else:
         n_ps = min(c.n_ps, cores)
         for _ in range(50):
             free = max(n_ps - x * B * rep_cpu / P, 0.05 * n_ps)
-            x = mva(W, B * cw / min(c.n_w, cores) + net, B * cps_path / P, free)
+            if c.overlap:
+                x = mva_overlapped(W, B * cw / min(c.n_w, cores), net, B * cps_path / P, free)
+            else:
+                x = mva(W, B * cw / min(c.n_w, cores) + net, B * cps_path / P, free)
         bounds["queueing"] = x * B
         if bw:
             bounds["worker_nic"] = W * bw / half
@@ -194,7 +223,8 @@ def predict(c: Costs, workers: int, ps: int, cores: float, gbit: float | None = 
         share = background_share(rate * (cw + c.c_ps(P, replication)) + master, background,
                                  cores)
         rate *= share
-    step = B * cw / min(c.n_w, cores) + B * cps_path / P + net  # one step, nothing queued
+    own, calls = B * cw / min(c.n_w, cores), B * cps_path / P + net
+    step = max(own, calls) if c.overlap else own + calls  # one step, nothing queued
     return {"workers": W, "ps": P, "cores": cores, "gbit": gbit, "shared": shared,
             "background": background, "share": share, "samples_per_s": rate, "bound": bound,
             "bounds": bounds, "step_ms_unloaded": 1e3 * step,
@@ -372,7 +402,8 @@ def measure(workers: int, ps: int, rows: int, batch: int, timeout: float = 600.0
     shutil.rmtree(state_dir, ignore_errors=True)
     os.makedirs(state_dir)
     job_path = os.path.join(state_dir, "job.yaml")
-    args = argparse.Namespace(batch_size=batch, lr=1e-3, records_per_shard=20_000)
+    args = argparse.Namespace(batch_size=batch, lr=1e-3, records_per_shard=20_000,
+                              init_seed=-1)  # Keras' own initial weights, as calibrated
     bt.write_job(job_path, f"bench-{tag}", data["dir"], args, profile=False)
     if not replication:
         # calibration only: defer the ring's shipping past the job's end, so the PS CPU

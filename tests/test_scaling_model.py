@@ -9,10 +9,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from bench.scaling_model import (Costs, background_share, best_ps, fit, main, mva,  # noqa: E402
-                                 predict)
+                                 mva_overlapped, predict)
 
 B = 1000
-C = Costs(batch=B, w0=20e-6, wr=1e-3, k=10e-6, r=2e-3, b0=900.0, br=4000.0, rep=700.0)
+# a step as one serial chain (before rows were fetched ahead); test_overlapped_steps: after
+C = Costs(batch=B, w0=20e-6, wr=1e-3, k=10e-6, r=2e-3, b0=900.0, br=4000.0, rep=700.0,
+          overlap=False)
 
 
 def test_linear_costs_in_rpcs_per_sample():
@@ -37,7 +39,7 @@ def test_mva():
 
 
 def test_shared_machine():
-    c = Costs(batch=B, w0=20e-6, wr=1e-3, k=10e-6, r=2e-3, b0=900.0, br=4000.0)
+    c = Costs(batch=B, w0=20e-6, wr=1e-3, k=10e-6, r=2e-3, b0=900.0, br=4000.0, overlap=False)
     cw, cps = c.c_w(1), c.c_ps(1)
     one = predict(c, 1, 1, cores=2, shared=True)
     assert one["bound"] == "queueing" and one["samples_per_s"] == pytest.approx(1 / (cw + cps))
@@ -51,7 +53,7 @@ def test_shared_machine():
     assert predict(c, 1, 1, cores=2, shared=True, background=0.3)["share"] == 1.0
     assert background_share(1.0, 3.0, 2) == pytest.approx(0.5)
     # the ring's replication runs beside the steps and takes cores from them
-    rep = Costs(batch=B, w0=20e-6, wr=0, k=10e-6, r=0, b0=0, br=0, rep_cpu=10e-6)
+    rep = Costs(batch=B, w0=20e-6, wr=0, k=10e-6, r=0, b0=0, br=0, rep_cpu=10e-6, overlap=False)
     assert predict(rep, 2, 2, 2, shared=True)["samples_per_s"] < \
         predict(rep, 2, 2, 2, shared=True, replication=False)["samples_per_s"]
     with pytest.raises(ValueError, match="no CPU left"):
@@ -80,6 +82,34 @@ def test_cluster_bounds():
     assert slow["samples_per_s"] < p4["samples_per_s"] and slow["bound"].endswith("nic")
     with pytest.raises(ValueError, match="workers >= 1"):
         predict(C, 0, 1, cores=16)
+
+
+def test_overlapped_steps():
+    """Rows fetched ahead and pushes in flight: a step lasts its worker's CPU when the PS
+    keep up; on one machine the PS' work takes cores beside the steps."""
+    c = Costs(batch=B, w0=20e-6, wr=1e-3, k=10e-6, r=2e-3, b0=900.0, br=4000.0)
+    assert c.overlap
+    cw = c.c_w(1)
+    one = predict(c, 1, 1, cores=2, shared=True)
+    assert one["samples_per_s"] == pytest.approx(1 / cw)  # the PS beside it: not on the path
+    serial = predict(Costs(**{**c.__dict__, "overlap": False}), 1, 1, cores=2, shared=True)
+    assert one["samples_per_s"] > serial["samples_per_s"]
+    # two workers on 2 cores: the PS' share leaves fewer cores to the steps than 2
+    two = predict(c, 2, 1, cores=2, shared=True)["samples_per_s"]
+    assert 1 / cw < two < 2 / cw
+    # a cluster: the longer of the worker's CPU and the calls
+    bw = 10e9 / 8
+    calls = B * c.c_ps(1) + 100e-6 + B * c.bytes(1) / 2 / bw
+    p = predict(c, 1, 1, cores=16, gbit=10)
+    assert p["step_ms_unloaded"] == pytest.approx(1e3 * max(B * cw, calls))
+    assert p["samples_per_s"] == pytest.approx(B / max(B * cw, calls))
+    # one customer, the station slower than its own work: the station decides
+    assert mva_overlapped(1, 0.1, 0.05, 0.2) == pytest.approx(1 / 0.25)
+    assert mva_overlapped(1, 0.3, 0.05, 0.2) == pytest.approx(1 / 0.3)
+    # many: the station saturates at servers / demand
+    assert mva_overlapped(500, 0.1, 0.0, 1.0, 2) == pytest.approx(2.0, rel=1e-3)
+    assert predict(c, 2000, 4, cores=16, gbit=1000)["samples_per_s"] == \
+        pytest.approx(4 / c.c_ps(4), rel=1e-2)
 
 
 def test_best_ps_is_the_fewest_near_the_best():
