@@ -39,7 +39,11 @@ No measured rate goes into the costs.
 
 Throughput: each worker is a customer of a closed queueing network that loops over one
 step (``mva``: exact mean-value analysis, multi-server stations by Seidmann's
-approximation):
+approximation). Since the next batch's rows are fetched while a step trains and the push
+stays in flight (``Costs.overlap``, the Keras default), a step's calls overlap its
+worker's CPU: on one machine the PS' work takes cores beside the steps, on a cluster a
+step lasts the longer of the worker's CPU and its round trip (``mva_overlapped``). With
+``overlap=False`` (waited pushes, no rows ahead) a step is the chain below:
 
 - one machine (``shared``, the validation here): the step's whole CPU work B (c_w + c_ps
   without replication) queues at one station of N cores, minus what the replication and

@@ -105,3 +105,35 @@ def test_lookahead_counts_every_update_and_drops_after_a_refused_push(start_job)
         np.testing.assert_array_equal(final[:, 0], [counts[int(i)] for i in ids])
     finally:
         ctx.close()
+
+
+def test_look_ahead_keeps_elements_and_notes_integer_features_in_order():
+    """The dataset's elements come out unchanged (dict + label, a bare tensor, strings
+    only); each batch's integer features are noted as ``tf.unique`` orders them."""
+    import types
+
+    import tensorflow as tf
+
+    import deeprec_ext.tf as dtf
+    from deeprec_ext.lookahead import Lookahead
+
+    la = Lookahead(client=None)
+    ctx = types.SimpleNamespace(lookahead=la)
+    ids = np.array([[5, 3, 5], [7, 3, 1], [2, 2, 2], [9, 8, 9]], np.int64)
+    dense = np.arange(12, dtype=np.float32).reshape(4, 3)
+    ds = tf.data.Dataset.from_tensor_slices(({"cat": ids, "dense": dense},
+                                             np.ones(4, np.float32))).batch(2)
+    got = list(dtf.look_ahead(ds, ctx))
+    want = list(ds)
+    assert len(got) == 2
+    for (gf, gl), (wf, wl) in zip(got, want):
+        np.testing.assert_array_equal(gf["cat"], wf["cat"])
+        np.testing.assert_array_equal(gf["dense"], wf["dense"])
+        np.testing.assert_array_equal(gl, wl)
+    noted = [u for _, u in la._noted]
+    assert [list(u[0]) for u in noted] == [[5, 3, 7, 1], [2, 9, 8]]  # one int feature each
+    bare = list(dtf.look_ahead(tf.data.Dataset.from_tensor_slices(ids).batch(4), ctx))
+    np.testing.assert_array_equal(bare[0], ids)
+    text = list(dtf.look_ahead(tf.data.Dataset.from_tensor_slices(["a", "b"]).batch(2), ctx))
+    assert [t.decode() for t in text[0].numpy()] == ["a", "b"]
+    assert len(la._noted) == 3  # the string batch noted nothing
