@@ -1180,7 +1180,7 @@ def _fmt(x, spec=",.0f"):
 
 CONFIGS = ("single", "pss", "tfk-single", "tfk-pss", "tfra-single", "tfra-pss", "ours-1x1",
            "ours-1x1-overlap", "ours-1x1-overlap-stale", "ours-1x1-carry", "ours-1x1-waited",
-           "ours-1x1-no-lookahead", "ours-2x2")
+           "ours-1x1-no-lookahead", "ours-2x2", "ours-2x2-waited")
 DEFAULT_CONFIGS = "single,pss,ours-1x1,ours-1x1-overlap,ours-2x2"
 # --configs tfra: TFRA and the stock TF baselines in both Keras flavours next to ours
 TFRA_PRESET = ("tfra-single", "tfra-pss", "tfk-single", "tfk-pss", "single", "pss",
@@ -1191,7 +1191,7 @@ ROW = {"single": "single", "pss": "tf-pss", "tfk-single": "tfk-single", "tfk-pss
        "ours-1x1-overlap": "ours-1x1-overlap", "ours-1x1-overlap-stale": "ours-1x1-overlap-stale",
        "ours-1x1-carry": "ours-1x1-carry", "ours-1x1-waited": "ours-1x1-waited",
        "ours-1x1-no-lookahead": "ours-1x1-no-lookahead",
-       "ours-2x2": "ours-2x2"}
+       "ours-2x2": "ours-2x2", "ours-2x2-waited": "ours-2x2-waited"}
 QUICK = {"rows": 60_000, "test_rows": 10_000, "repeat": 1, "extra_vocab": 0,
          "extra_pss_inner_steps": 0, "timeout": 300.0, "warmup_steps": 10}
 DEFAULTS = {"rows": 400_000, "test_rows": 50_000, "repeat": 2, "extra_vocab": 2 ** 20,
@@ -1354,6 +1354,8 @@ def main(argv=None) -> int:
                              ours(1, 1, "off", look_ahead=False)))
             elif c == "ours-2x2":
                 plan.append(("ours-2x2" + sfx, sfx, ours(2, 2)))
+            elif c == "ours-2x2-waited":
+                plan.append(("ours-2x2-waited" + sfx, sfx, ours(2, 2, "off")))
 
     runs: dict[str, list] = {}
     for r in range(args.repeat):
@@ -1416,6 +1418,7 @@ def main(argv=None) -> int:
         "ours-1x1-carry": "ours 1 worker + 1 PS, --overlap carry (push in the next lookup)",
         "ours-1x1-no-lookahead": "ours 1 worker + 1 PS, waited, no rows fetched ahead",
         "ours-2x2": "ours 2 workers + 2 PS",
+        "ours-2x2-waited": "ours 2 workers + 2 PS, --overlap off (every push waited)",
     }
     names = [n for n, _, _ in plan]
     bases = [(key, base, title) for key, base, title in
