@@ -216,6 +216,9 @@ class Lookahead:
         push = _Push()
         wanted = set()
         with self._lock:
+            # answered pushes are forgotten here too: a table never looked up ahead must
+            # not keep every step's answer (merged dense values) alive
+            self._inflight = [p for p in self._inflight if not p.answer.done()]
             self._inflight.append(push)
             aheads = {id(a): a for queue in self._pending.values() for a in queue}
             for ahead in aheads.values():

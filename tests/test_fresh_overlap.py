@@ -111,7 +111,8 @@ def _fit(job, table: str, overlap, steps: int = 12, slow: float = 0.0, spe: int 
         rows = ctx.client.lookup(table, uniq, insert_missing=False)
         dense = [np.asarray(v.numpy()) for v in model.layers[-1].weights]
         return rows, dense, dict(ctx.batcher.stats, rpcs_in_training=rpcs[1] - rpcs[0],
-                                 lookahead=dict(ctx.lookahead.stats))
+                                 lookahead=dict(ctx.lookahead.stats),
+                                 inflight_kept=len(ctx.lookahead._inflight))
     finally:
         set_context(None)
         ctx.close()

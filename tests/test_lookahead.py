@@ -62,6 +62,7 @@ def test_keras_lookahead_never_guesses_transformed_ids(start_job):
     rows, _, stats = _fit(job, "lat", False, look_ahead=True, transform=mod)
     np.testing.assert_allclose(rows, ref_rows, atol=1e-5)
     assert stats["lookahead"]["ahead"] == 0
+    assert stats["inflight_kept"] <= 1  # no step's push answer is kept beyond its step
 
 
 def test_lookahead_counts_every_update_and_drops_after_a_refused_push(start_job):
