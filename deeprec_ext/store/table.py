@@ -101,7 +101,7 @@ _SCAN_SLICE_ROWS = 1 << 18  # arena rows scanned per table-lock hold by sliced s
 _GATHER_ROWS_PER_HOLD = 1 << 13  # planned rows read per table-lock hold (about 1 ms)
 _LOG_MIN_CAP = 1 << 16  # change-log entries / tombstone keys kept at least (hard cap floor)
 _RECENT_LOOKUPS = 4  # lookups whose rows a push of the same keys reuses (per table)
-_RECENT_MAX_KEYS = 1 << 20
+_RECENT_MAX_KEYS = 1 << 16  # at most 4 MB a table (keys + rows); larger lookups are probed
 _SEG_CURSOR = 1 << 61   # export_slots cursor flags: in the segment, ...
 _MAIN_CURSOR = 1 << 60  # ... in this table's rows after the segment's
 
