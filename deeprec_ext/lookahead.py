@@ -100,6 +100,14 @@ class Lookahead:
         self._pool: ThreadPoolExecutor | None = None
         self.stats = {"ahead": 0, "used": 0, "dropped": 0, "patched_rows": 0}
 
+    def fill(self, out) -> None:
+        """This worker's counts into a Gazer ``MemberStats`` (its heartbeat)."""
+        with self._lock:
+            stats = dict(self.stats)
+        if stats["ahead"] or stats["dropped"]:
+            for k, v in stats.items():
+                setattr(out.lookahead, k, v)
+
     # -- the input pipeline ------------------------------------------------------------
     def note(self, uniqs) -> None:
         """The unique ids of each integer feature of the next batch (input thread)."""

@@ -168,6 +168,7 @@ class WorkerContext:
         self.lookahead = Lookahead(self.client)
         if role != EVALUATOR:
             self.batcher.lookahead = self.lookahead
+            self.gazer.extra = self.lookahead.fill
         self.batcher.ahead_ok = lambda: self.fresh_lookups or not self.async_pushes
 
     @property

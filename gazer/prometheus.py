@@ -60,6 +60,11 @@ class SnapshotCollector:
         cpu_s = counter("gazer_cpu_seconds", "CPU time of the member process", M)
         rss = gauge("gazer_rss_bytes", "Resident memory of the member process", M)
         steps = counter("gazer_worker_steps", "Training steps done", M)
+        ahead = counter("gazer_worker_lookahead_lookups",
+                        "Table lookups fetched while the previous step trained, by outcome "
+                        "(used, dropped)", M + ["outcome"])
+        patched = counter("gazer_worker_lookahead_patched_rows",
+                          "Rows fetched ahead replaced by what the step's push left", M)
         sps = gauge("gazer_worker_steps_per_second", "Training steps per second", M)
         samples = gauge("gazer_worker_samples_per_second", "Samples trained per second", M)
         step_s = gauge("gazer_worker_step_seconds", "Mean wall time of a training step", M)
@@ -103,6 +108,10 @@ class SnapshotCollector:
             rss.add_metric(lab, s.rss_bytes)
             if mv.role == "worker":
                 steps.add_metric(lab, s.steps)
+                if s.HasField("lookahead"):
+                    ahead.add_metric(lab + ["used"], s.lookahead.used)
+                    ahead.add_metric(lab + ["dropped"], s.lookahead.dropped)
+                    patched.add_metric(lab, s.lookahead.patched_rows)
                 sps.add_metric(lab, mv.steps_per_second)
                 samples.add_metric(lab, mv.samples_per_second)
                 step_s.add_metric(lab, s.step_ms / 1000.0)

@@ -91,7 +91,8 @@ def render(snap, notice: str = ""):
     members = Table(box=None, pad_edge=False, header_style="bold")
     for col, right in (("MEMBER", False), ("ROLE", False), ("STATE", False), ("CPU %", True),
                        ("RSS MB", True), ("RATE", True), ("P99 ms", True), ("STEP ms", True),
-                       ("ROWS", True), ("TABLE MB", True), ("REPL LAG", True)):
+                       ("ROWS", True), ("TABLE MB", True), ("REPL LAG", True),
+                       ("AHEAD", True)):
         members.add_column(col, justify="right" if right else "left", no_wrap=True)
     for mv in snap.members:
         s = mv.stats
@@ -101,7 +102,7 @@ def render(snap, notice: str = ""):
             state = Text(f"{state} SLOW ({mv.straggler_why})", style="bold red")
         row = [mv.id, mv.role, state]
         if not has:
-            members.add_row(*row, *[""] * 8)
+            members.add_row(*row, *[""] * 9)
             continue
         if mv.role == "worker":
             rate = f"{mv.steps_per_second:,.1f} st/s {mv.samples_per_second:,.0f} smp/s"
@@ -113,10 +114,14 @@ def render(snap, notice: str = ""):
         repl = ""
         if s.replication.peer:
             repl = f"{s.replication.behind_sequence:,} upd / {s.replication.since_ship_ms:,.0f} ms"
+        ahead = ""
+        la = s.lookahead
+        if la.used or la.dropped:  # table lookups answered by rows fetched ahead
+            ahead = f"{100.0 * la.used / (la.used + la.dropped):.0f}% of {la.used + la.dropped:,}"
         members.add_row(*row, f"{s.cpu_percent:,.0f}", _mb(s.rss_bytes), rate,
                         f"{mv.p99_ms:,.1f}" if mv.p99_ms else "", step,
                         f"{rows:,}" if s.tables else "",
-                        _mb(sum(t.bytes for t in s.tables)) if s.tables else "", repl)
+                        _mb(sum(t.bytes for t in s.tables)) if s.tables else "", repl, ahead)
     parts += [Text(""), members, Text("")]
     policies = table_policy_totals(snap)
     if policies:  # tables with admission or eviction: what they keep out and throw away

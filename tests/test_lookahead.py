@@ -98,6 +98,10 @@ def test_lookahead_counts_every_update_and_drops_after_a_refused_push(start_job)
                     counts[int(i)] = counts.get(int(i), 0.0) + 1.0
             ctx.step_done()
         stats = ctx.lookahead.stats
+        beat = ctx.gazer.collect("worker-0")  # what the heartbeat carries to Gazer
+        assert (beat.lookahead.ahead, beat.lookahead.used, beat.lookahead.dropped,
+                beat.lookahead.patched_rows) == (stats["ahead"], stats["used"],
+                                                 stats["dropped"], stats["patched_rows"])
         assert stats["used"] >= 5, stats
         assert stats["dropped"] >= 1, stats  # the batch after the refused push
         assert stats["patched_rows"] > 0
@@ -138,3 +142,38 @@ def test_look_ahead_keeps_elements_and_notes_integer_features_in_order():
     text = list(dtf.look_ahead(tf.data.Dataset.from_tensor_slices(["a", "b"]).batch(2), ctx))
     assert [t.decode() for t in text[0].numpy()] == ["a", "b"]
     assert len(la._noted) == 3  # the string batch noted nothing
+
+
+def test_gazer_shows_and_exports_the_lookahead():
+    """The worker's counts, as a snapshot carries them: the live view's AHEAD column and
+    the Prometheus counters; a worker without counts shows and exports nothing."""
+    from prometheus_client import generate_latest
+    from prometheus_client.core import CollectorRegistry
+    from rich.console import Console
+
+    from deeprec_ext.proto import gazer_pb2
+    from gazer.prometheus import SnapshotCollector
+    from gazer.view import render
+
+    snap = gazer_pb2.Snapshot(job="j")
+    w = snap.members.add(id="worker-0", role="worker", state="running", stats_age_seconds=1)
+    w.stats.lookahead.ahead, w.stats.lookahead.used = 50, 98
+    w.stats.lookahead.dropped, w.stats.lookahead.patched_rows = 2, 4000
+    snap.members.add(id="worker-1", role="worker", state="running", stats_age_seconds=1)
+
+    class Plugin:  # the exporter's only call into the AIMaster's Gazer plugin
+        def snapshot(self):
+            return snap
+
+    console = Console(width=200, record=True)
+    console.print(render(snap))
+    text = console.export_text()
+    assert "AHEAD" in text and "98% of 100" in text
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(Plugin()))
+    prom = generate_latest(registry).decode()
+    assert ('gazer_worker_lookahead_lookups_total{member="worker-0",outcome="used",'
+            'role="worker"} 98.0') in prom
+    assert 'gazer_worker_lookahead_patched_rows_total{member="worker-0",role="worker"} 4000.0' \
+        in prom
+    assert 'member="worker-1",outcome' not in prom
