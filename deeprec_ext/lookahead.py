@@ -230,6 +230,8 @@ class Lookahead:
             self._inflight.append(push)
             aheads = {id(a): a for queue in self._pending.values() for a in queue}
             for ahead in aheads.values():
+                if not any(t in batch for t in ahead.tables):
+                    continue  # it changes none of the rows fetched ahead (a dense sync)
                 ahead.pushes += 1
                 if ahead.pushes > 1:
                     continue  # two pushes to follow: dropped when taken

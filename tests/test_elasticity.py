@@ -318,8 +318,10 @@ def test_deepfm_training_through_scale_changes_converges(start_job, tmp_path):
     state = job.state()
     assert set(state["shards"]["done"]) == {s["shard_id"] for s in state["shards"]["shards"]}
     metrics = json.loads((job.state_dir / "metrics-worker-0.json").read_text())
-    print(f"AUC after elastic training: {metrics['auc']:.4f}")
+    print(f"AUC after elastic training: {metrics['auc']:.4f}; lookahead {metrics['lookahead']}")
     assert metrics["auc"] > 0.72
+    # the next batch's rows were fetched while steps trained, through the changes
+    assert metrics["lookahead"]["used"] > metrics["steps"] // 2
 
 
 def test_sync_replication_under_many_pushers_and_a_scale_in_keeps_serving(start_job):

@@ -73,8 +73,9 @@ def test_lookahead_counts_every_update_and_drops_after_a_refused_push(start_job)
     job = start_job({"name": "lookahead-direct"}, ["--ps", "2", "--workers", "0"])
     ctx = WorkerContext(master_address=job.address, member_id="worker-0")
     try:
-        ctx.client.create_table("t", dim=2, initializer="zeros",
-                                optimizer={"name": "sgd", "learning_rate": 1.0})
+        for name in ("t", "other"):
+            ctx.client.create_table(name, dim=2, initializer="zeros",
+                                    optimizer={"name": "sgd", "learning_rate": 1.0})
         rng = np.random.default_rng(0)
         batches = [np.unique(rng.integers(0, 500, 300)).astype(np.int64)
                    for _ in range(8)]
@@ -96,6 +97,9 @@ def test_lookahead_counts_every_update_and_drops_after_a_refused_push(start_job)
                 ctx.push_async("t", ids, grads)
                 for i in ids:
                     counts[int(i)] = counts.get(int(i), 0.0) + 1.0
+            # a second call of the step touching none of t's rows (as a dense sync every
+            # N steps is): the rows fetched ahead of t stay usable
+            ctx.push_async("other", np.array([1, 2], np.int64), np.ones((2, 2), np.float32))
             ctx.step_done()
         stats = ctx.lookahead.stats
         beat = ctx.gazer.collect("worker-0")  # what the heartbeat carries to Gazer

@@ -100,7 +100,8 @@ def run_keras(args, ctx) -> dict:
                         shuffle=False)
     out = {"train_seconds": time.monotonic() - start, "steps": ctx.session.steps,
            "samples": ctx.session.samples,
-           "final_loss": float(history.history["loss"][-1]) if history.history.get("loss") else None}
+           "final_loss": float(history.history["loss"][-1]) if history.history.get("loss") else None,
+           "lookahead": dict(ctx.lookahead.stats)}  # lookups fetched while a step trained
     if args.test and ctx.rank == 0 and not ctx.stop_requested.is_set():
         ctx.wait_all_done()
         callback.on_test_begin()  # pull the final dense weights every worker contributed to
