@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -160,17 +161,13 @@ class StepBatcher:
         if ahead is not None and (self.carry or not self.ahead_ok()):
             ahead.forget()  # no rows come back to patch with: nothing is fetched ahead
             ahead = None
+        send = self._send_push if wait else partial(self._send_push, wait=False)
         if ahead is None:
-            if not wait:
-                return self._send_push(batch, return_tables, wait=False)
-            return self._send_push(batch, return_tables) if return_tables else \
-                self._send_push(batch)
+            return send(batch, return_tables)
         push, wanted = ahead.before_push(batch)
         extra = wanted - set(return_tables or ())
-        tables = set(return_tables or ()) | extra or None
         try:
-            out = self._send_push(batch, tables) if wait else \
-                self._send_push(batch, tables, wait=False)
+            out = send(batch, set(return_tables or ()) | extra or None)
         except BaseException as exc:
             ahead.answered(push, exc)
             raise

@@ -27,7 +27,7 @@ from deeprec_ext.evaluation import EVALUATOR
 from deeprec_ext.evaluation import role as process_role
 from deeprec_ext.grpc_util import RetryPolicy, call_with_retry
 from deeprec_ext.launcher import launcher_alive, watch_launcher
-from deeprec_ext.lookahead import Lookahead
+from deeprec_ext.lookahead import Lookahead, match
 from deeprec_ext.member import MEMBER_ID_ENV, MasterSession, master_address_from_env
 from deeprec_ext.proto import master_pb2
 from deeprec_ext.stats import MemberCollector
@@ -198,14 +198,11 @@ class WorkerContext:
         after = fut.result()[table]
         if not pushed.size or not values.size:
             return values
-        order = np.argsort(pushed, kind="stable")
         ids = np.asarray(ids).ravel()
-        pos = np.searchsorted(pushed, ids, sorter=order)
-        pos = np.minimum(pos, pushed.size - 1)
-        hit = pushed[order[pos]] == ids
-        if hit.any():
+        dst, src = match(pushed, ids)  # the ids the two share, as the lookahead patches
+        if dst.size:
             values = np.array(values, copy=True)
-            values.reshape(ids.size, -1)[hit] = after[order[pos[hit]]]
+            values.reshape(ids.size, -1)[dst] = after[src]
         return values
 
     def push_async(self, table: str, ids, grads) -> None:
