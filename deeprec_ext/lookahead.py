@@ -44,7 +44,13 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    value = os.environ.get(ENV, "1").strip().lower()
+    if value in ("1", "true", "yes", "on", ""):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{ENV} must be 1/true/yes/on or 0/false/no/off, got "
+                     f"{os.environ[ENV]!r}")
 
 
 def match(prev: np.ndarray, nxt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

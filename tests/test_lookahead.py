@@ -12,6 +12,19 @@ from deeprec_ext.worker import WorkerContext
 from tests.test_fresh_overlap import _fit
 
 
+def test_lookahead_switch_takes_only_yes_or_no(monkeypatch):
+    from deeprec_ext.lookahead import enabled_by_env
+    for on in ("1", "true", "ON", " yes "):
+        monkeypatch.setenv("DEEPREC_LOOKAHEAD", on)
+        assert enabled_by_env()
+    for off in ("0", "false", "Off", "no"):
+        monkeypatch.setenv("DEEPREC_LOOKAHEAD", off)
+        assert not enabled_by_env()
+    monkeypatch.setenv("DEEPREC_LOOKAHEAD", "maybe")
+    with pytest.raises(ValueError, match="DEEPREC_LOOKAHEAD must be .* got 'maybe'"):
+        enabled_by_env()
+
+
 def test_match_pairs_equal_ids():
     prev = np.array([9, 4, 7, 1, -3], np.int64)
     nxt = np.array([7, 2, -3, 9, 100], np.int64)
