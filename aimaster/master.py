@@ -863,6 +863,7 @@ class JobMaster:
             event.update(ps=[ps_before, ps], moved_rows=result.moved_rows,
                          moved_bytes=result.moved_bytes, moved_slots=result.moved_slots,
                          catchup_rows=result.catchup_rows, rounds=result.rounds,
+                         seeded_rows=result.seeded_rows,
                          fence_ms=round(result.fence_ms, 3), epoch=result.routing.epoch,
                          # what the fence window is made of (fence calls, last delta,
                          # publish) and the rows of each round: where a long step went
@@ -978,6 +979,7 @@ class JobMaster:
             except MigrationError as exc:
                 raise OperationRefused(str(exc)) from exc
             event.update(moved_rows=result.moved_rows, moved_bytes=result.moved_bytes,
+                         seeded_rows=result.seeded_rows,
                          fence_ms=round(result.fence_ms, 3), epoch=result.routing.epoch)
             if capacity is not None:
                 event["phases_ms"] = result.phases_ms

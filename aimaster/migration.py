@@ -31,6 +31,9 @@ class MigrationResult:
     moved_slots: int = 0
     moved_rows: int = 0        # rows in the snapshot round (distinct rows moved)
     catchup_rows: int = 0      # rows re-sent by catch-up rounds and the final delta
+    # rows of the snapshot round a destination took from its copy of the source (its ring
+    # peer's replica), not sent over the network (part of moved_rows)
+    seeded_rows: int = 0
     moved_bytes: int = 0
     rounds: int = 0
     fence_ms: float = 0.0
@@ -128,6 +131,7 @@ def migrate(fleet: "PsFleet", old: RoutingTable, new_owner: np.ndarray, new_ids:
             result.moved_bytes += resp.bytes
             if first:
                 result.moved_rows += resp.rows
+                result.seeded_rows += resp.seeded
             else:
                 result.catchup_rows += resp.rows
             with _progress_lock:

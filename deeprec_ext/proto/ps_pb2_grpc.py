@@ -84,6 +84,11 @@ class ParameterServerStub:
                 request_serializer=deeprec__ext_dot_proto_dot_ps__pb2.RowBatch.SerializeToString,
                 response_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.ImportRowsResponse.FromString,
                 _registered_method=True)
+        self.SeedFromReplica = channel.unary_unary(
+                '/deeprec_ext.ps.ParameterServer/SeedFromReplica',
+                request_serializer=deeprec__ext_dot_proto_dot_ps__pb2.SeedFromReplicaRequest.SerializeToString,
+                response_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.SeedFromReplicaResponse.FromString,
+                _registered_method=True)
         self.DropSlots = channel.unary_unary(
                 '/deeprec_ext.ps.ParameterServer/DropSlots',
                 request_serializer=deeprec__ext_dot_proto_dot_ps__pb2.DropSlotsRequest.SerializeToString,
@@ -174,6 +179,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SeedFromReplica(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DropSlots(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -256,6 +267,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.ImportRows,
                     request_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.RowBatch.FromString,
                     response_serializer=deeprec__ext_dot_proto_dot_ps__pb2.ImportRowsResponse.SerializeToString,
+            ),
+            'SeedFromReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.SeedFromReplica,
+                    request_deserializer=deeprec__ext_dot_proto_dot_ps__pb2.SeedFromReplicaRequest.FromString,
+                    response_serializer=deeprec__ext_dot_proto_dot_ps__pb2.SeedFromReplicaResponse.SerializeToString,
             ),
             'DropSlots': grpc.unary_unary_rpc_method_handler(
                     servicer.DropSlots,
@@ -553,6 +569,33 @@ class ParameterServer:
             '/deeprec_ext.ps.ParameterServer/ImportRows',
             deeprec__ext_dot_proto_dot_ps__pb2.RowBatch.SerializeToString,
             deeprec__ext_dot_proto_dot_ps__pb2.ImportRowsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SeedFromReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deeprec_ext.ps.ParameterServer/SeedFromReplica',
+            deeprec__ext_dot_proto_dot_ps__pb2.SeedFromReplicaRequest.SerializeToString,
+            deeprec__ext_dot_proto_dot_ps__pb2.SeedFromReplicaResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -52,6 +52,11 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="most of the wall time a background migration round may keep "
                         "busy, in (0, 1]: the copy paces itself so training keeps the rest "
                         "(1: no pacing; the fenced last round is never paced)")
+    p.add_argument("--seed-from-replica", choices=("on", "off"),
+                   default=os.environ.get("DEEPREC_PS_SEED_FROM_REPLICA", "on"),
+                   help="a migration's snapshot round to this PS's ring peer is taken by "
+                        "the peer from the copy of this PS it holds, instead of streamed "
+                        "(a scale-in's leaving PS and its peer)")
     p.add_argument("--malloc-mmap-threshold-mb", type=float,
                    # a string default goes through ``type``: a bad environment value is
                    # a usage error naming the flag, not a traceback
@@ -116,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     servicer = ParameterServerServicer(
         args.id or "ps", memory_limit_bytes=int(max(args.memory_limit_mb, 0) * 1024 * 1024),
-        migration_share=args.migration_share)
+        migration_share=args.migration_share, seed_from_replica=args.seed_from_replica == "on")
     try:  # access control: the job token (DEEPREC_TOKEN_FILE) checked on every RPC
         interceptors = auth.server_interceptors()
     except auth.AuthError as exc:

@@ -1078,6 +1078,13 @@ class ReplicaSet:
         with self._cond:
             self.copies.setdefault(origin, copy)
 
+    def current(self, origin: str) -> ReplicaCopy | None:
+        """The complete copy of ``origin`` held now (None: none), left in place: a
+        migration's destination reads rows of it (``SeedFromReplica``) while deltas keep
+        arriving; hold ``copy.lock`` for each read."""
+        with self._cond:
+            return self.copies.get(origin)
+
     # -- introspection -----------------------------------------------------------------
     def is_complete(self, origin: str) -> bool:
         with self._cond:

@@ -34,6 +34,7 @@ from deeprec_ext.store.policies import is_candidate_table
 log = logging.getLogger(__name__)
 
 IMPORT_ROWS = "/deeprec_ext.ps.ParameterServer/ImportRows"
+SEED_FROM_REPLICA = "/deeprec_ext.ps.ParameterServer/SeedFromReplica"
 
 
 class Routing:
@@ -105,8 +106,12 @@ def set_malloc_mmap_threshold(nbytes: int | None) -> None:
 @validation.answers_refusals(ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"])
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, ps_id: str = "ps", store: EmbeddingStore | None = None,
-                 memory_limit_bytes: int = 0, migration_share: float = 1.0):
+                 memory_limit_bytes: int = 0, migration_share: float = 1.0,
+                 seed_from_replica: bool = True):
         self.ps_id = ps_id
+        # a snapshot round to this PS's ring peer is taken from the peer's copy of it
+        # (``SeedFromReplica``) instead of being streamed
+        self.seed_from_replica = bool(seed_from_replica)
         if not 0.0 < migration_share <= 1.0:
             raise ValueError(f"migration_share must be in (0, 1], got {migration_share!r}")
         self.migration_share = float(migration_share)
@@ -479,6 +484,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             validation.address(request.dst_replica_after, "dst_replica_after")
         if request.fence_epoch:  # before the watermark: every write it lets in is then sent
             self._fence(request, mask, context)
+        if request.since_seq < 0 and not request.send_request_ids and self.seed_from_replica:
+            seeded = self._seed_at_destination(request, context)
+            if seeded is not None:
+                return seeded
         watermark = self.store.sequence.value
         since = None if request.since_seq < 0 else request.since_seq
         totals = {"rows": 0, "bytes": 0, "deleted": 0}
@@ -547,6 +556,57 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                               f"{exc.details()}")
         self._migration_consumer(request.dst_address, watermark)
         return ps_pb2.MigrateSlotsResponse(watermark=watermark, **totals)
+
+    def _seed_at_destination(self, request, context):
+        """A snapshot round to this PS's ring peer, taken by the peer from the copy of this
+        PS it holds (``SeedFromReplica``): at a scale-in the leaving PS's peer is one of
+        its destinations, and streaming it rows it already holds cost both PS the export,
+        the wire and the parse of every one of them. The logs are kept from what the copy
+        holds for sure (the replication's shipped sequence) before the peer reads it, so
+        the catch-up rounds from the copy's sequence find every tombstone since. Returns
+        the round's answer, or None when the peer cannot (no complete copy, one that
+        lacks held-back or out-of-scope slots, synchronous replication): the caller then
+        streams the rows, nothing having changed on the peer."""
+        rep = self.replicator
+        shipped = rep.shipped_sequence()
+        if shipped < 0 or rep.sync or rep.peer != request.dst_address or not rep.origin \
+                or rep.scope is not None:
+            return None
+        mask = validation.slot_mask(request.slots, request.num_slots)
+        held = rep._held
+        if held is not None and held[0] == rep.peer and held[1].size == mask.size \
+                and bool((held[1] & mask).any()):
+            return None
+        self._migration_consumer(request.dst_address, shipped)  # the logs from there on
+        from deeprec_ext.grpc_util import insecure_channel
+        t0 = time.monotonic()
+        with insecure_channel(request.dst_address) as ch:
+            try:
+                resp = ch.unary_unary(
+                    SEED_FROM_REPLICA, request_serializer=ps_pb2.SeedFromReplicaRequest.SerializeToString,
+                    response_deserializer=ps_pb2.SeedFromReplicaResponse.FromString)(
+                    ps_pb2.SeedFromReplicaRequest(
+                        origin=rep.origin, slots=request.slots, num_slots=request.num_slots,
+                        min_sequence=shipped, replica_after=request.dst_replica_after),
+                    timeout=validation.within_deadline(context, 600.0))
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # nothing changed there
+                    log.info("%s: %s cannot take the snapshot from its copy (%s); streaming it",
+                             self.ps_id, request.dst_address, exc.details())
+                    return None
+                context.abort(validation.downstream_code(exc.code()),
+                              f"seeding {request.dst_address} from its copy of this PS: "
+                              f"{exc.code().name}: {exc.details()}")
+        if resp.sequence < shipped:  # the peer's copy older than what was shipped to it
+            context.abort(grpc.StatusCode.INTERNAL,
+                          f"{request.dst_address} seeded from a copy current to "
+                          f"{resp.sequence}, older than the {shipped} shipped to it")
+        self._migration_consumer(request.dst_address, resp.sequence)
+        log.info("%s: %s took %d rows of the snapshot from its copy of this PS (current to "
+                 "%d) in %.0f ms", self.ps_id, request.dst_address, resp.rows, resp.sequence,
+                 (time.monotonic() - t0) * 1000)
+        return ps_pb2.MigrateSlotsResponse(watermark=resp.sequence, rows=resp.rows,
+                                           seeded=resp.rows)
 
     def _fence(self, request, moving: np.ndarray, context) -> None:
         """The fence of a last round (``MigrateSlotsRequest.fence_epoch``): this PS keeps
@@ -644,6 +704,72 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                      (time.monotonic() - t0) * 1000, "snapshot" if snapshot else "catch-up",
                      ", yielding" if background and not snapshot else "")
         return ps_pb2.ImportRowsResponse(rows=n)
+
+    def SeedFromReplica(self, request, context):
+        """A migration's snapshot round from the copy this PS holds of the source (the
+        source asks: see ``_seed_at_destination``). Rows of the moving slots go from that
+        copy into this PS's tables in slices, each read under the copy's lock (deltas keep
+        arriving between them: a row read later may be newer than the copy's sequence at
+        the start, which the answer reports, and the catch-up rounds ship every write
+        after it again), paced and yielding to training like a streamed snapshot.
+        FAILED_PRECONDITION, with nothing changed, when there is no complete copy current
+        to ``min_sequence``; ABORTED when the copy is promoted or replaced mid-way (the
+        migration then fails and drops what was seeded)."""
+        mask = self._slot_mask(request.slots, request.num_slots, context, routed=True)
+        if not request.origin:
+            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "origin is required")
+        if request.replica_after:
+            validation.address(request.replica_after, "replica_after")
+        copy = self.replicas.current(request.origin)
+        if copy is None:
+            self._reject(context, grpc.StatusCode.FAILED_PRECONDITION,
+                         f"this PS holds no complete copy of {request.origin!r}")
+        with copy.lock:
+            sequence = copy.sequence
+        if sequence < request.min_sequence:
+            self._reject(context, grpc.StatusCode.FAILED_PRECONDITION,
+                         f"the copy of {request.origin!r} is current to {sequence}, older "
+                         f"than {request.min_sequence}")
+        t0 = time.monotonic()
+        n = 0
+        share = float(np.count_nonzero(mask)) / max(mask.size, 1)
+        paced = self.migration_share < 1.0
+        pacer = self._Pacer(self.migration_share if paced else 1.0, lambda: self._paced_rounds)
+        with self._paced_round(paced):
+            for name, rtable in sorted(copy.store.tables().items()):
+                cfg = table_spec.of_table(rtable)
+                if request.replica_after:  # as ImportRows: imports skip a peer that changes
+                    self.replicator.hold_unowned(request.replica_after, self.routing.owned)
+                rcfg = rtable.config
+                try:
+                    table = self.store.create_table(name, rtable.dim, rcfg["initializer"],
+                                                    rcfg["optimizer"],
+                                                    admission=rcfg.get("admission"),
+                                                    eviction=rcfg.get("eviction"),
+                                                    dtype=rcfg.get("dtype", "float32"))
+                except (ValueError, TypeError) as exc:
+                    self._reject(context, grpc.StatusCode.FAILED_PRECONDITION if not n else
+                                 grpc.StatusCode.ABORTED, f"seed table '{name}': {exc}")
+                self._configs.setdefault(name, cfg)
+                self._start_evictor()
+                table.reserve_import(int(len(rtable) * share * 1.02) + 64)
+                row = 0
+                while row is not None:
+                    with copy.lock:
+                        if self.replicas.current(request.origin) is not copy:
+                            self._reject(context, grpc.StatusCode.ABORTED,
+                                         f"the copy of {request.origin!r} was promoted or "
+                                         f"replaced after {n} rows")
+                        keys, (rows, counts), _, row = rtable.export_slots(
+                            mask, None, row, self.MIGRATE_CHUNK_ROWS, with_counts="apart")
+                    if keys.size:
+                        self._import_pieces(table, keys, rows, counts, yield_=paced)
+                        n += int(keys.size)
+                    if row is not None:
+                        pacer.pace()
+        log.info("%s: seeded %d rows of %s's moving slots from its copy (current to %d) in "
+                 "%.0f ms", self.ps_id, n, request.origin, sequence, (time.monotonic() - t0) * 1000)
+        return ps_pb2.SeedFromReplicaResponse(rows=n, sequence=sequence)
 
     # Rows per table-lock hold of an import. A sender's chunk (MIGRATE_CHUNK_ROWS) imported
     # in one hold into a table that serves training (a scale-in's destinations hold rows,

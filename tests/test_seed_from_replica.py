@@ -1,0 +1,179 @@
+"""A migration's snapshot round taken by the destination from the copy it holds of its
+source (``SeedFromReplica``): at a scale-in the leaving PS's ring peer is one of its
+destinations and already holds its rows. Real gRPC between in-process PS; every row
+counted against the source, writes and deletes on both sides of the copy's sequence."""
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from deeprec_ext.hashing import slot_of
+from deeprec_ext.proto import ps_pb2 as pb
+from tests.test_migration_wire import CFG, _lookup, _rows_and_counts, _serve
+
+SLOTS = 4096
+
+
+def _routing(stub, epoch, owned, peer, ps_id):
+    stub.SetRouting(pb.SetRoutingRequest(
+        epoch=epoch, owned_slots=owned.tobytes(), num_slots=SLOTS, replica_peer=peer,
+        replication_interval_ms=60_000, ps_id=ps_id), timeout=30)
+
+
+def _push(stub, keys, value=0.5):
+    stub.Push(pb.PushRequest(tables=[pb.TableUpdate(
+        table="emb", ids=keys.tobytes(),
+        values=np.full((keys.size, 4), value, np.float32).tobytes())]), timeout=30)
+
+
+def _in_slots(table, mask):
+    keys, rows, counts = _rows_and_counts(table)
+    keep = mask[slot_of(keys, SLOTS)].astype(bool)
+    return keys[keep], rows[keep], counts[keep]
+
+
+@pytest.fixture
+def pair():
+    s = _serve("ps-s")
+    d = _serve("ps-d")
+    try:
+        yield s, d
+    finally:
+        for svc, srv, ch, _, _ in (s, d):
+            ch.close()
+            svc.replicator.close()
+            srv.stop(0).wait(10)
+            svc.close()
+
+
+def test_a_destination_seeded_from_its_copy_ends_with_every_row_of_the_source(pair):
+    """The leaving PS (ps-s) replicates to ps-d. Before the copy's last delta and after
+    it, ps-s takes pushes, new keys and deletes; the snapshot round to ps-d is seeded from
+    ps-d's copy (no row streamed), the catch-up round from the copy's sequence ships the
+    rest, tombstones included (kept although the replication moved on meanwhile). ps-d
+    then holds exactly the source's rows and update counts, and its own rows as before."""
+    (s, _, _, s_stub, _), (d, _, _, d_stub, d_addr) = pair
+    own = np.zeros(SLOTS, np.uint8)
+    own[::2] = 1  # ps-d's slots; ps-s has the odd ones, all of which move to ps-d
+    moving = (1 - own).astype(np.uint8)
+    _routing(s_stub, 1, moving, d_addr, "ps-s")
+    _routing(d_stub, 1, own, "", "ps-d")
+    for stub in (s_stub, d_stub):
+        stub.CreateTable(pb.CreateTableRequest(config=CFG), timeout=30)
+    rng = np.random.default_rng(3)
+    ids = np.unique(rng.integers(-2**62, 2**62, 90_000))
+    slots = slot_of(ids, SLOTS)
+    d_keys, s_keys = ids[own[slots] == 1], ids[own[slots] == 0]
+    _lookup(d_stub, d_keys, insert=True)
+    _lookup(s_stub, s_keys, insert=True)
+    d_before = _rows_and_counts(d.store["emb"])
+    # as once a checkpoint is written: only the replication (and the migration) keep logs
+    s.store.set_consumer("checkpoint", None)
+    s.replicator.ship()  # the full copy of ps-s on ps-d
+    assert len(d.replicas.copies["ps-s"].store["emb"]) == s_keys.size
+
+    # written and shipped: in the copy
+    _push(s_stub, s_keys[:5000])
+    s.store["emb"].delete(s_keys[5000:5500])
+    s.replicator.ship()
+    # written after the copy's last delta: only the catch-up can bring these
+    _push(s_stub, s_keys[6000:9000], 0.25)
+    s.store["emb"].delete(s_keys[9000:9300])
+    fresh = np.unique(rng.integers(-2**62, 2**62, 4000))
+    fresh = fresh[moving[slot_of(fresh, SLOTS)] == 1]
+    _lookup(s_stub, fresh, insert=True)
+
+    r = s_stub.MigrateSlots(pb.MigrateSlotsRequest(
+        dst_address=d_addr, slots=moving.tobytes(), num_slots=SLOTS, since_seq=-1), timeout=60)
+    in_copy = s_keys.size - 500
+    assert r.seeded == r.rows == in_copy and r.bytes == 0
+    assert r.watermark == d.replicas.copies["ps-s"].sequence < s.store.sequence.value
+
+    # after the seed: more writes, and a shipment that moves the replication's log
+    # consumer past the seed's sequence; the tombstones stay for the catch-up
+    s.store["emb"].delete(s_keys[9500:9600])
+    _push(s_stub, s_keys[:100], 0.125)
+    s.replicator.ship()
+    r2 = s_stub.MigrateSlots(pb.MigrateSlotsRequest(
+        dst_address=d_addr, slots=moving.tobytes(), num_slots=SLOTS,
+        since_seq=r.watermark), timeout=60)
+    assert r2.seeded == 0 and r2.deleted >= 400  # both deletes after the copy's sequence
+
+    want = _in_slots(s.store["emb"], moving)
+    got = _in_slots(d.store["emb"], moving)
+    assert want[0].size == s_keys.size - 900 + fresh.size
+    for x, y in zip(want, got):
+        assert np.array_equal(x, y)  # every row, value and count, none extra
+    for x, y in zip(d_before, _in_slots(d.store["emb"], own)):
+        assert np.array_equal(x, y)  # its own rows untouched
+    assert len(d.store["emb"]) == d_keys.size + want[0].size
+
+
+def test_without_a_usable_copy_the_source_streams_the_snapshot(pair):
+    """The destination is not the source's ring peer, or the source's switch is off: the
+    round is streamed, as before, every row counted. Its peer again, switch on: seeded."""
+    (s, _, _, s_stub, _), (d, _, _, d_stub, d_addr) = pair
+    moving = np.zeros(SLOTS, np.uint8)
+    moving[1::2] = 1
+    _routing(s_stub, 1, moving, "", "ps-s")
+    _routing(d_stub, 1, 1 - moving, "", "ps-d")
+    s_stub.CreateTable(pb.CreateTableRequest(config=CFG), timeout=30)
+    ids = np.unique(np.random.default_rng(4).integers(-2**62, 2**62, 20_000))
+    keys = ids[moving[slot_of(ids, SLOTS)] == 1]
+    _lookup(s_stub, keys, insert=True)
+
+    def snapshot():
+        return s_stub.MigrateSlots(pb.MigrateSlotsRequest(
+            dst_address=d_addr, slots=moving.tobytes(), num_slots=SLOTS, since_seq=-1),
+            timeout=60)
+
+    r = snapshot()  # ps-d is not its peer
+    assert r.seeded == 0 and r.rows == keys.size and r.bytes > 0
+    _routing(s_stub, 2, moving, d_addr, "ps-s")
+    s.replicator.ship()
+    assert len(d.replicas.copies["ps-s"].store["emb"]) == keys.size
+    s.seed_from_replica = False
+    r = snapshot()
+    assert r.seeded == 0 and r.rows == keys.size and r.bytes > 0
+    s.seed_from_replica = True
+    r = snapshot()
+    assert r.seeded == r.rows == keys.size and r.bytes == 0
+    assert len(d.store["emb"]) == keys.size
+
+
+def test_seed_requests_without_a_copy_or_with_bad_fields_are_refused_by_name(pair):
+    """Refusals change nothing and leave the PS serving: no copy of that origin, a copy
+    older than asked for (FAILED_PRECONDITION: the source then streams), no origin, a
+    slot mask of another size, a bad peer address (INVALID_ARGUMENT)."""
+    (s, _, _, s_stub, _), (d, _, _, d_stub, d_addr) = pair
+    moving = np.zeros(SLOTS, np.uint8)
+    moving[1::2] = 1
+    _routing(s_stub, 1, moving, d_addr, "ps-s")
+    _routing(d_stub, 1, 1 - moving, "", "ps-d")
+    s_stub.CreateTable(pb.CreateTableRequest(config=CFG), timeout=30)
+    keys = np.arange(1, 5001, dtype=np.int64)
+    _lookup(s_stub, keys[moving[slot_of(keys, SLOTS)] == 1], insert=True)
+    s.replicator.ship()
+    seq = d.replicas.copies["ps-s"].sequence
+    cases = [
+        (dict(origin="ps-x", slots=moving.tobytes(), num_slots=SLOTS),
+         grpc.StatusCode.FAILED_PRECONDITION, "no complete copy of 'ps-x'"),
+        (dict(origin="ps-s", slots=moving.tobytes(), num_slots=SLOTS, min_sequence=seq + 1),
+         grpc.StatusCode.FAILED_PRECONDITION, f"current to {seq}"),
+        (dict(slots=moving.tobytes(), num_slots=SLOTS),
+         grpc.StatusCode.INVALID_ARGUMENT, "origin is required"),
+        (dict(origin="ps-s", slots=b"\x01\x00", num_slots=2),
+         grpc.StatusCode.INVALID_ARGUMENT, "slots"),
+        (dict(origin="ps-s", slots=moving.tobytes(), num_slots=SLOTS, replica_after="nowhere"),
+         grpc.StatusCode.INVALID_ARGUMENT, "replica_after"),
+    ]
+    for fields, code, words in cases:
+        with pytest.raises(grpc.RpcError) as exc:
+            d_stub.SeedFromReplica(pb.SeedFromReplicaRequest(**fields), timeout=30)
+        assert exc.value.code() == code, (fields, exc.value.details())
+        assert words in exc.value.details(), exc.value.details()
+    assert "emb" not in d.store.tables()  # nothing seeded
+    r = d_stub.SeedFromReplica(pb.SeedFromReplicaRequest(
+        origin="ps-s", slots=moving.tobytes(), num_slots=SLOTS, min_sequence=seq), timeout=30)
+    assert r.rows == len(s.store["emb"]) and r.sequence == seq
