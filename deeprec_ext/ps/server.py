@@ -580,7 +580,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._migration_consumer(request.dst_address, shipped)  # the logs from there on
         from deeprec_ext.grpc_util import insecure_channel
         t0 = time.monotonic()
-        with insecure_channel(request.dst_address) as ch:
+        # counted among this PS's paced rounds while the peer copies: the rounds it streams
+        # to other destinations meanwhile keep the pace they had when this one streamed
+        # too (on a shared host the seed's CPU is taken from the same training)
+        with insecure_channel(request.dst_address) as ch, \
+                self._paced_round(self.migration_share < 1.0):
             try:
                 resp = ch.unary_unary(
                     SEED_FROM_REPLICA, request_serializer=ps_pb2.SeedFromReplicaRequest.SerializeToString,
