@@ -177,3 +177,17 @@ def test_seed_requests_without_a_copy_or_with_bad_fields_are_refused_by_name(pai
     r = d_stub.SeedFromReplica(pb.SeedFromReplicaRequest(
         origin="ps-s", slots=moving.tobytes(), num_slots=SLOTS, min_sequence=seq), timeout=30)
     assert r.rows == len(s.store["emb"]) and r.sequence == seq
+
+
+def test_a_bad_seed_switch_is_refused_at_start():
+    import os
+    import subprocess
+    import sys
+    from tests.conftest import ROOT
+    for args, env in ((["--seed-from-replica", "yes"], {}),
+                      ([], {"DEEPREC_PS_SEED_FROM_REPLICA": "maybe"})):
+        r = subprocess.run([sys.executable, "-m", "deeprec_ext.ps", *args], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT), **env))
+        assert r.returncode == 2 and "--seed-from-replica" in r.stderr, r.stderr
+        assert (args[-1] if args else env["DEEPREC_PS_SEED_FROM_REPLICA"]) in r.stderr

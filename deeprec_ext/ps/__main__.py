@@ -119,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --migration-share (DEEPREC_PS_MIGRATION_SHARE) must be in (0, 1], "
               f"got {args.migration_share}", file=sys.stderr)
         return 2
+    if args.seed_from_replica not in ("on", "off"):  # an environment default is not checked
+        print(f"error: --seed-from-replica (DEEPREC_PS_SEED_FROM_REPLICA) must be on or off, "
+              f"got {args.seed_from_replica!r}", file=sys.stderr)
+        return 2
     servicer = ParameterServerServicer(
         args.id or "ps", memory_limit_bytes=int(max(args.memory_limit_mb, 0) * 1024 * 1024),
         migration_share=args.migration_share, seed_from_replica=args.seed_from_replica == "on")
