@@ -348,7 +348,8 @@ def test_restarted_aimaster_resumes_from_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("direction,victim,new_peer,mode",
-                         [("in", "ps-1", "ps-0", "sync"), ("out", "ps-1", "ps-2", "sync"),
+                         [("in", "ps-1", "ps-0", "sync"), ("in", "ps-1", "ps-0", "async-fast"),
+                          ("out", "ps-1", "ps-2", "sync"),
                           ("out", "ps-2", "ps-0", "sync"), ("out", "ps-2", "ps-0", "async")])
 def test_a_ps_dying_right_after_a_ring_change_loses_no_row(start_job, direction, victim,
                                                            new_peer, mode):
@@ -361,9 +362,11 @@ def test_a_ps_dying_right_after_a_ring_change_loses_no_row(start_job, direction,
 
     Async replication shipping every 20 s: the new ps-2's rows are all imports, not
     recent updates, so none may be at risk either: its copy on ps-0 is made current to
-    its imports before the routing changes."""
+    its imports before the routing changes. An async scale-in seeds the leaving ps-2's
+    rows for ps-0 from ps-0's copy of it (synchronous replication streams them)."""
     before_n, after_n = (3, 2) if direction == "in" else (2, 3)
-    replication = {"mode": mode} if mode == "sync" else {"mode": mode, "interval_ms": 20_000}
+    replication = {"mode": "sync"} if mode == "sync" else \
+        {"mode": "async", "interval_ms": 300 if mode == "async-fast" else 20_000}
     job = start_job({"name": f"rering-{direction}-{victim}-{mode}",
                      "ps": {"replicas": before_n, "max_replicas": 3},
                      "replication": replication}, ["--workers", "0"])
@@ -372,6 +375,8 @@ def test_a_ps_dying_right_after_a_ring_change_loses_no_row(start_job, direction,
     ids = np.arange(20_000, dtype=np.int64)
     client.push("c", ids, -np.ones((ids.size, 1), np.float32))
     client.push("c", ids, -np.ones((ids.size, 1), np.float32))
+    if mode == "async-fast":
+        time.sleep(1.0)  # shipped to the peers: the leaving ps-2's copy on ps-0 holds rows
     ev = scale(job, "--ps", str(after_n))
     os.kill(pids(job, "ps")[victim], signal.SIGKILL)
     rec = wait_for(lambda: next((r for r in _events(job, "recovery") if r["dead"] == victim),
@@ -385,6 +390,10 @@ def test_a_ps_dying_right_after_a_ring_change_loses_no_row(start_job, direction,
     client.push("c", ids, -np.ones((ids.size, 1), np.float32))  # the job serves on
     np.testing.assert_array_equal(client.lookup("c", ids, insert_missing=False)[:, 0], 3)
     assert victim in ev["prepared_replicas"], ev
+    if mode == "async-fast":
+        # the leaving ps-2's rows for ps-0, its ring peer, came from ps-0's copy of it
+        # (SeedFromReplica; synchronous replication streams them): counted above too
+        assert ev["seeded_rows"] > 0, ev
     print(f"scale-{direction}, {victim} killed at once: {ids.size} keys all kept "
           f"(recovery: {json.dumps(rec)})")
     client.close()

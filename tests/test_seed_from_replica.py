@@ -191,3 +191,55 @@ def test_a_bad_seed_switch_is_refused_at_start():
                            env=dict(os.environ, PYTHONPATH=str(ROOT), **env))
         assert r.returncode == 2 and "--seed-from-replica" in r.stderr, r.stderr
         assert (args[-1] if args else env["DEEPREC_PS_SEED_FROM_REPLICA"]) in r.stderr
+
+
+def test_a_copy_promoted_while_it_seeds_fails_the_round_and_keeps_every_row(pair, monkeypatch):
+    """The source dies while its peer seeds from its copy, and the recovery promotes that
+    copy: the seed stops at its next slice (ABORTED, never streamed over by the source:
+    rows the source deleted after the copy would come back), the source's round fails
+    (the migration rolls back), and the promoted table serves every row of the copy."""
+    import threading
+    import time
+    (s, _, _, s_stub, _), (d, _, _, d_stub, d_addr) = pair
+    moving = np.zeros(SLOTS, np.uint8)
+    moving[1::2] = 1
+    _routing(s_stub, 1, moving, d_addr, "ps-s")
+    _routing(d_stub, 1, 1 - moving, "", "ps-d")
+    s_stub.CreateTable(pb.CreateTableRequest(config=CFG), timeout=30)
+    ids = np.unique(np.random.default_rng(6).integers(-2**62, 2**62, 140_000))
+    keys = ids[moving[slot_of(ids, SLOTS)] == 1]
+    _lookup(s_stub, keys, insert=True)
+    _push(s_stub, keys[::3])
+    s.replicator.ship()
+    assert len(s.store["emb"]) == keys.size > 3 * d.MIGRATE_CHUNK_ROWS  # several slices
+    slow = d._import_pieces
+
+    def import_slowly(*args, **kwargs):
+        slow(*args, **kwargs)
+        time.sleep(0.3)
+    monkeypatch.setattr(d, "_import_pieces", import_slowly)
+    failed = []
+
+    def snapshot():
+        try:
+            s_stub.MigrateSlots(pb.MigrateSlotsRequest(
+                dst_address=d_addr, slots=moving.tobytes(), num_slots=SLOTS, since_seq=-1),
+                timeout=60)
+        except grpc.RpcError as exc:
+            failed.append(exc)
+    t = threading.Thread(target=snapshot)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not ("emb" in d.store.tables() and len(d.store["emb"]) > 0):
+        assert time.monotonic() < deadline, "the seed did not start"
+        time.sleep(0.01)
+    r = d_stub.Promote(pb.PromoteRequest(
+        origin="ps-s", slots=moving.tobytes(), num_slots=SLOTS,
+        routing=pb.SetRoutingRequest(epoch=2, owned_slots=np.ones(SLOTS, np.uint8).tobytes(),
+                                     num_slots=SLOTS, ps_id="ps-d")), timeout=60)
+    t.join(60)
+    assert r.rows == keys.size
+    assert len(failed) == 1 and failed[0].code() == grpc.StatusCode.ABORTED, failed
+    assert "promoted or replaced" in failed[0].details(), failed[0].details()
+    # served from the promoted copy (rows seeded before it are strays its merge purges)
+    assert np.array_equal(_lookup(d_stub, keys), _lookup(s_stub, keys))
