@@ -243,3 +243,4 @@ def test_a_copy_promoted_while_it_seeds_fails_the_round_and_keeps_every_row(pair
     assert "promoted or replaced" in failed[0].details(), failed[0].details()
     # served from the promoted copy (rows seeded before it are strays its merge purges)
     assert np.array_equal(_lookup(d_stub, keys), _lookup(s_stub, keys))
+

@@ -208,8 +208,9 @@ class TestInitializers:
 
 
 # -------------------------------------------------------------------------- optimizers
-def ref_step(name, hp, w, s, g):
-    """Float64 reference of TF's formulas for one row. ``s`` is the slot dict."""
+def ref_step(name, hp, w, s, g, step=None):
+    """Float64 reference of TF's formulas for one row. ``s`` is the slot dict; ``step``:
+    the table's update count (Adam's bias correction, as TF's ``iterations``)."""
     if name == "sgd":
         return w - hp.get("learning_rate", 0.01) * g
     if name == "assign_add":
@@ -219,7 +220,7 @@ def ref_step(name, hp, w, s, g):
         return w - hp["learning_rate"] * g / (np.sqrt(s["acc"]) + hp.get("epsilon", 1e-7))
     if name == "adam":
         b1, b2, eps = hp.get("beta_1", 0.9), hp.get("beta_2", 0.999), hp.get("epsilon", 1e-7)
-        s["t"] += 1
+        s["t"] = s["t"] + 1 if step is None else step
         s["m"] = b1 * s["m"] + (1 - b1) * g
         s["v"] = b2 * s["v"] + (1 - b2) * g * g
         lr_t = hp["learning_rate"] * np.sqrt(1 - b2 ** s["t"]) / (1 - b1 ** s["t"])
@@ -272,23 +273,61 @@ class TestOptimizers:
         w0 = table.lookup(keys)  # inserts with initializer values
         ref_w = {k: w0[i].astype(np.float64) for i, k in enumerate(keys.tolist())}
         ref_s = {k: ref_slots(name, hp, dim) for k in keys.tolist()}
-        for step in range(6):
-            # different subsets each step -> rows have different adam step counts
+        for step in range(1, 7):
+            # different subsets each step -> rows last updated at different steps; Adam
+            # bias-corrects with the table's step, as TF's LazyAdam with its iterations
             sub = keys[rng.random(n) < 0.6]
             g = rng.standard_normal((sub.size, dim)).astype(np.float32)
             table.apply_gradients(sub, g)
             for i, k in enumerate(sub.tolist()):
-                ref_w[k] = ref_step(name, hp, ref_w[k], ref_s[k], g[i].astype(np.float64))
+                ref_w[k] = ref_step(name, hp, ref_w[k], ref_s[k], g[i].astype(np.float64),
+                                    step)
         got = table.lookup(keys, insert_missing=False)
         want = np.stack([ref_w[k] for k in keys.tolist()])
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
-        if name == "adam":  # per-row step counts live in the row (slot 2)
+        if name == "adam":  # the step of each row's last update lives in the row (slot 2)
             k_, rows, _ = table.export_rows()
             counts = rows[:, 3 * dim:4 * dim]
             assert (counts == counts[:, :1]).all()
             want_t = {k: ref_s[k]["t"] for k in keys.tolist()}
             assert counts[:, 0].tolist() == [want_t[k] for k in k_.tolist()]
             assert len(set(want_t.values())) > 1
+
+    def test_adam_counts_one_step_per_update_and_catches_up_with_rows_it_receives(self):
+        """A push large enough to be applied in many chunks, and one split between a
+        table and a promoted segment, are one step each. A table receiving rows last
+        updated at a later step (a checkpoint, a migration, a promoted replica: its own
+        count starts at 0) continues from there, so the bias correction does not restart."""
+        from deeprec_ext.hashing import slot_of
+        adam = {"name": "adam", "learning_rate": 0.01}
+        a = EmbeddingTable("a", 8, initializer="zeros", optimizer=adam)
+        keys = np.arange(1, 60_001, dtype=np.int64)
+        for _ in range(3):
+            a.apply_gradients(keys, np.ones((keys.size, 8), np.float32))
+        assert a.optimizer.step == 3
+        k, (rows, counts), _ = a.export_rows(with_counts="apart")
+        assert (rows[:, 24:] == 3).all()  # every row last updated at step 3
+
+        b = EmbeddingTable("a", 8, initializer="zeros", optimizer=adam)
+        b.import_block(k, rows, counts)
+        b.apply_gradients(keys[:5], np.ones((5, 8), np.float32))
+        assert b.optimizer.step == 4
+        c = EmbeddingTable("a", 8, initializer="zeros", optimizer=adam)  # the reference
+        for _ in range(4):
+            c.apply_gradients(keys[:5], np.ones((5, 8), np.float32))
+        np.testing.assert_allclose(b.lookup(keys[:5]), c.lookup(keys[:5]), rtol=1e-6)
+
+        # a promoted replica as a segment: one update over both is one step
+        mask = np.zeros(64, bool)
+        mask[::2] = True
+        own = keys[~mask[slot_of(keys, 64)]]
+        seg = EmbeddingTable("a", 8, initializer="zeros", optimizer=adam)
+        seg.import_block(k, rows, counts)
+        main = EmbeddingTable("a", 8, initializer="zeros", optimizer=adam)
+        main.import_block(own, rows[:own.size], counts[:own.size])
+        assert main.adopt_segment(seg, mask, 64) > 0
+        main.apply_gradients(keys[:1000], np.ones((1000, 8), np.float32))
+        assert main.optimizer.step == 4
 
     def test_slot_layout_and_specs(self):
         assert make_optimizer("sgd").num_slots == 0

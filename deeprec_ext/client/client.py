@@ -448,7 +448,7 @@ class PSClient:
             if request_id is None:  # a first attempt: this part's own id
                 request_id = _part_request_id(call_id, ps_tables)
             return ps_pb2.PushRequest(
-                request_id=request_id,
+                request_id=request_id, step_id=call_id,
                 epoch=self.routing.epoch if self.routing else 0, return_values=return_values,
                 return_tables=sorted(return_tables or ()),
                 tables=[ps_pb2.TableUpdate(table=n, ids=codec.ids_to_bytes(i),

@@ -363,12 +363,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             # push at a time so the peer sees the rows in the order they were written
             with self._sync_lock:
                 with self.apply_gate.shared():
-                    out = self._apply(work, returns)
+                    out = self._apply(work, returns, request.step_id)
                     self.applied.add(rid)
                 self._ship_sync(work, rid, context)
         else:
             with self.apply_gate.shared():  # rows and request id reach the peer together
-                out = self._apply(work, returns)
+                out = self._apply(work, returns, request.step_id)
                 self.applied.add(rid)
         return ps_pb2.PushResponse(values=out, sequence=self.store.sequence.value)
 
@@ -383,13 +383,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                           f"{exc.code().name}")
 
     @staticmethod
-    def _apply(work, returns: list[bool]) -> list[bytes]:
+    def _apply(work, returns: list[bool], step_id: str = "") -> list[bytes]:
+        update = step_id or None  # parts of one push call: one optimizer step
         out = []
         for (table, ids, vals), ret in zip(work, returns):
             if ret:  # one index probe for the update and the answer
-                out.append(codec.floats_to_bytes(table.apply_and_lookup(ids, vals)))
+                out.append(codec.floats_to_bytes(table.apply_and_lookup(ids, vals, update)))
             else:
-                table.apply_gradients(ids, vals)
+                table.apply_gradients(ids, vals, update)
                 out.append(b"")
         return out if any(returns) else []
 

@@ -1119,18 +1119,22 @@ class EmbeddingTable:
             out[miss] = self._default
         return out
 
-    def apply_gradients(self, keys, grads) -> int:
+    def apply_gradients(self, keys, grads, update=None) -> int:
         """Apply the optimizer to rows of ``keys`` with ``grads`` float32 [n, dim].
 
         Gradients of duplicate keys are summed first. Missing keys are created with their
         initial value, then updated. Non-finite gradients raise ValueError and change
         nothing. Returns the sequence number stamped on the rows (0 for an empty batch).
+        ``update``: the logical update these rows are part of (a push call's id); calls
+        with the same one in a row are one step of the optimizer (Adam's t). None: this
+        call is a step.
         """
         keys = _check_keys(keys)
         grads = _check_floats(grads, (keys.size, self.dim), f"table '{self.name}': gradients")
         if keys.size == 0:
             return 0
         with self._lock:
+            self.optimizer.begin_update(object() if update is None else update)
             self._clock += 1  # steps_to_live: one step per gradient batch
             split = self._split(keys) if self._seg is not None else None
             if split is None:
@@ -1166,7 +1170,7 @@ class EmbeddingTable:
         self._apply_rows(rows, grads, seq, self._clock)
         return seq
 
-    def apply_and_lookup(self, keys, grads) -> np.ndarray:
+    def apply_and_lookup(self, keys, grads, update=None) -> np.ndarray:
         """``apply_gradients(keys, grads)`` followed by ``lookup(keys, insert_missing=False)``
         under one lock hold, the values read from the rows the update found: one index
         probe and one argument check instead of two (a push that returns its rows: every
@@ -1175,8 +1179,9 @@ class EmbeddingTable:
         grads = _check_floats(grads, (keys.size, self.dim), f"table '{self.name}': gradients")
         with self._lock:
             if keys.size == 0 or self._seg is not None or self.admission is not None:
-                self.apply_gradients(keys, grads)  # rows split or dropped: the general path
+                self.apply_gradients(keys, grads, update)  # rows split or dropped: general
                 return self.lookup(keys, insert_missing=False)
+            self.optimizer.begin_update(object() if update is None else update)
             self._clock += 1  # as apply_gradients
             rows = self._recall(keys)
             self._apply_found(keys, rows, grads)
