@@ -21,6 +21,17 @@ def _routing(stub, epoch, owned, peer, ps_id):
         replication_interval_ms=60_000, ps_id=ps_id), timeout=30)
 
 
+def _odd_slots_leave(s_stub, d_stub, peer):
+    """ps-s owns the odd slots, all of which move to ps-d; ps-s replicates to ``peer``
+    (ps-d's address, or none). Both have routing; ps-s has the table."""
+    moving = np.zeros(SLOTS, np.uint8)
+    moving[1::2] = 1
+    _routing(s_stub, 1, moving, peer, "ps-s")
+    _routing(d_stub, 1, 1 - moving, "", "ps-d")
+    s_stub.CreateTable(pb.CreateTableRequest(config=CFG), timeout=30)
+    return moving
+
+
 def _push(stub, keys, value=0.5):
     stub.Push(pb.PushRequest(tables=[pb.TableUpdate(
         table="emb", ids=keys.tobytes(),
@@ -114,11 +125,7 @@ def test_without_a_usable_copy_the_source_streams_the_snapshot(pair):
     """The destination is not the source's ring peer, or the source's switch is off: the
     round is streamed, as before, every row counted. Its peer again, switch on: seeded."""
     (s, _, _, s_stub, _), (d, _, _, d_stub, d_addr) = pair
-    moving = np.zeros(SLOTS, np.uint8)
-    moving[1::2] = 1
-    _routing(s_stub, 1, moving, "", "ps-s")
-    _routing(d_stub, 1, 1 - moving, "", "ps-d")
-    s_stub.CreateTable(pb.CreateTableRequest(config=CFG), timeout=30)
+    moving = _odd_slots_leave(s_stub, d_stub, "")
     ids = np.unique(np.random.default_rng(4).integers(-2**62, 2**62, 20_000))
     keys = ids[moving[slot_of(ids, SLOTS)] == 1]
     _lookup(s_stub, keys, insert=True)
@@ -147,11 +154,7 @@ def test_seed_requests_without_a_copy_or_with_bad_fields_are_refused_by_name(pai
     older than asked for (FAILED_PRECONDITION: the source then streams), no origin, a
     slot mask of another size, a bad peer address (INVALID_ARGUMENT)."""
     (s, _, _, s_stub, _), (d, _, _, d_stub, d_addr) = pair
-    moving = np.zeros(SLOTS, np.uint8)
-    moving[1::2] = 1
-    _routing(s_stub, 1, moving, d_addr, "ps-s")
-    _routing(d_stub, 1, 1 - moving, "", "ps-d")
-    s_stub.CreateTable(pb.CreateTableRequest(config=CFG), timeout=30)
+    moving = _odd_slots_leave(s_stub, d_stub, d_addr)
     keys = np.arange(1, 5001, dtype=np.int64)
     _lookup(s_stub, keys[moving[slot_of(keys, SLOTS)] == 1], insert=True)
     s.replicator.ship()
@@ -201,11 +204,7 @@ def test_a_copy_promoted_while_it_seeds_fails_the_round_and_keeps_every_row(pair
     import threading
     import time
     (s, _, _, s_stub, _), (d, _, _, d_stub, d_addr) = pair
-    moving = np.zeros(SLOTS, np.uint8)
-    moving[1::2] = 1
-    _routing(s_stub, 1, moving, d_addr, "ps-s")
-    _routing(d_stub, 1, 1 - moving, "", "ps-d")
-    s_stub.CreateTable(pb.CreateTableRequest(config=CFG), timeout=30)
+    moving = _odd_slots_leave(s_stub, d_stub, d_addr)
     ids = np.unique(np.random.default_rng(6).integers(-2**62, 2**62, 140_000))
     keys = ids[moving[slot_of(ids, SLOTS)] == 1]
     _lookup(s_stub, keys, insert=True)
