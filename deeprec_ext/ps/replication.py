@@ -490,6 +490,13 @@ class Replicator:
                      peer_after)
         return bool(held[1].any())
 
+    def holds_back(self, slot_mask: np.ndarray) -> bool:
+        """Whether rows of any slot of ``slot_mask`` are held back from the current peer
+        (``hold_unowned``): its copy of this PS then lacks them."""
+        held = self._held
+        return held is not None and held[0] == self.peer and held[1].size == slot_mask.size \
+            and bool((held[1] & slot_mask).any())
+
     def _owned_only(self, keys: np.ndarray, *arrays):
         """``keys`` and ``arrays`` without the rows of held slots while the channel's
         peer is held (``hold_unowned``), and of slots outside ``scope``; else as they are."""

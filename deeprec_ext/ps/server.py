@@ -486,7 +486,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if request.fence_epoch:  # before the watermark: every write it lets in is then sent
             self._fence(request, mask, context)
         if request.since_seq < 0 and not request.send_request_ids and self.seed_from_replica:
-            seeded = self._seed_at_destination(request, context)
+            seeded = self._seed_at_destination(request, mask, context)
             if seeded is not None:
                 return seeded
         watermark = self.store.sequence.value
@@ -558,7 +558,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._migration_consumer(request.dst_address, watermark)
         return ps_pb2.MigrateSlotsResponse(watermark=watermark, **totals)
 
-    def _seed_at_destination(self, request, context):
+    def _seed_at_destination(self, request, mask: np.ndarray, context):
         """A snapshot round to this PS's ring peer, taken by the peer from the copy of this
         PS it holds (``SeedFromReplica``): at a scale-in the leaving PS's peer is one of
         its destinations, and streaming it rows it already holds cost both PS the export,
@@ -573,10 +573,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if shipped < 0 or rep.sync or rep.peer != request.dst_address or not rep.origin \
                 or rep.scope is not None:
             return None
-        mask = validation.slot_mask(request.slots, request.num_slots)
-        held = rep._held
-        if held is not None and held[0] == rep.peer and held[1].size == mask.size \
-                and bool((held[1] & mask).any()):
+        if rep.holds_back(mask):
             return None
         self._migration_consumer(request.dst_address, shipped)  # the logs from there on
         from deeprec_ext.grpc_util import insecure_channel
