@@ -707,6 +707,17 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                      ", yielding" if background and not snapshot else "")
         return ps_pb2.ImportRowsResponse(rows=n)
 
+    def _table_for_replica(self, name: str, rtable):
+        """This PS's table ``name`` for rows of a replica's table: created with that
+        table's config when absent (a promotion, a seed); another config raises."""
+        cfg = rtable.config
+        table = self.store.create_table(name, rtable.dim, cfg["initializer"], cfg["optimizer"],
+                                        admission=cfg.get("admission"),
+                                        eviction=cfg.get("eviction"),
+                                        dtype=cfg.get("dtype", "float32"))
+        self._configs.setdefault(name, table_spec.of_table(rtable))
+        return table
+
     def SeedFromReplica(self, request, context):
         """A migration's snapshot round from the copy this PS holds of the source (the
         source asks: see ``_seed_at_destination``). Rows of the moving slots go from that
@@ -737,23 +748,15 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         share = float(np.count_nonzero(mask)) / max(mask.size, 1)
         paced = self.migration_share < 1.0
         pacer = self._Pacer(self.migration_share if paced else 1.0, lambda: self._paced_rounds)
+        if request.replica_after:  # as ImportRows: imports skip a peer that changes
+            self.replicator.hold_unowned(request.replica_after, self.routing.owned)
         with self._paced_round(paced):
             for name, rtable in sorted(copy.store.tables().items()):
-                cfg = table_spec.of_table(rtable)
-                if request.replica_after:  # as ImportRows: imports skip a peer that changes
-                    self.replicator.hold_unowned(request.replica_after, self.routing.owned)
-                rcfg = rtable.config
                 try:
-                    table = self.store.create_table(name, rtable.dim, rcfg["initializer"],
-                                                    rcfg["optimizer"],
-                                                    admission=rcfg.get("admission"),
-                                                    eviction=rcfg.get("eviction"),
-                                                    dtype=rcfg.get("dtype", "float32"))
+                    table = self._table_for_replica(name, rtable)
                 except (ValueError, TypeError) as exc:
                     self._reject(context, grpc.StatusCode.FAILED_PRECONDITION if not n else
                                  grpc.StatusCode.ABORTED, f"seed table '{name}': {exc}")
-                self._configs.setdefault(name, cfg)
-                self._start_evictor()
                 table.reserve_import(int(len(rtable) * share * 1.02) + 64)
                 row = 0
                 while row is not None:
@@ -769,6 +772,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                         n += int(keys.size)
                     if row is not None:
                         pacer.pace()
+        self._start_evictor()
         log.info("%s: seeded %d rows of %s's moving slots from its copy (current to %d) in "
                  "%.0f ms", self.ps_id, n, request.origin, sequence, (time.monotonic() - t0) * 1000)
         return ps_pb2.SeedFromReplicaResponse(rows=n, sequence=sequence)
@@ -909,12 +913,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         n = copied = 0
         try:
             for name, rtable in sorted(copy.store.tables().items()):
-                cfg = rtable.config
-                table = self.store.create_table(name, rtable.dim, cfg["initializer"], cfg["optimizer"],
-                                                admission=cfg.get("admission"),
-                                                eviction=cfg.get("eviction"),
-                                                dtype=cfg.get("dtype", "float32"))
-                self._configs.setdefault(name, table_spec.of_table(rtable))
+                table = self._table_for_replica(name, rtable)
                 adopted = table.adopt_segment(rtable, mask, int(mask.size))
                 if adopted >= 0:
                     n += adopted
