@@ -10,6 +10,7 @@ TensorFlow trace) happens only on sampled steps (``deeprec_ext/tf/op_sampler.py`
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import threading
@@ -27,7 +28,6 @@ log = logging.getLogger(__name__)
 # Upper bounds of the latency buckets (ms); one more bucket catches everything slower.
 LATENCY_BOUNDS_MS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0,
                      1000.0, 2500.0, 5000.0, 10000.0)
-_BOUNDS = np.asarray(LATENCY_BOUNDS_MS)
 
 OP_SAMPLE_ENV = "DEEPREC_GAZER_OP_SAMPLE_EVERY"
 DEFAULT_OP_SAMPLE_EVERY = 100
@@ -74,7 +74,7 @@ class RpcStats:
         return m
 
     def observe(self, method: str, ms: float, ok: bool) -> None:
-        bucket = int(np.searchsorted(_BOUNDS, ms, side="left"))
+        bucket = bisect.bisect_left(LATENCY_BOUNDS_MS, ms)
         with self._lock:
             m = self._get(method)
             m.counts[bucket] += 1
@@ -193,7 +193,7 @@ class MemberCollector:
                 dt = now - self._last_step_end
                 self._step_seconds += dt
                 self._timed_steps += n
-                self._step_counts[int(np.searchsorted(_BOUNDS, 1000.0 * dt / n))] += n
+                self._step_counts[bisect.bisect_left(LATENCY_BOUNDS_MS, 1000.0 * dt / n)] += n
             self._last_step_end = now
             self._steps += n
 
