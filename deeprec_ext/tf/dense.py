@@ -55,21 +55,33 @@ class DenseSync:
         snapshot = [np.array(v, np.float32, copy=True) for v in local_values]
         self._pending = (snapshot, pool.submit(self.sync, snapshot))
 
-    def start_sync_with(self, local_values: list[np.ndarray], send_async) -> None:
+    def start_sync_with(self, local_values: list[np.ndarray], send_async,
+                        copy: bool = True) -> None:
         """Like ``start_sync``, but ``send_async(updates, return_tables)`` sends the deltas
         and returns a Future of the PS' answer (the worker's step batcher: the step's
-        embedding push and the dense deltas leave in one call that the next step overlaps)."""
-        snapshot = [np.array(v, np.float32, copy=True) for v in local_values]
+        embedding push and the dense deltas leave in one call that the next step overlaps).
+        ``copy=False``: the values are arrays nobody writes (they are kept as sent)."""
+        snapshot = [np.array(v, np.float32, copy=True) if copy else v for v in local_values]
         self._pending = (snapshot, send_async(self._deltas(snapshot), self.names), True)
 
-    def finish_sync(self, local_values: list[np.ndarray]) -> list[np.ndarray] | None:
-        """Collect a background sync: the merged value plus whatever the local optimizer
-        changed since the snapshot was sent (that change is in the next delta), or None."""
+    def take_answer(self) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
+        """The background sync's answer, adopted as the base of the next deltas, and the
+        values it was sent from: ``(merged, sent)``; None if no sync is under way. The
+        local value becomes ``merged + (local - sent)`` (``finish_sync``)."""
         pending, self._pending = getattr(self, "_pending", None), None
         if pending is None:
             return None
         snapshot, fut = pending[:2]
         merged = self._adopt(fut.result()) if len(pending) > 2 else fut.result()
+        return merged, snapshot
+
+    def finish_sync(self, local_values: list[np.ndarray]) -> list[np.ndarray] | None:
+        """Collect a background sync: the merged value plus whatever the local optimizer
+        changed since the snapshot was sent (that change is in the next delta), or None."""
+        got = self.take_answer()
+        if got is None:
+            return None
+        merged, snapshot = got
         return [m + (np.asarray(v, np.float32) - s) for m, v, s in zip(merged, local_values, snapshot)]
 
     def _deltas(self, local_values) -> dict:

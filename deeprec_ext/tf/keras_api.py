@@ -244,6 +244,12 @@ class ElasticCallback(keras.callbacks.Callback):
         for write, value in zip(self._writers, values):
             write(value)
 
+    def _dense_step(self) -> "_DenseStep | None":
+        if getattr(self, "_step_of", None) is not self._vars:
+            raws = _raw_variables(self._vars)
+            self._step_fn, self._step_of = (_DenseStep(raws) if raws else None), self._vars
+        return self._step_fn
+
     def _local(self):
         return [np.asarray(v.numpy()) for v in self._vars]
 
@@ -264,13 +270,19 @@ class ElasticCallback(keras.callbacks.Callback):
         if self._fused and self._dense is not None:
             if self.overlap == "carry":
                 ctx.batcher.flush()  # the previous step's push, if no lookup carried it
-            local = self._local()
-            merged = self._dense.finish_sync(local)  # the previous step's call
-            if merged is not None:
-                self._assign(merged)
-                local = merged
-            self._dense.start_sync_with(
-                local, lambda updates, names: ctx.batcher.end_step(updates, names, wait=False))
+            send = lambda updates, names: ctx.batcher.end_step(updates, names, wait=False)  # noqa: E731
+            step = self._dense_step()
+            if step is not None:  # one TensorFlow call reads and writes every variable
+                got = self._dense.take_answer()  # the previous step's call
+                self._dense.start_sync_with(step.read() if got is None else step.adopt(*got),
+                                            send, copy=False)
+            else:
+                local = self._local()
+                merged = self._dense.finish_sync(local)  # the previous step's call
+                if merged is not None:
+                    self._assign(merged)
+                    local = merged
+                self._dense.start_sync_with(local, send)
             ctx.step_done(steps)
         elif ctx.batcher.hold_pushes and self._dense is not None:
             self._assign(self._dense.sync(self._local(), send=ctx.batcher.end_step))
@@ -322,6 +334,50 @@ class ElasticCallback(keras.callbacks.Callback):
         self._sync_now()
 
     on_predict_begin = on_test_begin
+
+
+def _raw_variables(variables) -> list | None:
+    """The ``tf.Variable`` of each float32 Keras variable of the TensorFlow backend, or
+    None if any is something else (see ``_writer``)."""
+    raws = []
+    for v in variables:
+        raw = getattr(v, "_value", None)
+        if not (isinstance(raw, tf.Variable) and raw.dtype == tf.float32
+                and getattr(v, "dtype", None) == "float32"):
+            return None
+        raws.append(raw)
+    return raws
+
+
+class _DenseStep:
+    """The dense sync's reads and writes of a step's variables as one TensorFlow call.
+
+    Done op by op, the step end reads every variable (one eager op each) and writes the
+    merged value back (another): 16 calls for DeepFM's 8 variables, 1.5 ms of the step
+    end on the training thread (the step's critical path). ``adopt`` computes
+    ``merged + (local - sent)`` (``DenseSync.finish_sync``, the same float32 arithmetic),
+    assigns it and returns it, in one call.
+    """
+
+    def __init__(self, raws: list):
+        specs = [tf.TensorSpec(r.shape, tf.float32) for r in raws]
+
+        def adopt(merged, sent):
+            out = []
+            for r, m, s in zip(raws, merged, sent):
+                value = m + (r.read_value() - s)
+                r.assign(value, read_value=False)
+                out.append(value)
+            return out
+
+        self._adopt = tf.function(adopt, input_signature=[specs, specs], autograph=False)
+        self._read = tf.function(lambda: [r.read_value() for r in raws], autograph=False)
+
+    def read(self) -> list[np.ndarray]:
+        return [t.numpy() for t in self._read()]
+
+    def adopt(self, merged, sent) -> list[np.ndarray]:
+        return [t.numpy() for t in self._adopt(list(merged), list(sent))]
 
 
 def _writer(v):
