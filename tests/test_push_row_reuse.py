@@ -99,3 +99,32 @@ def test_another_order_or_subset_probes():
     t.apply_gradients(keys[::-1].copy(), np.ones((4, 4), np.float32))
     t.apply_gradients(keys[:2].copy(), np.ones((2, 4), np.float32))
     assert t.recalls == 0
+
+
+def test_a_small_push_reuses_the_rows_of_the_last_push():
+    """A dense variable's table: never looked up while training, every push the same
+    keys. From the second push on its rows come from the last push, until a row of the
+    index changes; the values stay those of a table that always probes."""
+    keys = np.arange(6, dtype=np.int64)
+    t, ref = _table(), _table()
+    rng = np.random.default_rng(3)
+    for i in range(4):
+        grads = rng.normal(size=(6, 4)).astype(np.float32)
+        ref._last_push = None
+        np.testing.assert_array_equal(t.apply_and_lookup(keys, grads),
+                                      ref.apply_and_lookup(keys, grads))
+        assert t.recalls == i and ref.recalls == 0
+    for table in (t, ref):  # a freed row that another key may take: probed again
+        table.delete(np.array([2], np.int64))
+        table.lookup(np.array([50], np.int64))
+        table._recent.clear()
+    ref._last_push = None
+    grads = np.ones((6, 4), np.float32)
+    np.testing.assert_array_equal(t.apply_and_lookup(keys, grads),
+                                  ref.apply_and_lookup(keys, grads))
+    assert t.recalls == 3
+    _check_same(t, ref, np.array([0, 1, 2, 3, 4, 5, 50], np.int64))
+    big = np.arange(10_000, dtype=np.int64)  # an embedding push: not kept
+    t.apply_and_lookup(big, np.zeros((big.size, 4), np.float32))
+    t.apply_and_lookup(big, np.zeros((big.size, 4), np.float32))
+    assert t.recalls == 3
