@@ -39,6 +39,9 @@ class StepBatcher:
         self._send_push = send_push
         # hold every push until end_step, which may add the dense sync to the same call
         self.hold_pushes = False
+        # with pushes in flight (overlap): a step's push leaves, in flight, as soon as
+        # every table looked up has pushed (in the backward pass), not at the step's end
+        self.early_in_flight = False
         self._lock = threading.Lock()
         self._step = 0
         self._seen: dict[tuple[str, bool], tuple[int, np.ndarray]] = {}
@@ -206,7 +209,7 @@ class StepBatcher:
             batch, self._pending = self._pending, {}
             self._looked_up.clear()
             self.stats["push_calls"] += 1
-        self._send(batch)
+        self._send(batch, wait=not self.early_in_flight)
 
     def end_step(self, extra: dict | None = None, return_tables=None, wait: bool = True):
         """The step is over: send what it still holds, plus ``extra`` updates, in one call;

@@ -118,11 +118,12 @@ def _fit(job, table: str, overlap, steps: int = 12, slow: float = 0.0, spe: int 
         ctx.close()
 
 
-def test_keras_overlap_one_call_per_step_reads_like_sync(start_job):
-    """``overlap=True`` with the dense sync every step: the step's embedding gradients and
-    dense deltas leave in one call that stays in flight while the next step starts. One
-    worker must end with exactly what synchronous training leaves (lookups take the rows
-    the call changed from its answer; no dense update lost), with one push call per step;
+def test_keras_overlap_two_calls_per_step_reads_like_sync(start_job):
+    """``overlap=True`` with the dense sync every step: the step's embedding gradients
+    leave from the backward pass and the dense deltas at the step's end, both calls left
+    in flight while the next step starts. One worker must end with exactly what
+    synchronous training leaves (lookups take the rows the push changed from its answer;
+    no dense update lost), with two push calls per step where sync makes one;
     ``overlap="stale"`` reads one step old rows and ends elsewhere (the test can tell)."""
     job = start_job({"name": "keras-overlap"}, ["--ps", "1", "--workers", "0"])
     sync_rows, sync_dense, sync_stats = _fit(job, "e_sync", False)
@@ -132,7 +133,7 @@ def test_keras_overlap_one_call_per_step_reads_like_sync(start_job):
     np.testing.assert_allclose(rows, sync_rows, atol=1e-5)
     for a, b in zip(dense, sync_dense):
         np.testing.assert_allclose(a, b, atol=1e-5)
-    assert stats["push_calls"] == sync_stats["push_calls"]  # one call per step, as sync
+    assert stats["push_calls"] == 2 * sync_stats["push_calls"]  # embeddings, then dense
     assert np.abs(stale_rows - sync_rows).max() > 100 * max(np.abs(rows - sync_rows).max(), 1e-6)
 
 

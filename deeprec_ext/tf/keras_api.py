@@ -171,10 +171,10 @@ class ElasticCallback(keras.callbacks.Callback):
     """
 
     def __init__(self, sync_every: int = 1, overlap: bool | str = True):
-        """``overlap=True`` (the default): a step's embedding push stays in flight while
-        the next step reads its input and starts, and the dense sync runs in the
-        background (with ``sync_every=1`` both leave in one call per PS at the step's
-        end). Lookups stay fresh: rows the push in flight changes are taken from its
+        """``overlap=True`` (the default): a step's embedding push leaves from the
+        backward pass and stays in flight while the step ends and the next step reads its
+        input and starts; the dense sync runs in the background (with ``sync_every=1`` a
+        second call per PS at the step's end). Lookups stay fresh: rows the push in flight changes are taken from its
         answer (the PS returns them), so a worker reads what a synchronous push would have
         left; rows fetched ahead (``look_ahead``) wait for that answer only to be patched.
         ``overlap=False``: every push is waited at the step's end.
@@ -220,11 +220,17 @@ class ElasticCallback(keras.callbacks.Callback):
         self._vars = [v for v in self.model.trainable_variables if id(v) not in anchors]
         # synchronous every step: the step's embedding gradients and dense deltas share one
         # push per PS (held by the batcher until on_train_batch_end)
-        # overlap, syncing every step: the same one call, left in flight while the next
-        # step reads its input and runs its forward pass (lookups stay fresh: they take
-        # the rows the call changed from its answer)
+        # overlap: the embedding push leaves from the backward pass, as soon as every
+        # table has pushed, and stays in flight while the step ends and the next one
+        # starts (lookups stay fresh: they take the rows it changed from its answer); the
+        # dense deltas leave at the step's end in a call of their own, whose merged
+        # values the next step's end adopts. Leaving ~2 ms earlier, the push's answer
+        # is waited for less: one more call a step, 0.3-0.9 ms a step shorter here in 4
+        # of 5 paired runs (docs/BENCHMARKS.md)
         self._fused = bool(self.overlap) and self.sync_every == 1 and bool(self._vars)
-        ctx.batcher.hold_pushes = self.sync_every == 1 and bool(self._vars)
+        ctx.batcher.early_in_flight = self.overlap is True
+        ctx.batcher.hold_pushes = (self.sync_every == 1 and bool(self._vars)
+                                   and self.overlap is not True)
         if self._dense is None:
             self._dense = DenseSync(ctx.client, [v.path for v in self._vars],
                                     [tuple(v.shape) for v in self._vars])
@@ -320,6 +326,7 @@ class ElasticCallback(keras.callbacks.Callback):
         if is_evaluator():
             return  # nothing was trained, nothing is pushed
         get_context().batcher.hold_pushes = False
+        get_context().batcher.early_in_flight = False
         get_context().gazer.pause_steps()
         get_context().settle()  # sends a push held for a next lookup too
         get_context().batcher.carry = False
