@@ -225,8 +225,8 @@ class ElasticCallback(keras.callbacks.Callback):
         # starts (lookups stay fresh: they take the rows it changed from its answer); the
         # dense deltas leave at the step's end in a call of their own, whose merged
         # values the next step's end adopts. Leaving ~2 ms earlier, the push's answer
-        # is waited for less: one more call a step, 0.3-0.9 ms a step shorter here in 4
-        # of 5 paired runs (docs/BENCHMARKS.md)
+        # is waited for less: one more call a step, 0.4 ms a step shorter on average
+        # here, in 6 of 8 paired runs (docs/BENCHMARKS.md)
         self._fused = bool(self.overlap) and self.sync_every == 1 and bool(self._vars)
         ctx.batcher.early_in_flight = self.overlap is True
         ctx.batcher.hold_pushes = (self.sync_every == 1 and bool(self._vars)
