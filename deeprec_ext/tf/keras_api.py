@@ -174,8 +174,8 @@ class ElasticCallback(keras.callbacks.Callback):
         """``overlap=True`` (the default): a step's embedding push leaves from the
         backward pass and stays in flight while the step ends and the next step reads its
         input and starts; the dense sync runs in the background (with ``sync_every=1`` a
-        second call per PS at the step's end). Lookups stay fresh: rows the push in flight changes are taken from its
-        answer (the PS returns them), so a worker reads what a synchronous push would have
+        second call per PS at the step's end). Lookups stay fresh: rows the push in
+        flight changes are taken from its answer (the PS returns them), so a worker reads what a synchronous push would have
         left; rows fetched ahead (``look_ahead``) wait for that answer only to be patched.
         ``overlap=False``: every push is waited at the step's end.
         ``overlap="stale"`` skips that (less data on the wire, but each step reads
@@ -276,7 +276,9 @@ class ElasticCallback(keras.callbacks.Callback):
         if self._fused and self._dense is not None:
             if self.overlap == "carry":
                 ctx.batcher.flush()  # the previous step's push, if no lookup carried it
-            send = lambda updates, names: ctx.batcher.end_step(updates, names, wait=False)  # noqa: E731
+
+            def send(updates, names):
+                return ctx.batcher.end_step(updates, names, wait=False)
             step = self._dense_step()
             if step is not None:  # one TensorFlow call reads and writes every variable
                 got = self._dense.take_answer()  # the previous step's call
