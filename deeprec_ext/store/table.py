@@ -102,7 +102,7 @@ _GATHER_ROWS_PER_HOLD = 1 << 13  # planned rows read per table-lock hold (about 
 _LOG_MIN_CAP = 1 << 16  # change-log entries / tombstone keys kept at least (hard cap floor)
 _RECENT_LOOKUPS = 4  # lookups whose rows a push of the same keys reuses (per table)
 _RECENT_MAX_KEYS = 1 << 16  # at most 4 MB a table (keys + rows); larger lookups are probed
-_PUSH_MEMO_MAX_KEYS = 1 << 12  # a push this small keeps its rows for the next (dense tables)
+_PUSH_MEMO_MAX_KEYS = 1 << 12  # a push this small is kept as a lookup is (dense tables)
 _SEG_CURSOR = 1 << 61   # export_slots cursor flags: in the segment, ...
 _MAIN_CURSOR = 1 << 60  # ... in this table's rows after the segment's
 
@@ -506,11 +506,10 @@ class EmbeddingTable:
         # the keys it looked up, so its push takes their rows from here instead of probing
         # the index again (about a third of a push's time); valid while the index is the
         # same object at the same version
-        self._recent: collections.deque = collections.deque(maxlen=_RECENT_LOOKUPS)
-        # the same for the last small push: a dense variable's table is never looked up
-        # while training, and every step pushes all its rows (8 index probes a step for
+        # small pushes are kept too: a dense variable's table is never looked up while
+        # training, and every step pushes all its rows (8 index probes a step for
         # DeepFM, 40% of pushing its dense deltas)
-        self._last_push: tuple | None = None
+        self._recent: collections.deque = collections.deque(maxlen=_RECENT_LOOKUPS)
         # change log and tombstone log (off for copies nobody exports from: replicas)
         self._track = bool(track_changes)
         self._changes = _ChangeLog()
@@ -1084,8 +1083,8 @@ class EmbeddingTable:
             return out
 
     def _remember(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        """Keep the rows a lookup found (all present) for a push of the same keys. Lock
-        held; only for this table's own index (no segment, no admission)."""
+        """Keep the rows a lookup (or a small push) found, all present, for a push of the
+        same keys. Lock held; only for this table's own index (no segment, no admission)."""
         if self._seg is None and self.admission is None and 0 < keys.size <= _RECENT_MAX_KEYS:
             self._recent.append((np.array(keys, copy=True), rows.copy(), self._index,
                                  self._index.version))
@@ -1094,8 +1093,7 @@ class EmbeddingTable:
         """The rows of ``keys``: from a recent lookup of exactly these keys if no row of
         the index changed since, else probed. Lock held."""
         index = self._index
-        last = (self._last_push,) if self._last_push is not None else ()
-        for k, rows, ix, version in (*reversed(self._recent), *last):
+        for k, rows, ix, version in reversed(self._recent):
             if ix is index and version == index.version and k.shape == keys.shape \
                     and k[0] == keys[0] and np.array_equal(k, keys):
                 self.recalls += 1
@@ -1189,10 +1187,11 @@ class EmbeddingTable:
                 return self.lookup(keys, insert_missing=False)
             self.optimizer.begin_update(object() if update is None else update)
             self._clock += 1  # as apply_gradients
+            recalls = self.recalls
             rows = self._recall(keys)
             self._apply_found(keys, rows, grads)
-            if keys.size <= _PUSH_MEMO_MAX_KEYS:  # rows all present now (missing ones made)
-                self._last_push = (keys.copy(), rows.copy(), self._index, self._index.version)
+            if recalls == self.recalls and keys.size <= _PUSH_MEMO_MAX_KEYS:
+                self._remember(keys, rows)  # probed: all present now (missing ones made)
             return self._gather_values(rows)
 
     def _apply_rows(self, rows: np.ndarray, grads: np.ndarray, seq: int, step: int) -> None:
@@ -2436,7 +2435,6 @@ class EmbeddingTable:
             other._tombstones, other._tomb_keys = [], 0  # deletions go to this table's log
             self._seg, self._seg_mask, self._seg_ns = other, slot_mask.copy(), int(num_slots)
             self._recent.clear()  # keys now split between two indexes
-            self._last_push = None
             self._seg_cursor = 0
             self._seg_seq, self._purge_cursor, self._purge_hwm = seq, 0, self._hwm
             self._seg_keys = other._row_key  # the segment never allocates: stable
