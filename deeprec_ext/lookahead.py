@@ -69,10 +69,11 @@ class _Push:
     """A push this worker sent while a lookup ahead was out: its answer (a Future, done
     once the PS applied it) holds the rows it left in the tables it was asked for."""
 
-    __slots__ = ("answer",)
+    __slots__ = ("answer", "tables")
 
-    def __init__(self):
+    def __init__(self, tables=()):
         self.answer: Future = Future()
+        self.tables = frozenset(tables)  # the tables it updates
 
 
 class _Ahead:
@@ -170,8 +171,11 @@ class Lookahead:
         answered for the batch being trained: send the next batch's lookup of its feature."""
         if not self.enabled:
             return
+        tables = frozenset((table, *group))
         with self._lock:
-            inflight = list(self._inflight)
+            # only pushes of these tables: the step end's dense sync changes no row fetched
+            # ahead, and it is answered last
+            inflight = [p for p in self._inflight if p.tables & tables]
         for push in inflight:  # the last step's push, in flight in overlap mode: a lookup
             try:               # sent now must read after it (the step waits for it anyway)
                 push.answer.result()
@@ -179,7 +183,7 @@ class Lookahead:
                 pass           # lookup sent now reads whatever it left, as any lookup
         with self._lock:
             self._inflight = [p for p in self._inflight if not p.answer.done()]
-            if self._inflight:
+            if any(p.tables & tables for p in self._inflight):
                 return
             feature = self._find(table, ids)
             if feature is None:
@@ -227,7 +231,7 @@ class Lookahead:
         """A push of ``batch`` ({table: (unique ids, grads)}) is about to leave: it is
         followed (``answered`` gives its answer), and returns the rows it leaves in the
         tables of the set (a lookup ahead of them left before it)."""
-        push = _Push()
+        push = _Push(batch)
         wanted = set()
         with self._lock:
             # answered pushes are forgotten here too: a table never looked up ahead must

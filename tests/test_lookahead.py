@@ -194,3 +194,44 @@ def test_gazer_shows_and_exports_the_lookahead():
     assert 'gazer_worker_lookahead_patched_rows_total{member="worker-0",role="worker"} 4000.0' \
         in prom
     assert 'member="worker-1",outcome' not in prom
+
+
+def test_a_lookup_ahead_does_not_wait_for_a_push_of_other_tables():
+    """The step end's dense sync (other tables) still in flight: the next batch's lookup
+    of the embedding table leaves at once; a push of that table in flight holds it back
+    until answered (it must read after it)."""
+    import threading
+
+    from deeprec_ext.lookahead import Lookahead
+
+    class Client:
+        def __init__(self):
+            self.calls = []
+
+        def lookup_many(self, requests, insert_missing, unique):
+            self.calls.append(sorted(requests))
+            return {t: np.zeros((ids.size, 2), np.float32) for t, ids in requests.items()}
+
+    client = Client()
+    la = Lookahead(client)
+    la.enabled = True
+    first, second, third = (np.array(v, np.int64) for v in ([1, 2], [2, 3], [3, 4]))
+    la.note([first])
+    la.note([second])
+    dense, _ = la.before_push({"dense": (np.array([0], np.int64), np.ones((1, 2), np.float32))})
+    done = threading.Event()
+    threading.Thread(target=lambda: (la.advance("emb", first, ()), done.set()), daemon=True).start()
+    assert done.wait(10), "the lookup ahead waited for the dense sync's answer"
+    assert la._pending["emb"][0].future.result(10)[0]["emb"].shape == (2, 2)
+    assert la.stats["ahead"] == 1
+    # a push of the table itself in flight: the next lookup ahead waits for its answer
+    push, wanted = la.before_push({"emb": (first, np.ones((2, 2), np.float32))})
+    assert wanted == {"emb"}
+    la.note([third])
+    done.clear()
+    threading.Thread(target=lambda: (la.advance("emb", second, ()), done.set()), daemon=True).start()
+    assert not done.wait(0.3)
+    la.answered(push, {"emb": np.zeros((2, 2), np.float32)})
+    la.answered(dense, {})
+    assert done.wait(10)
+    la.close()
