@@ -220,7 +220,8 @@ def test_a_lookup_ahead_does_not_wait_for_a_push_of_other_tables():
     la.note([second])
     dense, _ = la.before_push({"dense": (np.array([0], np.int64), np.ones((1, 2), np.float32))})
     done = threading.Event()
-    threading.Thread(target=lambda: (la.advance("emb", first, ()), done.set()), daemon=True).start()
+    threading.Thread(target=lambda: (la.advance("emb", first, ()), done.set()),
+                     daemon=True).start()
     assert done.wait(10), "the lookup ahead waited for the dense sync's answer"
     assert la._pending["emb"][0].future.result(10)[0]["emb"].shape == (2, 2)
     assert la.stats["ahead"] == 1
@@ -229,7 +230,8 @@ def test_a_lookup_ahead_does_not_wait_for_a_push_of_other_tables():
     assert wanted == {"emb"}
     la.note([third])
     done.clear()
-    threading.Thread(target=lambda: (la.advance("emb", second, ()), done.set()), daemon=True).start()
+    threading.Thread(target=lambda: (la.advance("emb", second, ()), done.set()),
+                     daemon=True).start()
     assert not done.wait(0.3)
     la.answered(push, {"emb": np.zeros((2, 2), np.float32)})
     la.answered(dense, {})

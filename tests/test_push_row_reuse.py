@@ -4,6 +4,7 @@ every path must leave what a table without the reuse leaves."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from deeprec_ext.store.table import EmbeddingTable
 
@@ -127,3 +128,28 @@ def test_a_small_push_reuses_the_rows_of_the_last_push():
     t.apply_and_lookup(big, np.zeros((big.size, 4), np.float32))
     t.apply_and_lookup(big, np.zeros((big.size, 4), np.float32))
     assert t.recalls == 3
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adagrad", "sgd", "ftrl"])
+def test_the_optimizer_buffers_are_kept_between_pushes_and_change_nothing(optimizer):
+    """The gather and plane-major buffers of a push are reused (a PS's 1 MB mmap threshold
+    made each a new mapping) and grown for a larger push; every row ends as a table
+    applying the same pushes through fresh buffers (one push per fresh table) has it."""
+    rng = np.random.default_rng(3)
+    init = {"name": "normal", "stddev": 0.1, "seed": 1}
+    t = EmbeddingTable("t", 8, optimizer=optimizer, initializer=init)
+    keys = np.unique(rng.integers(0, 2**40, 40_000)).astype(np.int64)
+    t.lookup(keys)
+    ref = EmbeddingTable("r", 8, optimizer=optimizer, initializer=init)
+    ref.lookup(keys)
+    pushes = [keys[:5000], keys[3000:20000], keys[::3], keys[:100]]
+    seen = []
+    for i, k in enumerate(pushes):
+        g = rng.standard_normal((k.size, 8)).astype(np.float32)
+        t.apply_gradients(k, g)
+        seen.append(t._scratch)
+        ref._scratch = None  # fresh buffers for every push
+        ref.apply_gradients(k, g)
+    assert seen[0] is not seen[1]  # grown for the larger push
+    assert seen[1] is seen[2] is seen[3]  # then kept
+    np.testing.assert_array_equal(t.export_keys(keys)[1], ref.export_keys(keys)[1])

@@ -510,6 +510,7 @@ class EmbeddingTable:
         # training, and every step pushes all its rows (8 index probes a step for
         # DeepFM, 40% of pushing its dense deltas)
         self._recent: collections.deque = collections.deque(maxlen=_RECENT_LOOKUPS)
+        self._scratch: tuple[np.ndarray, np.ndarray] | None = None  # _optimizer_scratch
         # change log and tombstone log (off for copies nobody exports from: replicas)
         self._track = bool(track_changes)
         self._changes = _ChangeLog()
@@ -1024,23 +1025,39 @@ class EmbeddingTable:
         for s in range(0, rows.size, step):
             r, g = rows[s:s + step], grads[s:s + step]
             m = r.size
+            rows_buf, planes_buf = self._optimizer_scratch(min(rows.size, step), vec)
             if self._fp16:  # float32 math on the widened rows, rounded back on the scatter
                 block = self._gather_rows(r).view(np.dtype((np.void, 4 * self._width)))
                 block = block.reshape(-1)
-            else:
-                block = self._arena_v.take(r)
+            else:  # mode="clip": no buffered copy for ``out`` (the rows are valid)
+                block = np.take(self._arena_v, r, out=rows_buf[:m], mode="clip")
             if k == 0:
                 vals = block.view(np.float32).reshape(m, dim)
                 self.optimizer.apply(vals, None, g)
             else:
                 bv = block.view(vec).reshape(m, 1 + k)
-                planes = np.ascontiguousarray(bv.T).view(np.float32).reshape(1 + k, m, dim)
+                pv = planes_buf[:(1 + k) * m].reshape(1 + k, m)
+                np.copyto(pv, bv.T)
+                planes = pv.view(np.float32).reshape(1 + k, m, dim)
                 self.optimizer.apply(planes[0], planes[1:].transpose(1, 0, 2), g)
-                bv[...] = planes.view(vec).reshape(1 + k, m).T
+                bv[...] = pv.T
             if self._fp16:
                 self._scatter_rows(r, block.view(np.float32).reshape(m, self._width))
             else:
                 np.put(self._arena_v, r, block)
+
+    def _optimizer_scratch(self, m: int, vec: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+        """Buffers for the optimizer's gather of ``m`` rows and their plane-major copy
+        (at most one chunk, ~2 MB each), kept between updates. A PS fixes glibc's mmap
+        threshold at 1 MB (``bound_malloc_retention``), so every larger block is a new
+        mapping, page-faulted and zeroed: two per push. Reused, an Adam push of 15k
+        rows of dim 8 took 1.20 instead of 2.17 ms. Lock held."""
+        buf = self._scratch
+        if buf is None or buf[0].size < m or buf[0].dtype != self._row_dtype \
+                or buf[1].dtype != vec or buf[1].size < (1 + self._num_slots) * m:
+            buf = self._scratch = (np.empty(m, self._row_dtype),
+                                   np.empty((1 + self._num_slots) * m, vec))
+        return buf
 
     # -- public API ---------------------------------------------------------------------
     def lookup(self, keys, insert_missing: bool = True) -> np.ndarray:
