@@ -104,9 +104,16 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                                        size=shard.size, format=shard.format,
                                        on_bad_record=data.on_bad_record, fields=data.fields,
                                        delimiter=data.delimiter))
-        status = master_pb2.GetShardResponse.FINISHED if state == ShardState.DONE \
-            else master_pb2.GetShardResponse.WAIT
-        return master_pb2.GetShardResponse(status=status)
+        if state == ShardState.DONE:
+            # one of the job's files (shard_id -1, not an assignment): a worker that got no
+            # shard still reads the columns' types from it (shard_dataset(columns=...))
+            first = next(iter(self.m.shards.all_shards()), None)
+            return master_pb2.GetShardResponse(
+                status=master_pb2.GetShardResponse.FINISHED,
+                shard=master_pb2.Shard(shard_id=-1, path=data_fs.absolute(first.path),
+                                       size=first.size, format=first.format)
+                if first is not None else None)
+        return master_pb2.GetShardResponse(status=master_pb2.GetShardResponse.WAIT)
 
     def ReportShard(self, request, context):
         if self.m.shards is None:

@@ -188,3 +188,40 @@ def test_a_shard_that_cannot_give_the_columns_is_bad_input_naming_the_file(tmp_p
     ids, data, offsets, lengths = rows.flat()
     assert ids.tolist() == [1, 2, 3] and next_pos.tolist() == [1, 2, 3]
     assert [bytes(data[o:o + n]) for o, n in zip(offsets, lengths)] == [b"n1", b"n2", b"n3"]
+
+
+def test_a_worker_given_no_shard_reads_the_column_types_from_a_job_file(start_job, tmp_path):
+    """Every shard was DONE before a second worker asked for one (a late or restarted
+    worker): its ``shard_dataset(columns=...)`` takes the columns' types from the file
+    the AIMaster names with FINISHED and yields nothing, instead of failing the job."""
+    import pyarrow.parquet as pq
+    import tensorflow as tf
+
+    from deeprec_ext.proto import master_pb2
+    from deeprec_ext.tf.data import shard_dataset
+    from deeprec_ext.worker import WorkerContext
+    path = tmp_path / "part-0.parquet"
+    ids = np.arange(500, dtype=np.int64)
+    pq.write_table(pa.table({"id": ids, "name": [f"n{i}" for i in ids]}), path)
+    job = start_job({"name": "columns-late", "ps": {"replicas": 1},
+                     "data": {"files": [str(path)], "bytes_per_shard": 1 << 20}},
+                    ["--workers", "0"])
+    first = WorkerContext(master_address=job.address, member_id="worker-0")
+    late = WorkerContext(master_address=job.address, member_id="worker-1")
+    try:
+        taken = []
+        while True:
+            resp = first.try_next_shard()
+            if resp.status != master_pb2.GetShardResponse.SHARD:
+                break
+            taken.append(resp.shard.shard_id)
+            first._report_done([resp.shard.shard_id])
+        assert taken and resp.status == master_pb2.GetShardResponse.FINISHED
+        assert resp.shard.shard_id == -1 and resp.shard.path == str(path)
+        ds = shard_dataset(100, columns=["id", "name"], context=late)
+        assert ds.element_spec["id"].dtype == tf.int64
+        assert ds.element_spec["name"].dtype == tf.string
+        assert list(ds) == []
+    finally:
+        late.close()
+        first.close()

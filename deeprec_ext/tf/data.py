@@ -25,7 +25,9 @@ EVAL_INPUT: dict = {}
 
 def _first_kinds(ctx: WorkerContext, columns, schema_from, poll_seconds: float = 0.2):
     """Column kinds for ``shard_dataset(columns=...)``: from ``schema_from``, else from
-    the footer of the first shard this worker is given (taken now, trained first)."""
+    the footer of the first shard this worker is given (taken now, trained first), else,
+    when the job's shards were all DONE before this worker got one, from the job's file
+    the AIMaster names with FINISHED (the dataset is then empty)."""
     from deeprec_ext.data.tf_dataset import column_kinds
     from deeprec_ext.proto import master_pb2
     if schema_from is not None:
@@ -37,6 +39,8 @@ def _first_kinds(ctx: WorkerContext, columns, schema_from, poll_seconds: float =
         if resp.status == master_pb2.GetShardResponse.SHARD:
             return column_kinds(columns, resp.shard.path, "shard_dataset"), resp
         if resp.status == master_pb2.GetShardResponse.FINISHED:
+            if resp.shard.path:
+                return column_kinds(columns, resp.shard.path, "shard_dataset"), None
             break
         time.sleep(poll_seconds)
     raise ValueError("shard_dataset(columns=...): no data shard to read the columns' types "
