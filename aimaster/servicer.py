@@ -107,7 +107,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         if state == ShardState.DONE:
             # one of the job's files (shard_id -1, not an assignment): a worker that got no
             # shard still reads the columns' types from it (shard_dataset(columns=...))
-            first = next(iter(self.m.shards.all_shards()), None)
+            first = self.m.shards.any_shard()
             return master_pb2.GetShardResponse(
                 status=master_pb2.GetShardResponse.FINISHED,
                 shard=master_pb2.Shard(shard_id=-1, path=data_fs.absolute(first.path),

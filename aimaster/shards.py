@@ -327,6 +327,12 @@ class ShardQueue:
     def all_shards(self) -> list[Shard]:
         return sorted(self._shards.values(), key=lambda s: s.shard_id)
 
+    def any_shard(self) -> Shard | None:
+        """One shard of the job (the first made), without sorting them all: asked by
+        every worker polling at the end."""
+        with self._lock:
+            return next(iter(self._shards.values()), None)
+
     def mark_done(self, shard_ids) -> list[int]:
         """Sync mode: shards are read by virtual rank, not handed out on request; the
         coordinator marks them DONE once every record was trained (TODO or DOING -> DONE)."""
