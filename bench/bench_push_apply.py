@@ -65,7 +65,17 @@ def main() -> int:
     try:
         sizes = [int(r) for r in args.rows.split(",")]
     except ValueError:
-        print(f"error: --rows must be comma-separated integers, got {args.rows!r}",
+        sizes = []
+    if not sizes or min(sizes) <= 0:
+        print(f"error: --rows must be comma-separated positive integers, got {args.rows!r}",
+              file=sys.stderr)
+        return 2
+    for flag in ("dim", "reps", "rounds"):
+        if getattr(args, flag) <= 0:
+            print(f"error: --{flag} must be > 0, got {getattr(args, flag)}", file=sys.stderr)
+            return 2
+    if args.optimizer not in ("sgd", "adagrad", "adam", "ftrl"):
+        print(f"error: --optimizer must be sgd, adagrad, adam or ftrl, got {args.optimizer!r}",
               file=sys.stderr)
         return 2
     results = []

@@ -224,7 +224,7 @@ def test_a_lookup_ahead_does_not_wait_for_a_push_of_other_tables():
                      daemon=True).start()
     assert done.wait(10), "the lookup ahead waited for the dense sync's answer"
     assert la._pending["emb"][0].future.result(10)[0]["emb"].shape == (2, 2)
-    assert la.stats["ahead"] == 1
+    assert la.stats["ahead"] == 1 and client.calls == [["emb"]]
     # a push of the table itself in flight: the next lookup ahead waits for its answer
     push, wanted = la.before_push({"emb": (first, np.ones((2, 2), np.float32))})
     assert wanted == {"emb"}
