@@ -41,7 +41,7 @@ payloads with crc32c (hardware, through the C library google-crc32c ships): a re
 into a new table reserves its arena rows and the reader threads ``preadv`` each stored
 chunk straight into the row -> key array, the arena and the count column, taking the
 crc32c there; no read buffer, no copy, and the first touch of the new arena off the
-main thread, which only builds the hash index as chunks complete. Formats 1, 2 and 3
+main thread. Formats 1, 2 and 3
 are still read and verified (sha256 included for 1-2); their chunks are decoded and
 copied into the reserved rows.
 
@@ -92,6 +92,23 @@ then only a full checkpoint is exact.
 watermark: after a restart or a restore the PS's sequence counter starts again, and
 an old watermark would silently skip rows. ``write_table`` also rejects a
 ``since_seq`` that is ahead of the table's counter.
+
+Saved index
+-----------
+A full checkpoint of a whole table (no slot mask, format 4) also writes
+``<writer>.<table>.index``: the table's hash index (``HashIndex``'s own int32 table, one
+code per position: 0 empty, -1 deleted, ``i + 1`` for row ``i`` of the rows file),
+translated from arena rows to file rows at the end of the scan, and named in the rows
+file's manifest entry as ``index`` = {path, capacity, rows, size, crc32c, probe_seed}.
+It is written only if the index's ``layout`` count held from before the scan to after
+the translation (no position removed, moved or re-assigned: no key scanned twice, no
+probe chain broken); positions of keys inserted meanwhile whose rows were not written
+are saved as deleted ones. A restore of that whole table from that one file into an
+empty table commits all its rows at once and installs the index
+(``EmbeddingTable.commit_load(saved_index=...)``, ``HashIndex.install_table``) once
+1,024 sampled keys are found at their rows; anything else (missing, corrupt, another
+probe seed, a failed sample) places the keys as below, with a warning. Not part of the
+checksummed file set a checkpoint needs: a checkpoint without it is complete.
 
 Restore applies, for each checkpoint of the chain in order: dropped tables, then
 tombstones (all writers), then rows. A key deleted and re-inserted between two

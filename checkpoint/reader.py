@@ -18,6 +18,7 @@ import numpy as np
 import zstandard
 
 from deeprec_ext.hashing import slot_of
+from deeprec_ext.store.hash_index import PROBE_SEED
 
 from checkpoint import remote
 
@@ -1013,6 +1014,55 @@ def _reserve_direct(sink, c: Checkpoint, plan: _Plan, name: str):
     return out
 
 
+def _saved_index_plan(c: Checkpoint, plan: _Plan, name: str, into) -> dict | None:
+    """Whether table ``name`` is restored whole from one rows file of ``c`` that has a
+    saved index (``checkpoint.writer._SavedIndex``), read straight into consecutive
+    reserved rows in the file's order: then its rows are committed at once, with that
+    index. Returns ``{"entry", "r0", "total", "done"}`` or None."""
+    if not into:
+        return None
+    files = [(e, sel) for cc, e, sel in plan.items
+             if cc is c and e.get("type") == "rows" and e.get("table") == name]
+    if len(files) != 1 or not isinstance(files[0][0].get("index"), dict):
+        return None
+    e, sel = files[0]
+    rows_chunks = [ci for ci, ch in enumerate(e["chunks"]) if ch[_CI["kind"]] == KIND_ROWS]
+    picked = [(ci, partial) for ci, kind, partial in sel if kind == KIND_ROWS]
+    if [ci for ci, _ in picked] != rows_chunks or any(p for _, p in picked):
+        return None
+    r0 = at = into[(e["path"], rows_chunks[0])][0] if rows_chunks else 0
+    for ci in rows_chunks:
+        if into[(e["path"], ci)][0] != at:
+            return None
+        at += int(e["chunks"][ci][_CI["n"]])
+    return {"entry": e, "r0": r0, "total": at - r0, "done": 0}
+
+
+def _read_saved_index(c: Checkpoint, e: dict, rows: int):
+    """The index saved beside rows file ``e`` (``(capacity, codes)``, see
+    ``HashIndex.install_table``), checked (size, crc32c, the probe hash, the row count);
+    None with a warning if it is missing or does not check: the restore then places the
+    keys, as it would without it."""
+    ix = e["index"]
+    try:
+        cap, n, size = int(ix["capacity"]), int(ix["rows"]), int(ix["size"])
+        name = str(ix["path"])
+        if ix.get("probe_seed") != PROBE_SEED:
+            return None  # another hash layout: nothing wrong, just not usable
+        if "/" in name or name.startswith(".") or n != rows or cap < 1 or size != 4 * cap:
+            raise ValueError(f"entry {ix} does not match {rows} rows")
+        codes = np.fromfile(c.path / name, dtype="<i4")
+        if codes.nbytes != size:
+            raise ValueError(f"{codes.nbytes} bytes, the manifest says {size}")
+        if crc32c(codes) != int(ix["crc32c"]):
+            raise ValueError("crc32c mismatch (corrupt data)")
+    except (OSError, KeyError, TypeError, ValueError) as err:
+        log.warning("checkpoint %s: index of %s not used (%s); placing its keys instead",
+                    c.name, e.get("path"), err)
+        return None
+    return cap, codes.astype(np.int32, copy=False)
+
+
 def _apply(plan: _Plan, chain, sink, slot_mask):
     """Pass 2: read, decompress (worker threads, bounded look-ahead) and apply."""
     stats: dict[str, dict] = {}
@@ -1041,9 +1091,11 @@ def _apply(plan: _Plan, chain, sink, slot_mask):
                 batch: dict[str, list] = {}  # rows per table, imported _IMPORT_ROWS at a time
                 # rows phase: per table, its arena rows reserved for a direct read
                 direct = {}
+                saved = {}  # per table: its rows committed at once, with its saved index
                 if phase == KIND_ROWS:
                     for name in {e["table"] for e, _ in items if e["type"] == "rows"}:
                         direct[name] = _reserve_direct(sink, c, plan, name)
+                        saved[name] = _saved_index_plan(c, plan, name, direct[name])
 
                 def flush(table):
                     # the rows of the chunks go on as a list: a store copies each part
@@ -1065,6 +1117,17 @@ def _apply(plan: _Plan, chain, sink, slot_mask):
                         new = CheckpointError(f"{c.name}/{e['path']}: {err}")
                         new.ckpt = c
                         raise new from None
+                    si = saved.get(e["table"]) if fut.direct is not None else None
+                    if si is not None:  # the whole table, made live at its last chunk
+                        for nb, kept, n in got:
+                            nbytes += nb
+                            stats[e["table"]]["rows"] += kept
+                            si["done"] += n
+                        if si["done"] == si["total"]:
+                            sink.store.get(e["table"]).commit_load(
+                                si["r0"], si["total"],
+                                saved_index=_read_saved_index(c, si["entry"], si["total"]))
+                        return
                     if fut.direct is not None:  # rows read into the table: live, in order
                         table = sink.store.get(e["table"])
                         r = run = fut.direct

@@ -1,6 +1,7 @@
 """Writing checkpoints: :class:`CheckpointWriter`."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import ctypes.util
@@ -23,13 +24,14 @@ import zstandard
 
 from deeprec_ext.hashing import DEFAULT_NUM_SLOTS, slot_of
 from deeprec_ext.store import EmbeddingTable
+from deeprec_ext.store.hash_index import PROBE_SEED
 
 import checkpoint.format as _fmt
 from checkpoint import remote
 from checkpoint.format import (CHUNK_FIELDS, FLAG_COUNTS, FLAG_RAW, KIND_ARRAY, KIND_END, KIND_ROWS,
                                KIND_TOMBSTONES, MANIFEST_FORMAT, MANIFEST_NAME, CheckpointError,
-                               dir_name, encode_header, manifest_checksum, payload_crc,
-                               quote_name)
+                               crc32c, dir_name, encode_header, manifest_checksum,
+                               payload_crc, quote_name)
 
 log = logging.getLogger("checkpoint")
 
@@ -167,6 +169,90 @@ def _write_all(fd: int, bufs) -> int:
                 views[0] = views[0][n:]
                 n = 0
     return total
+
+
+# Save each full table's index positions beside its rows (``_SavedIndex``); tests of the
+# restore's placement path turn it off
+SAVE_INDEX = True
+
+
+class _SavedIndex:
+    """The hash index of a table, saved beside a full checkpoint's rows file as
+    ``<writer>.<table>.index``: the index's own table (int32 per position: 0 empty, -1
+    deleted, ``i + 1`` for the rows file's row ``i``). A restore of the whole table into
+    an empty one reads it as its index (``HashIndex.install_table``) instead of hashing
+    and placing every key, the larger part of a restore's CPU. 4 bytes per position:
+    8-16 per row, beside the rows' 8 + 4 x (row width + 1).
+
+    While the scan writes rows, the arena row of each is kept, in file order (4 bytes
+    per row while the checkpoint runs). At the end they number a map by arena row, and
+    the index's table is translated through it, slice by slice. It holds for the restored table if the
+    index neither removed, moved nor re-assigned a position since the scan began
+    (``HashIndex.layout``, checked before and after the translation): a key inserted
+    meanwhile only adds an occupied position, saved as a tombstone. Otherwise the file
+    is removed and the manifest names none: a restore then places the keys."""
+
+    SLICE = 1 << 20  # positions translated and written at a time
+
+    def __init__(self, path: Path, table: EmbeddingTable):
+        self.path = path
+        self.table = table
+        self.token = table.index_checkpoint_begin()
+        self.pieces = []  # arena rows of the written rows, in file order (int32)
+        self.rows = 0
+
+    @property
+    def wanted(self) -> bool:
+        return self.token is not None
+
+    def add(self, pieces: list) -> None:
+        """The arena rows (int64) of one chunk's rows, its pieces in order."""
+        if self.token is not None:
+            self.pieces += [a.astype(np.int32) for a in pieces]
+
+    def finish(self, sync: bool) -> dict | None:
+        """After the rows file: write this file and return the manifest entry's
+        ``index`` field, or None (no file) when the index's layout changed."""
+        token, self.token = self.token, None
+        pieces, self.pieces = self.pieces, []
+        tab = self.table.index_checkpoint_table(token) if token is not None else None
+        if tab is None:
+            return None
+        rows = np.concatenate(pieces) if pieces else np.empty(0, np.int32)
+        del pieces
+        self.rows = int(rows.size)
+        # code -> saved code, indexed by code + 1: deleted (-1) -> -1, empty (0) -> 0, row
+        # r's code r + 1 -> its file row + 1, or -1 (a tombstone) for a row not written;
+        # codes past the end (rows added after this) clip to the last entry, -1
+        size = max(int(rows.max()) + 1 if rows.size else 0, int(token["rows"])) + 3
+        lut = np.full(size, -1, dtype=np.int32)
+        lut[1] = 0
+        rows += 2
+        lut[rows] = np.arange(1, rows.size + 1, dtype=np.int32)  # one scatter
+        del rows
+        crc, full = 0, 0
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for lo in range(0, tab.size, self.SLICE):
+                at = tab[lo:lo + self.SLICE] + np.int32(1)
+                out = lut.take(at, mode="clip")
+                full += int(np.count_nonzero(out > 0))
+                crc = crc32c(out, crc)
+                _write_all(fd, [out])
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        # every written row is at a full position (no key removed), once
+        if full != self.rows or self.table.index_checkpoint_table(token) is not tab:
+            self.path.unlink()
+            return None
+        return {"path": self.path.name, "capacity": int(tab.size), "rows": self.rows,
+                "probe_seed": PROBE_SEED, "size": 4 * int(tab.size), "crc32c": int(crc)}
+
+    def close(self) -> None:
+        """The write failed or was cancelled: keep nothing."""
+        self.token, self.pieces = None, []
 
 
 class _Probe:
@@ -600,6 +686,7 @@ class CheckpointWriter:
                 raise ValueError(f"writer '{writer_id}' already wrote table '{name}'")
             self._files[fname] = {}  # reserve
 
+        saved = None  # the index's positions, saved beside a whole table's rows
         try:
             tomb = (table.tombstones_since(since_seq) if self.kind == "incr"
                     else np.empty(0, np.int64))
@@ -610,7 +697,13 @@ class CheckpointWriter:
             # a table serving a promoted replica as a segment (until its background
             # merge ends) has rows outside its arena: the plan covers both
             if self.kind == "full" and self.version >= 3 and not table.segment_rows:
-                rows_chunks = self._scan_chunks(table, info, slot_mask, written, cancelled)
+                if slot_mask is None and self.version >= 4 and info.get("counts") \
+                        and SAVE_INDEX:
+                    saved = _SavedIndex(self.dir / (fname[:-len(".rows")] + ".index"),
+                                        table)
+                    self._created_files.append(saved.path)
+                rows_chunks = self._scan_chunks(table, info, slot_mask, written, cancelled,
+                                                saved)
                 expect = len(table) if slot_mask is None else \
                     int(len(table) * float(slot_mask.mean()))
             else:  # the rows changed since since_seq, from the change log: a plan
@@ -622,7 +715,14 @@ class CheckpointWriter:
             # the expected size (keys, rows, counts; headers are small) for _preallocate
             expect = expect * (8 + 4 * (info["row_width"] + 1)) + 8 * int(tomb.size)
             entry = self._write_data_file(path, name, (*chunks, rows_chunks), expect)
+            if saved is not None:
+                kept = saved.finish(self.sync)
+                if kept is not None:
+                    self._publish(saved.path)
+                    entry["index"] = kept
         except BaseException:
+            if saved is not None:
+                saved.close()
             with self._lock:
                 self._files.pop(fname, None)
             raise
@@ -683,7 +783,7 @@ class CheckpointWriter:
                     yield KIND_ROWS, [keys], [rows], int(slots[0]), int(slots[-1])
 
     def _scan_chunks(self, table: EmbeddingTable, info: dict, slot_mask, written: list,
-                     cancelled):
+                     cancelled, saved: "_SavedIndex | None" = None):
         """Row chunks of a full export, streaming the arena in row order
         (``EmbeddingTable.scan_live``: one sequential copy per slice under one short
         table-lock hold) -- no plan, no global sort, no random gather over the table.
@@ -692,7 +792,9 @@ class CheckpointWriter:
         ``SCAN_BUCKETS`` contiguous slot ranges; a bucket is written as one chunk once it
         holds about ``BUCKET_CHUNK_BYTES`` (its pieces are written as they are, no join).
         A chunk's keys lie in its slot range, sorted by slot within each piece (format
-        3); a restore of some slots reads the chunks of the buckets they touch only."""
+        3); a restore of some slots reads the chunks of the buckets they touch only.
+
+        ``saved``: each chunk's rows' arena rows go there, in file order."""
         with_counts = bool(info.get("counts"))
         w = info["row_width"] + (1 if with_counts else 0)
         # format 4: keys, rows and counts as the store holds them, no float count column
@@ -717,11 +819,13 @@ class CheckpointWriter:
             held = [p[5] for p in parts if p[5] is not None]
             # the chunk's pieces lie in slice buffers: free them once it is written
             done = (lambda: bufs.release(held)) if held else None
+            if saved is not None:
+                saved.add([p[6] for p in parts])
             return (KIND_ROWS, [p[0] for p in parts], [p[1] for p in parts],
                     min(p[2] for p in parts), max(p[3] for p in parts),
                     [p[4] for p in parts] if apart else None, done)
 
-        def deal(keys, rows, counts, slots, buf=None):
+        def deal(keys, rows, counts, slots, buf=None, arena=None):
             # rows sorted by slot into the pending buckets; full buckets become chunks
             bounds = np.searchsorted(slots, edges)
             for b in np.flatnonzero(bounds[1:] > bounds[:-1]).tolist():
@@ -729,7 +833,8 @@ class CheckpointWriter:
                 if buf is not None:
                     bufs.hold(buf)
                 pend[b].append((keys[s:e], rows[s:e], int(slots[s]), int(slots[e - 1]),
-                                counts[s:e] if counts is not None else None, buf))
+                                counts[s:e] if counts is not None else None, buf,
+                                arena[s:e] if arena is not None else None))
                 count[b] += e - s
                 if count[b] >= target:
                     yield emit(b)
@@ -739,15 +844,18 @@ class CheckpointWriter:
             _check_cancelled(cancelled)
             if apart:  # sorted by slot and filtered by the mask in the lock hold
                 buf = bufs.get()
-                keys, rows, counts, slots, row = table.scan_by_slot(
-                    row, SCAN_SLICE_ROWS, self.num_slots, slot_mask, out=buf[0], stage=stage)
+                got = table.scan_by_slot(row, SCAN_SLICE_ROWS, self.num_slots, slot_mask,
+                                         out=buf[0], stage=stage,
+                                         arena_rows=saved is not None and saved.wanted)
+                keys, rows, counts, slots, row = got[:5]
+                arena = got[5] if len(got) > 5 else None
                 if rows.shape[1] + 1 != w:
                     raise ValueError(f"table '{table.name}' was reconfigured while being "
                                      "written")
                 if keys.size:
                     written[0] += int(keys.size)
                     yield from deal(keys, rows, counts, slots,
-                                    buf if np.shares_memory(rows, buf[0]) else None)
+                                    buf if np.shares_memory(rows, buf[0]) else None, arena)
                 bufs.release([buf])  # the scanning thread's hold
                 continue
             keys, rows, row = table.scan_live(row, SCAN_SLICE_ROWS, with_counts=with_counts)

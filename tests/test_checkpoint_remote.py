@@ -66,7 +66,9 @@ def test_full_and_incrementals_on_s3_restore_exactly(s3, tmp_path, cache):
                                                "ckpt-00000003-incr"}
     assert next_id(url) == 4
     # the writer staged locally and left nothing behind; the files are objects
-    assert all(o.endswith((".rows", ".dense", MANIFEST_NAME)) for o in objs)
+    assert all(o.endswith((".rows", ".dense", ".index", MANIFEST_NAME)) for o in objs)
+    # a full checkpoint's tables carry their saved index; incrementals do not
+    assert {o.split("/")[0] for o in objs if o.endswith(".index")} == {"ckpt-00000001-full"}
 
     s2 = EmbeddingStore()
     info = restore(url, s2)

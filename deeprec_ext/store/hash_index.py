@@ -114,10 +114,16 @@ class HashIndex:
     """
 
     __slots__ = ("_tab", "_mask", "_size", "_deleted", "_prev", "_cursor", "_row_keys",
-                 "_own", "version")
+                 "_own", "version", "layout")
 
     def __init__(self, capacity: int = 1024,
                  row_keys: Callable[[], np.ndarray] | None = None):
+        # bumped by every change that empties, moves or re-assigns a position (allocation,
+        # growth, removal, bulk placement): while it holds, every (position, row) seen in
+        # the table stays true and no position becomes empty -- what an index saved with
+        # a checkpoint relies on (EmbeddingTable.index_checkpoint_table, install_table).
+        # Inserting absent keys into free positions leaves it.
+        self.layout = 0
         self._alloc(max(_next_pow2(capacity), _MIN_CAPACITY))
         self._size = 0
         self._prev: HashIndex | None = None  # the index being moved into this one
@@ -130,6 +136,7 @@ class HashIndex:
         self.version = 0
 
     def _alloc(self, cap: int) -> None:
+        self.layout += 1
         self._tab = np.zeros(cap, dtype=np.int32)
         self._mask = cap - 1
         self._deleted = 0
@@ -386,6 +393,7 @@ class HashIndex:
         prev._size, prev._deleted, prev._prev, prev._cursor = self._size, self._deleted, None, 0
         prev._own, prev._row_keys = self._own, self._row_keys
         prev.version = 0  # removals reach it through this index, which counts them
+        prev.layout = 0
         self._alloc(new_cap)
         self._size = 0
         self._prev, self._cursor = prev, 0
@@ -402,6 +410,7 @@ class HashIndex:
         """Move the live keys of the next ``budget`` positions of ``_prev`` (all: None)
         into this index. Moved entries become tombstones there, which keeps the probe
         chains of the keys still waiting intact."""
+        self.layout += 1
         prev = self._prev
         a = self._cursor
         b = prev.capacity if budget is None else min(a + budget, prev.capacity)
@@ -579,6 +588,7 @@ class HashIndex:
         the higher row; a key already in the index before the call is superseded by the
         batch's copy whatever its row."""
         self.version += 1
+        self.layout += 1
         keys = _as_keys(keys)
         n = keys.size
         if n == 0:
@@ -660,6 +670,7 @@ class HashIndex:
         -1), so the rows >= 0 are distinct and the caller needs no ``np.unique`` (it was
         most of a migration clean-up's delete: a hash or sort per chunk)."""
         self.version += 1
+        self.layout += 1
         keys = _as_keys(keys)
         pos = self._probe(keys, True) if keys.size else np.empty(0, dtype=np.int64)
         found = pos >= 0
@@ -688,6 +699,35 @@ class HashIndex:
             r[~won] = -1
         rows[sel] = r
         return rows
+
+    # -- an index saved with a checkpoint -----------------------------------------------
+    def install_table(self, capacity: int, codes: np.ndarray, first_row: int, n: int) -> bool:
+        """Make this EMPTY index the one a checkpoint saved, hashing no key: ``codes``
+        (int32 [capacity], as this index's own table: 0 empty, -1 deleted, ``i + 1`` the
+        checkpoint's row ``i``) becomes the table, its rows moved to start at
+        ``first_row``. Returns False, the index left as it was, if it does not fit (not a
+        power of two, not ``n`` rows 0 .. n-1, load over 1/2): the caller places the keys
+        instead. Whether the keys are where their probes look is the caller's to check
+        (a sample: ``EmbeddingTable.commit_load``)."""
+        if self._size or self._prev is not None:
+            raise RuntimeError("install_table() needs an empty index")
+        cap, n = int(capacity), int(n)
+        if (cap < _MIN_CAPACITY or cap & (cap - 1) or codes.dtype != np.int32
+                or codes.shape != (cap,) or int(first_row) < 0
+                or int(first_row) + n - 1 > MAX_ROWS):
+            return False
+        full = int(np.count_nonzero(codes > 0))
+        used = int(np.count_nonzero(codes))
+        if full != n or 2 * used > cap or (n and int(codes.max()) != n) \
+                or (used > full and int(codes.min()) < DELETED):
+            return False
+        if first_row:
+            codes[codes > 0] += np.int32(first_row)
+        self.version += 1
+        self.layout += 1
+        self._tab, self._mask = codes, cap - 1
+        self._size, self._deleted = n, used - full
+        return True
 
     def clear(self) -> None:
         self.version += 1

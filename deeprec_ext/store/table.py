@@ -342,6 +342,12 @@ class _ChangeLog:
         else:
             self.start, self.bstart = int(self.pos[b]), b
 
+    def drop_through(self, seq: int) -> None:
+        """Forget every batch and answer no ``since(v)`` for v < ``seq``: what appending
+        a batch ``seq`` too large to keep, then capping, would leave."""
+        self.start = self.end = self.bstart = self.bend = 0
+        self.floor = max(self.floor, int(seq))
+
     def cap(self, limit: int) -> None:
         """Keep at most ``limit`` entries: the oldest batches go, as few as needed. (It
         went down to half: a batch of more than half the limit then dropped every batch,
@@ -948,9 +954,21 @@ class EmbeddingTable:
     def _log_write(self, seq: int, rows: np.ndarray) -> None:
         """Record the rows a batch stamped with ``seq`` (under the table lock)."""
         if self._track:
-            self._changes.append(seq, rows)
             # beyond about 1/16 of the rows a scan is as cheap as the log (_changed_rows)
-            self._changes.cap(max(_LOG_MIN_CAP, self._arena.shape[0] // 16))
+            limit = max(_LOG_MIN_CAP, self._arena.shape[0] // 16)
+            if rows.size > limit:  # the batch alone would be capped away, and all before it
+                self._changes.drop_through(seq)
+                return
+            self._changes.append(seq, rows)
+            self._changes.cap(limit)
+
+    def _log_range(self, seq: int, r0: int, n: int) -> None:
+        """:meth:`_log_write` of rows ``[r0, r0 + n)``, not listed when too many to log
+        (a restore's 4M rows: 32 MB written to be dropped, ~60 ms)."""
+        if self._track and n > max(_LOG_MIN_CAP, self._arena.shape[0] // 16):
+            self._changes.drop_through(seq)
+            return
+        self._log_write(seq, np.arange(r0, r0 + n, dtype=np.int64))
 
     def _with_fresh_slots(self, values: np.ndarray) -> np.ndarray:
         """float32 [n, row_width] rows: ``values`` followed by initial slots."""
@@ -1516,12 +1534,19 @@ class EmbeddingTable:
         self._log_write(seq, got)
         return seq
 
-    def commit_load(self, r0: int, n: int, reserved: int | None = None) -> int:
+    def commit_load(self, r0: int, n: int, reserved: int | None = None,
+                    saved_index: tuple | None = None) -> int:
         """Make rows ``[r0, r0 + n)`` of a :meth:`reserve_load` live: their keys are
         placed in the index in bulk (a key loaded before is a superseded copy, whose row
         is freed: the later row wins), one new sequence number is stamped. Returns it.
         ``reserved`` (>= n): the rows of the reservation this settles; those past the
-        first ``n`` were not filled (keys filtered out) and are freed."""
+        first ``n`` were not filled (keys filtered out) and are freed.
+
+        ``saved_index``: ``(capacity, codes)``, the index a full checkpoint saved with
+        these rows (every row of the table, in order; ``HashIndex.install_table``). Into
+        an otherwise empty table it becomes the index, no key hashed (placing the keys
+        was ~70% of a restore's time at 4M rows), once a sample of the keys is found at
+        its rows; else the keys are placed as usual."""
         r0, n = int(r0), int(n)
         reserved = n if reserved is None else int(reserved)
         with self._lock:
@@ -1549,15 +1574,39 @@ class EmbeddingTable:
                 self._bulk_mark = None
                 return self._load_present(keys, rows)
             seq = self.sequence.next()
-            dead = self._index.place_rows(self._row_key[r0:r0 + n], r0)
+            if saved_index is not None and self._install_index(r0, n, saved_index):
+                dead = np.empty(0, dtype=np.int64)
+            else:
+                dead = self._index.place_rows(self._row_key[r0:r0 + n], r0)
             self._row_seq[r0:r0 + n] = seq
             if self._row_step is not None:  # a restored row starts a fresh lease
                 self._row_step[r0:r0 + n] = self._clock
             if dead.size:
                 self._release(dead)
-            self._log_write(seq, np.arange(r0, r0 + n, dtype=np.int64))
+            self._log_range(seq, r0, n)
             self._bulk_mark = (self._hwm, self.sequence.value)
             return seq
+
+    INDEX_SAMPLE = 1024  # keys of an installed index looked up before it is trusted
+
+    def _install_index(self, r0: int, n: int, saved: tuple) -> bool:
+        """Under the lock (:meth:`commit_load`): install a saved index for rows ``[r0, r0
+        + n)``, the table's only rows. False (the index as it was) if the table has
+        other rows, the saved index does not fit, or a sample of keys is not found at
+        its rows (a checkpoint of another hash layout)."""
+        capacity, codes = saved
+        idx = self._index
+        if len(idx) or idx.growing or self._reserved or self._nfree or self._hwm != r0 + n:
+            return False
+        if idx.install_table(capacity, codes, r0, n):
+            at = np.unique(np.linspace(0, n - 1, min(n, self.INDEX_SAMPLE)).astype(np.int64))
+            if np.array_equal(idx.find(self._row_key.take(at + r0)), at + r0):
+                return True
+            log.warning("table '%s': the index saved with the checkpoint does not find "
+                        "its keys; placing them instead", self.name)
+        idx.clear()  # empty again, sized for the keys to be placed
+        idx.size_for(max(n, self._arena.shape[0]))
+        return False
 
     def _bulk_load(self, keys: np.ndarray, parts: list) -> int:
         """Rows ``parts`` to new consecutive arena rows, keys placed in bulk."""
@@ -1579,7 +1628,7 @@ class EmbeddingTable:
             self._row_step[r0:r0 + n] = self._clock
         if dead.size:  # earlier copies of keys loaded again (the later copy won)
             self._release(dead)
-        self._log_write(seq, np.arange(r0, r0 + n, dtype=np.int64))
+        self._log_range(seq, r0, n)
         self._bulk_mark = (self._hwm, self.sequence.value)
         return seq
 
@@ -2154,7 +2203,7 @@ class EmbeddingTable:
 
     def scan_by_slot(self, row_start: int, max_rows: int, num_slots: int,
                      slot_mask: np.ndarray | None = None, out: np.ndarray | None = None,
-                     stage: np.ndarray | None = None):
+                     stage: np.ndarray | None = None, arena_rows: bool = False):
         """Like :meth:`scan_live`, with the counts as their own column (checkpoint format
         4): the slice's live rows (of the slots set in ``slot_mask``, if given) sorted by
         routing slot (stable) and gathered in that order from the arena under the lock
@@ -2173,6 +2222,9 @@ class EmbeddingTable:
         touch, in random order); the same gather from a 2 MB copy that was just made
         hits it (sort + gather of 4M rows in 16k-row slices, alone: 113-166 -> 64-87 ms
         of CPU), and the lock is held for sequential copies only.
+
+        ``arena_rows``: also returns the returned rows' arena row ids (int64), a sixth
+        element (a checkpoint saving the index looks their positions up at its end).
         """
         def fits(b, n):
             return (b is not None and not self._fp16 and b.dtype == np.float32
@@ -2196,7 +2248,8 @@ class EmbeddingTable:
             rows = out[:at.size]
             stage.view(self._row_dtype).reshape(-1).take(
                 at, out=rows.view(self._row_dtype).reshape(-1), mode="clip")
-            return keys.take(order), rows, counts.take(at), slots.take(order), nxt
+            got = (keys.take(order), rows, counts.take(at), slots.take(order), nxt)
+            return (*got, at + start) if arena_rows else got
         with self._lock:
             stop = min(self._hwm, int(row_start) + int(max_rows))
             start = min(int(row_start), stop)
@@ -2218,8 +2271,35 @@ class EmbeddingTable:
                                    mode="clip")
             else:  # no buffer, or one that does not fit (a reconfigured table)
                 rows = self._gather_rows(rows_at)
-            return (keys.take(order), rows, self._row_count.take(rows_at), slots.take(order),
-                    (stop if stop < self._hwm else None))
+            got = (keys.take(order), rows, self._row_count.take(rows_at), slots.take(order),
+                   (stop if stop < self._hwm else None))
+            return (*got, rows_at) if arena_rows else got
+
+    # -- an index saved with a full checkpoint ------------------------------------------
+    def index_checkpoint_begin(self) -> dict | None:
+        """Start saving the index with a full checkpoint (``checkpoint.writer``): a token
+        naming the index, its ``layout`` count and capacity. None where it cannot be
+        saved (a segment, a growth under way, float16 rows)."""
+        with self._lock:
+            idx = self._index
+            if self._seg is not None or idx.growing or self._fp16:
+                return None
+            return {"index": idx, "layout": idx.layout, "capacity": idx.capacity,
+                    "rows": self._hwm}
+
+    def index_checkpoint_table(self, token: dict) -> np.ndarray | None:
+        """The index's table (int32 [capacity] codes: 0 empty, -1 deleted, row + 1) if
+        its layout held since :meth:`index_checkpoint_begin`, else None. Held layout: no
+        position was removed, moved or re-assigned, so a row's position seen at any time
+        since still holds, no key was scanned twice and no position a written row's
+        probe chain passed has become empty. The table is read without the lock; the
+        caller asks again once it has read it, and keeps what it read only if the
+        answer is the same."""
+        with self._lock:
+            idx = self._index
+            if idx is not token["index"] or idx.layout != token["layout"] or idx.growing:
+                return None
+            return idx._tab
 
     def export_keys(self, keys, with_counts: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Full rows (value + slots [+ count]) of those ``keys`` that exist: ``(keys, rows)``."""

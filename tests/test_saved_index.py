@@ -1,0 +1,293 @@
+"""The hash index saved with a full checkpoint (``checkpoint.writer._SavedIndex``) and
+installed by a restore instead of placing every key (``EmbeddingTable.commit_load``):
+the restored table equals the written one and serves like any table; writes during the
+checkpoint's scan leave a usable index or none; a missing, corrupt or foreign index file
+only costs the restore its speed."""
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+import checkpoint.writer as cw
+from checkpoint import CheckpointWriter, restore
+from deeprec_ext.store import EmbeddingStore
+from deeprec_ext.store.hash_index import HashIndex
+
+I64 = np.iinfo(np.int64)
+OPT = {"name": "adagrad", "learning_rate": 0.1}
+
+
+def _keys(rng, n):
+    return rng.integers(I64.min, I64.max, size=n, dtype=np.int64, endpoint=True)
+
+
+def _store(rng, n=40_000, dim=4):
+    s = EmbeddingStore()
+    t = s.create_table("emb", dim, optimizer=OPT)
+    keys = _keys(rng, n)
+    t.apply_gradients(keys, rng.normal(size=(n, dim)).astype(np.float32))
+    return s, t, keys
+
+
+def _rows(t):
+    k, r, _ = t.export_rows(with_counts=True)
+    o = np.argsort(k)
+    return k[o], r[o].view(np.uint32)
+
+
+def _same(a, b):
+    ka, ra = _rows(a)
+    kb, rb = _rows(b)
+    np.testing.assert_array_equal(ka, kb)
+    np.testing.assert_array_equal(ra, rb)
+
+
+def _manifest(root, ckpt_id=1, kind="full"):
+    return json.loads((root / f"ckpt-{ckpt_id:08d}-{kind}" / "manifest.json").read_text())
+
+
+def _index_entry(root, ckpt_id=1):
+    (e,) = [e for e in _manifest(root, ckpt_id)["files"] if e["type"] == "rows"]
+    return e.get("index")
+
+
+@pytest.fixture
+def placements(monkeypatch):
+    """Counts the keys the restore places by hashing (HashIndex.place_rows)."""
+    placed = []
+    real = HashIndex.place_rows
+
+    def spy(self, keys, *a, **kw):
+        placed.append(len(keys))
+        return real(self, keys, *a, **kw)
+
+    monkeypatch.setattr(HashIndex, "place_rows", spy)
+    return placed
+
+
+def _restored(root):
+    s = EmbeddingStore()
+    restore(root, s)
+    return s, s.get("emb")
+
+
+def test_a_restore_installs_the_saved_index_and_the_table_serves(tmp_path, placements):
+    """Deleted keys before the checkpoint leave tombstones the saved index keeps; the
+    restore hashes no key, and the table then equals the written one, finds every key,
+    and takes lookups of new keys, pushes and deletes as the original does."""
+    rng = np.random.default_rng(1)
+    s, t, keys = _store(rng)
+    t.delete(keys[:3000])  # tombstones in the index
+    w = CheckpointWriter(tmp_path, 1, "full")
+    w.write_table("ps-0", t)
+    w.commit()
+    ix = _index_entry(tmp_path)
+    assert ix and ix["rows"] == len(t) and ix["capacity"] == t._index.capacity
+    s2, t2 = _restored(tmp_path)
+    assert placements == []  # no key hashed and placed
+    assert len(t2) == len(t) and t2._index.num_deleted == t._index.num_deleted > 0
+    _same(t, t2)
+    live = keys[3000:]
+    assert (t2._index.find(live) >= 0).all() and (t2._index.find(keys[:3000]) < 0).all()
+    new = _keys(rng, 5000)
+    for table in (t, t2):  # new keys (through the tombstones), updates, deletes
+        table.lookup(new)
+        table.apply_gradients(np.concatenate([live[:2000], new[:100]]),
+                              np.ones((2100, 4), np.float32))
+        table.delete(live[2000:4000])
+    _same(t, t2)
+
+
+def test_keys_inserted_during_the_scan_are_tombstones_and_the_next_incremental_adds_them(
+        tmp_path, placements):
+    """Lookups of new keys between the scan's slices (a PS serving while it writes) keep
+    the index's layout, and the index is saved. Rows freed before the checkpoint and
+    reused then, behind the scan, are not written: their positions are saved as
+    tombstones, so every written key's probe chain holds. The restored full finds each
+    of its keys; the next incremental brings the rest."""
+    import checkpoint
+    rng = np.random.default_rng(2)
+    s, t, keys = _store(rng, n=60_000)
+    t.delete(keys[:20_000])  # free rows, reused by the lookups below
+    w = CheckpointWriter(tmp_path, 1, "full")
+    real = t.scan_by_slot
+    calls = [0]
+    new = _keys(rng, 4000)
+
+    def serving_scan(*a, **k):
+        calls[0] += 1
+        if calls[0] in (2, 3):
+            t.lookup(new[(calls[0] - 2) * 2000:(calls[0] - 1) * 2000])
+        return real(*a, **k)
+
+    t.scan_by_slot = serving_scan
+    cut = w.write_table("ps-0", t)["cut_seq"]
+    del t.scan_by_slot
+    w.commit()
+    ix = _index_entry(tmp_path)
+    assert calls[0] > 3 and ix and ix["rows"] < len(t)  # some new keys not written
+    full = checkpoint.load(tmp_path / "ckpt-00000001-full").tables["emb"].ids
+    s1 = EmbeddingStore()
+    restore(tmp_path, s1, upto=1, exact=True)
+    t1 = s1.get("emb")
+    assert placements == [] and len(t1) == full.size
+    assert (t1._index.find(full) >= 0).all()  # no chain broken by a key not written
+    w = CheckpointWriter(tmp_path, 2, "incr", parent=1)
+    w.write_table("ps-0", t, since_seq=cut)
+    w.commit()
+    s2, t2 = _restored(tmp_path)
+    _same(t, t2)
+    assert (t2._index.find(new) >= 0).all()
+
+
+@pytest.mark.parametrize("change", ["delete", "growth"])
+def test_a_layout_change_during_the_scan_saves_no_index_and_the_restore_places_keys(
+        tmp_path, placements, change):
+    """A key removed (its row may be scanned twice) or the index grown (every position
+    moves) during the scan: the checkpoint names no index and leaves no index file; the
+    restore places the keys and equals the table."""
+    rng = np.random.default_rng(3)
+    s, t, keys = _store(rng, n=60_000)
+    w = CheckpointWriter(tmp_path, 1, "full")
+    real = t.scan_by_slot
+    calls = [0]
+
+    def busy_scan(*a, **k):
+        calls[0] += 1
+        if calls[0] == 2:
+            if change == "delete":
+                t.delete(keys[:10])
+            else:
+                t.lookup(_keys(rng, t._index.capacity // 2))  # past load 1/2: it grows
+        return real(*a, **k)
+
+    t.scan_by_slot = busy_scan
+    cut = w.write_table("ps-0", t)["cut_seq"]
+    del t.scan_by_slot
+    w.commit()
+    assert calls[0] > 2
+    assert _index_entry(tmp_path) is None
+    assert not list(tmp_path.glob("ckpt-*/*.index"))
+    w = CheckpointWriter(tmp_path, 2, "incr", parent=1)
+    w.write_table("ps-0", t, since_seq=cut)
+    w.commit()
+    s2, t2 = _restored(tmp_path)
+    assert sum(placements) >= len(t) - 10_000 // 2 and placements
+    _same(t, t2)
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt", "short", "seed"])
+def test_a_bad_index_file_costs_only_speed(tmp_path, placements, caplog, damage):
+    """An index file missing, with a flipped byte, truncated, or of another probe hash:
+    the restore warns (not for another hash: nothing is wrong there), places the keys
+    and restores every row exactly."""
+    rng = np.random.default_rng(4)
+    s, t, keys = _store(rng, n=20_000)
+    w = CheckpointWriter(tmp_path, 1, "full")
+    w.write_table("ps-0", t)
+    w.commit()
+    (path,) = tmp_path.glob("ckpt-*/*.index")
+    if damage == "missing":
+        path.unlink()
+    elif damage == "corrupt":
+        blob = bytearray(path.read_bytes())
+        blob[len(blob) // 2] ^= 0x40
+        path.write_bytes(bytes(blob))
+    elif damage == "short":
+        path.write_bytes(path.read_bytes()[:-4])
+    else:
+        import deeprec_ext.store.hash_index as hi
+        import checkpoint.reader as rd
+        pytest.MonkeyPatch().setattr(rd, "PROBE_SEED", hi.PROBE_SEED + 1)
+    with caplog.at_level(logging.WARNING, logger="checkpoint"):
+        s2, t2 = _restored(tmp_path)
+    if damage == "seed":
+        import checkpoint.reader as rd
+        import deeprec_ext.store.hash_index as hi
+        rd.PROBE_SEED = hi.PROBE_SEED
+    warned = [r.getMessage() for r in caplog.records if "not used" in r.getMessage()]
+    assert (warned == []) == (damage == "seed"), warned
+    assert sum(placements) == len(t)
+    _same(t, t2)
+
+
+def test_an_index_that_does_not_find_its_keys_is_not_trusted(tmp_path, placements, caplog):
+    """A saved index whose positions do not match the keys' probes (written by another
+    hash, say): the sample lookup catches it, the keys are placed, the table is exact."""
+    rng = np.random.default_rng(5)
+    s, t, keys = _store(rng, n=20_000)
+    w = CheckpointWriter(tmp_path, 1, "full")
+    w.write_table("ps-0", t)
+    w.commit()
+    import checkpoint.reader as rd
+    real = rd._read_saved_index
+
+    def shuffled(c, e, rows):
+        cap, codes = real(c, e, rows)
+        return cap, np.roll(codes, 7)  # every key 7 positions off its probe chain
+    rd._read_saved_index = shuffled
+    try:
+        with caplog.at_level(logging.WARNING):
+            s2, t2 = _restored(tmp_path)
+    finally:
+        rd._read_saved_index = real
+    assert any("does not find its keys" in r.getMessage() for r in caplog.records)
+    assert sum(placements) == len(t)
+    _same(t, t2)
+    assert (t2._index.find(keys) >= 0).all()
+
+
+def test_no_index_where_it_cannot_be_used(tmp_path, placements):
+    """A partial (slot mask) checkpoint, an incremental and a writer with the index off
+    name none; a restore onto fewer slots, or into a table with rows, places keys."""
+    rng = np.random.default_rng(6)
+    s, t, keys = _store(rng, n=20_000)
+    mask = np.zeros(4096, bool)
+    mask[::2] = True
+    w = CheckpointWriter(tmp_path / "a", 1, "full", num_slots=4096)
+    cut = w.write_table("ps-0", t, slot_mask=mask)["cut_seq"]
+    w.commit()
+    assert _index_entry(tmp_path / "a") is None
+    w = CheckpointWriter(tmp_path / "a", 2, "incr", parent=1, num_slots=4096)
+    w.write_table("ps-0", t, since_seq=cut, slot_mask=mask)
+    w.commit()
+    (e,) = [e for e in _manifest(tmp_path / "a", 2, "incr")["files"] if e["type"] == "rows"]
+    assert "index" not in e
+    cw.SAVE_INDEX = False
+    try:
+        w = CheckpointWriter(tmp_path / "b", 1, "full")
+        w.write_table("ps-0", t)
+        w.commit()
+    finally:
+        cw.SAVE_INDEX = True
+    assert _index_entry(tmp_path / "b") is None
+    # a saved index, restored onto half the slots: keys placed, the half exact
+    w = CheckpointWriter(tmp_path / "c", 1, "full", num_slots=4096)
+    w.write_table("ps-0", t)
+    w.commit()
+    assert _index_entry(tmp_path / "c")
+    s2 = EmbeddingStore()
+    restore(tmp_path / "c", s2, slot_mask=mask)
+    assert placements and 0 < len(s2.get("emb")) < len(t)
+
+
+def test_install_table_refuses_what_does_not_fit():
+    idx = HashIndex(64)
+    ok = np.zeros(64, np.int32)
+    ok[[3, 9]] = [1, 2]
+    assert not idx.install_table(63, ok[:63], 0, 2)  # not a power of two
+    assert not idx.install_table(64, ok.astype(np.int64), 0, 2)  # not int32 codes
+    assert not idx.install_table(64, ok, 0, 3)  # not the row count
+    crowded = np.arange(1, 65, dtype=np.int32)
+    assert not idx.install_table(64, crowded, 0, 64)  # load over 1/2
+    gap = ok.copy()
+    gap[9] = 3  # rows 1 and 3: row 2 missing
+    assert not idx.install_table(64, gap, 0, 2)
+    assert len(idx) == 0 and idx.capacity == 64
+    assert idx.install_table(64, ok.copy(), 10, 2)  # rows 10, 11
+    assert len(idx) == 2 and sorted(idx._tab[idx._tab > 0].tolist()) == [11, 12]
+    with pytest.raises(RuntimeError, match="empty index"):
+        idx.install_table(64, ok.copy(), 0, 2)
