@@ -1022,7 +1022,8 @@ def _saved_index_plan(c: Checkpoint, plan: _Plan, name: str, into) -> dict | Non
     if not into:
         return None
     files = [(e, sel) for cc, e, sel in plan.items
-             if cc is c and e.get("type") == "rows" and e.get("table") == name]
+             if cc is c and e.get("type") == "rows" and e.get("table") == name
+             and any(kind == KIND_ROWS for _, kind, _ in sel)]
     if len(files) != 1 or not isinstance(files[0][0].get("index"), dict):
         return None
     e, sel = files[0]

@@ -189,8 +189,9 @@ class _SavedIndex:
     the index's table is translated through it, slice by slice. It holds for the restored table if the
     index neither removed, moved nor re-assigned a position since the scan began
     (``HashIndex.layout``, checked before and after the translation): a key inserted
-    meanwhile only adds an occupied position, saved as a tombstone. Otherwise the file
-    is removed and the manifest names none: a restore then places the keys."""
+    meanwhile only adds an occupied position, saved as a tombstone, and so do the rows a
+    slot mask leaves out (a PS holding rows of slots it no longer owns). Otherwise the
+    file is removed and the manifest names none: a restore then places the keys."""
 
     SLICE = 1 << 20  # positions translated and written at a time
 
@@ -697,8 +698,7 @@ class CheckpointWriter:
             # a table serving a promoted replica as a segment (until its background
             # merge ends) has rows outside its arena: the plan covers both
             if self.kind == "full" and self.version >= 3 and not table.segment_rows:
-                if slot_mask is None and self.version >= 4 and info.get("counts") \
-                        and SAVE_INDEX:
+                if self.version >= 4 and info.get("counts") and SAVE_INDEX:
                     saved = _SavedIndex(self.dir / (fname[:-len(".rows")] + ".index"),
                                         table)
                     self._created_files.append(saved.path)

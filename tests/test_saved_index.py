@@ -240,19 +240,59 @@ def test_an_index_that_does_not_find_its_keys_is_not_trusted(tmp_path, placement
     assert (t2._index.find(keys) >= 0).all()
 
 
-def test_no_index_where_it_cannot_be_used(tmp_path, placements):
-    """A partial (slot mask) checkpoint, an incremental and a writer with the index off
-    name none; a restore onto fewer slots, or into a table with rows, places keys."""
+def test_each_ps_of_a_job_restores_its_part_with_its_index(tmp_path, placements):
+    """As PS write: two tables owning half the slots each (one also holding rows of the
+    other half, as after a migration round) write with their slot masks; the rows the
+    mask leaves out are tombstones in the saved index. Each restores its half with the
+    same mask from its own file and index, hashing no key; restored onto other slots,
+    keys are placed. Rows equal throughout."""
+    from deeprec_ext.hashing import slot_of
     rng = np.random.default_rng(6)
-    s, t, keys = _store(rng, n=20_000)
-    mask = np.zeros(4096, bool)
-    mask[::2] = True
-    w = CheckpointWriter(tmp_path / "a", 1, "full", num_slots=4096)
-    cut = w.write_table("ps-0", t, slot_mask=mask)["cut_seq"]
+    s, t, keys = _store(rng, n=40_000)
+    slots = slot_of(keys, 4096)
+    mine = np.zeros(4096, bool)
+    mine[:2048] = True
+    parts = []
+    for i, mask in enumerate((mine, ~mine)):
+        si = EmbeddingStore()
+        ti = si.create_table("emb", 4, optimizer=OPT)
+        held = keys if i == 0 else keys[~mine[slots]]  # ps-0 also holds ps-1's rows
+        ti.import_rows(*t.export_keys(held, with_counts=True))
+        parts.append((ti, mask))
+    w = CheckpointWriter(tmp_path, 1, "full", num_slots=4096)
+    for i, (ti, mask) in enumerate(parts):
+        w.write_table(f"ps-{i}", ti, slot_mask=mask)
     w.commit()
-    assert _index_entry(tmp_path / "a") is None
-    w = CheckpointWriter(tmp_path / "a", 2, "incr", parent=1, num_slots=4096)
-    w.write_table("ps-0", t, since_seq=cut, slot_mask=mask)
+    files = [e for e in _manifest(tmp_path)["files"] if e["type"] == "rows"]
+    assert all(e.get("index") for e in files)
+    for i, (ti, mask) in enumerate(parts):
+        s2 = EmbeddingStore()
+        restore(tmp_path, s2, slot_mask=mask)
+        t2 = s2.get("emb")
+        want = keys[mask[slots]]
+        assert len(t2) == want.size and (t2._index.find(want) >= 0).all()
+        np.testing.assert_array_equal(t2.lookup(want, insert_missing=False),
+                                      t.lookup(want, insert_missing=False))
+        # ps-0's rows of ps-1's slots: tombstones in its restored index, not keys
+        assert t2._index.num_deleted == (int((~mask[slots]).sum()) if i == 0 else 0)
+    assert placements == []
+    other = np.zeros(4096, bool)
+    other[1024:3072] = True  # half of each PS's slots: both files, keys placed
+    s3 = EmbeddingStore()
+    restore(tmp_path, s3, slot_mask=other)
+    assert placements and len(s3.get("emb")) == int(other[slots].sum())
+
+
+def test_no_index_where_it_cannot_be_used(tmp_path, placements):
+    """An incremental and a writer with the index off name none."""
+    rng = np.random.default_rng(7)
+    s, t, keys = _store(rng, n=20_000)
+    w = CheckpointWriter(tmp_path / "a", 1, "full")
+    cut = w.write_table("ps-0", t)["cut_seq"]
+    w.commit()
+    t.apply_gradients(keys[:100], np.ones((100, 4), np.float32))
+    w = CheckpointWriter(tmp_path / "a", 2, "incr", parent=1)
+    w.write_table("ps-0", t, since_seq=cut)
     w.commit()
     (e,) = [e for e in _manifest(tmp_path / "a", 2, "incr")["files"] if e["type"] == "rows"]
     assert "index" not in e
@@ -264,14 +304,9 @@ def test_no_index_where_it_cannot_be_used(tmp_path, placements):
     finally:
         cw.SAVE_INDEX = True
     assert _index_entry(tmp_path / "b") is None
-    # a saved index, restored onto half the slots: keys placed, the half exact
-    w = CheckpointWriter(tmp_path / "c", 1, "full", num_slots=4096)
-    w.write_table("ps-0", t)
-    w.commit()
-    assert _index_entry(tmp_path / "c")
-    s2 = EmbeddingStore()
-    restore(tmp_path / "c", s2, slot_mask=mask)
-    assert placements and 0 < len(s2.get("emb")) < len(t)
+    s2, t2 = _restored(tmp_path / "b")
+    assert sum(placements) == len(t)
+    _same(t, t2)
 
 
 def test_install_table_refuses_what_does_not_fit():
