@@ -184,64 +184,102 @@ class _SavedIndex:
     and placing every key, the larger part of a restore's CPU. 4 bytes per position:
     8-16 per row, beside the rows' 8 + 4 x (row width + 1).
 
-    While the scan writes rows, the arena row of each is kept, in file order (4 bytes
-    per row while the checkpoint runs). At the end they number a map by arena row, and
-    the index's table is translated through it, slice by slice. It holds for the restored table if the
+    As the scan emits chunks, their rows are numbered in file order in a map by arena
+    row (4 bytes per row while the checkpoint runs). Once the last chunk is out, a
+    thread translates the index's table through it, slice by slice, and writes it
+    beside the rows file's last writes and fsync. It holds for the restored table if the
     index neither removed, moved nor re-assigned a position since the scan began
     (``HashIndex.layout``, checked before and after the translation): a key inserted
     meanwhile only adds an occupied position, saved as a tombstone, and so do the rows a
     slot mask leaves out (a PS holding rows of slots it no longer owns). Otherwise the
     file is removed and the manifest names none: a restore then places the keys."""
 
-    SLICE = 1 << 20  # positions translated and written at a time
+    SLICE = 1 << 18  # positions translated and written (rows placed) at a time
 
     def __init__(self, path: Path, table: EmbeddingTable):
         self.path = path
         self.table = table
         self.token = table.index_checkpoint_begin()
-        self.pieces = []  # arena rows of the written rows, in file order (int32)
+        # code -> saved code, indexed by code + 1: deleted (-1) -> -1, empty (0) -> 0, row
+        # r's code r + 1 -> its file row + 1, or -1 (a tombstone) for a row not written;
+        # codes past the end (rows added after the scan) clip to the last entry, -1
+        self.lut = None
+        if self.token is not None:
+            self.lut = np.full(self.token["rows"] + 3, -1, dtype=np.int32)
+            self.lut[1] = 0
         self.rows = 0
+        self.thread = None
+        self.result = None
 
     @property
     def wanted(self) -> bool:
         return self.token is not None
 
     def add(self, pieces: list) -> None:
-        """The arena rows (int64) of one chunk's rows, its pieces in order."""
-        if self.token is not None:
-            self.pieces += [a.astype(np.int32) for a in pieces]
+        """The arena rows (int64) of one chunk's rows, its pieces in order: numbered as
+        the file's next rows (one scatter per chunk, local to the slices it came from)."""
+        if self.token is None:
+            return
+        rows = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+        if not rows.size:
+            return
+        top = int(rows.max()) + 3
+        if top >= self.lut.size:  # rows added to the arena during the scan
+            grown = np.full(max(top + 1, 2 * self.lut.size), -1, dtype=np.int32)
+            grown[:self.lut.size] = self.lut
+            self.lut = grown
+        self.lut[rows + 2] = np.arange(self.rows + 1, self.rows + rows.size + 1,
+                                       dtype=np.int32)
+        self.rows += int(rows.size)
 
-    def finish(self, sync: bool) -> dict | None:
-        """After the rows file: write this file and return the manifest entry's
-        ``index`` field, or None (no file) when the index's layout changed."""
+    def start(self) -> None:
+        """The scan has emitted its last chunk: translate and write the index on a thread
+        of its own, beside the rows file's last writes and its fsync (I/O waits)."""
+        if self.token is not None and self.thread is None:
+            self.thread = threading.Thread(target=self._write, name="ckpt-index",
+                                           daemon=True)
+            self.thread.start()
+
+    def finish(self) -> dict | None:
+        """After the rows file: the manifest entry's ``index`` field, or None (no file)
+        when the index's layout changed. Raises what writing the file raised."""
+        self.start()
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if isinstance(self.result, BaseException):
+            raise self.result
+        return self.result
+
+    def _write(self) -> None:
+        try:
+            self.result = self._translate()
+        except BaseException as exc:  # noqa: BLE001 - raised by finish() on the writer's thread
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+            self.result = exc
+
+    def _translate(self) -> dict | None:
         token, self.token = self.token, None
-        pieces, self.pieces = self.pieces, []
+        lut, self.lut = self.lut, None
         tab = self.table.index_checkpoint_table(token) if token is not None else None
         if tab is None:
             return None
-        rows = np.concatenate(pieces) if pieces else np.empty(0, np.int32)
-        del pieces
-        self.rows = int(rows.size)
-        # code -> saved code, indexed by code + 1: deleted (-1) -> -1, empty (0) -> 0, row
-        # r's code r + 1 -> its file row + 1, or -1 (a tombstone) for a row not written;
-        # codes past the end (rows added after this) clip to the last entry, -1
-        size = max(int(rows.max()) + 1 if rows.size else 0, int(token["rows"])) + 3
-        lut = np.full(size, -1, dtype=np.int32)
-        lut[1] = 0
-        rows += 2
-        lut[rows] = np.arange(1, rows.size + 1, dtype=np.int32)  # one scatter
-        del rows
         crc, full = 0, 0
+        at = np.empty(min(self.SLICE, tab.size), dtype=np.int32)
+        out = np.empty_like(at)
+        # no fsync: the file is checked (size, crc32c) before a restore uses it, and a
+        # checkpoint is complete without it
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             for lo in range(0, tab.size, self.SLICE):
-                at = tab[lo:lo + self.SLICE] + np.int32(1)
-                out = lut.take(at, mode="clip")
-                full += int(np.count_nonzero(out > 0))
-                crc = crc32c(out, crc)
-                _write_all(fd, [out])
-            if sync:
-                os.fsync(fd)
+                part = tab[lo:lo + self.SLICE]
+                a, o = at[:part.size], out[:part.size]
+                np.add(part, np.int32(1), out=a)
+                lut.take(a, mode="clip", out=o)
+                full += int(np.count_nonzero(o > 0))
+                crc = crc32c(o, crc)
+                _write_all(fd, [o])
         finally:
             os.close(fd)
         # every written row is at a full position (no key removed), once
@@ -253,7 +291,10 @@ class _SavedIndex:
 
     def close(self) -> None:
         """The write failed or was cancelled: keep nothing."""
-        self.token, self.pieces = None, []
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        self.token = self.lut = None
 
 
 class _Probe:
@@ -716,7 +757,7 @@ class CheckpointWriter:
             expect = expect * (8 + 4 * (info["row_width"] + 1)) + 8 * int(tomb.size)
             entry = self._write_data_file(path, name, (*chunks, rows_chunks), expect)
             if saved is not None:
-                kept = saved.finish(self.sync)
+                kept = saved.finish()
                 if kept is not None:
                     self._publish(saved.path)
                     entry["index"] = kept
@@ -879,6 +920,8 @@ class CheckpointWriter:
         for b in range(nb):
             if count[b]:
                 yield emit(b)
+        if saved is not None:  # every chunk emitted: the index's file meanwhile
+            saved.start()
 
     def _write_data_file(self, path: Path, name: str, parts, expect: int = 0) -> dict:
         """Write chunks given by ``parts`` (iterables of (kind, keys, rows, slot_lo,
