@@ -56,6 +56,11 @@ def _print_report(rep: dict, out) -> None:
         for c in bad:
             for p in c["problems"]:
                 print(f"  {p}", file=out)
+    notes = [n for c in cks for n in c.get("notes", [])]
+    if notes:
+        print("notes (the checkpoints are complete without these):", file=out)
+        for n in notes:
+            print(f"  {n}", file=out)
     print(f"result: {len(cks)} checkpoint(s), {len(bad)} invalid; newest restorable: "
           f"{_id(rep['newest']) if rep['newest'] is not None else 'none'}", file=out)
 

@@ -160,6 +160,7 @@ class Checkpoint:
     problems: list = field(default_factory=list)
     level: str | None = None          # how deeply it has been verified
     verified_chunks: set = field(default_factory=set)  # (file, chunk#) checked (restore)
+    notes: list = field(default_factory=list)  # findings that do not make it invalid
 
     @property
     def name(self) -> str:
@@ -185,7 +186,9 @@ class Checkpoint:
                 "tables": sorted(m.get("tables", {})), "rows": tot.get("rows"),
                 "tombstones": tot.get("tombstones"), "bytes": tot.get("bytes"),
                 "files": len(m.get("files", [])), "num_slots": m.get("num_slots"),
-                "valid": self.valid, "problems": list(self.problems)}
+                "valid": self.valid, "problems": list(self.problems),
+                "indexes": sum(1 for e in m.get("files", []) if e.get("index")),
+                "notes": list(self.notes)}
 
 
 @dataclass
@@ -408,6 +411,12 @@ def _verify_checkpoint(c: Checkpoint, level: str, pool=None, cached: bool = Fals
                 c.problems.append(str(err))
             except OSError as err:
                 c.problems.append(f"{c.name}/{e['path']}: {err}")
+            if isinstance(e.get("index"), dict):  # optional: a bad one is a note
+                try:
+                    _check_saved_index(c, e, e.get("rows"))
+                except (OSError, KeyError, TypeError, ValueError) as err:
+                    c.notes.append(f"{c.name}/{e['path']}: saved index not usable ({err}); "
+                                   "restores place the keys instead")
         c.level = "full"
 
 
@@ -1039,29 +1048,39 @@ def _saved_index_plan(c: Checkpoint, plan: _Plan, name: str, into) -> dict | Non
     return {"entry": e, "r0": r0, "total": at - r0, "done": 0}
 
 
+def _check_saved_index(c: Checkpoint, e: dict, rows) -> np.ndarray | None:
+    """The codes of the index saved beside rows file ``e`` (``HashIndex.install_table``),
+    checked: size, crc32c, the row count. None if it was written with another probe
+    hash (not usable, nothing wrong); raises ValueError, OSError or KeyError if bad."""
+    ix = e["index"]
+    cap, n, size = int(ix["capacity"]), int(ix["rows"]), int(ix["size"])
+    name = str(ix["path"])
+    if "/" in name or name.startswith(".") or n != rows or cap < 1 or size != 4 * cap:
+        raise ValueError(f"entry {ix} does not match {rows} rows")
+    codes = np.fromfile(c.path / name, dtype="<i4")
+    if codes.nbytes != size:
+        raise ValueError(f"{codes.nbytes} bytes, the manifest says {size}")
+    if crc32c(codes) != int(ix["crc32c"]):
+        raise ValueError("crc32c mismatch (corrupt data)")
+    if ix.get("probe_seed") != PROBE_SEED:
+        return None
+    return codes.astype(np.int32, copy=False)
+
+
 def _read_saved_index(c: Checkpoint, e: dict, rows: int):
     """The index saved beside rows file ``e`` (``(capacity, codes)``, see
-    ``HashIndex.install_table``), checked (size, crc32c, the probe hash, the row count);
-    None with a warning if it is missing or does not check: the restore then places the
-    keys, as it would without it."""
-    ix = e["index"]
+    ``HashIndex.install_table``), checked (:func:`_check_saved_index`); None with a
+    warning if it is missing or does not check: the restore then places the keys, as it
+    would without it."""
+    if e["index"].get("probe_seed") != PROBE_SEED:
+        return None  # another hash layout: nothing wrong, just not usable
     try:
-        cap, n, size = int(ix["capacity"]), int(ix["rows"]), int(ix["size"])
-        name = str(ix["path"])
-        if ix.get("probe_seed") != PROBE_SEED:
-            return None  # another hash layout: nothing wrong, just not usable
-        if "/" in name or name.startswith(".") or n != rows or cap < 1 or size != 4 * cap:
-            raise ValueError(f"entry {ix} does not match {rows} rows")
-        codes = np.fromfile(c.path / name, dtype="<i4")
-        if codes.nbytes != size:
-            raise ValueError(f"{codes.nbytes} bytes, the manifest says {size}")
-        if crc32c(codes) != int(ix["crc32c"]):
-            raise ValueError("crc32c mismatch (corrupt data)")
+        codes = _check_saved_index(c, e, rows)
     except (OSError, KeyError, TypeError, ValueError) as err:
         log.warning("checkpoint %s: index of %s not used (%s); placing its keys instead",
                     c.name, e.get("path"), err)
         return None
-    return cap, codes.astype(np.int32, copy=False)
+    return (codes.size, codes) if codes is not None else None
 
 
 def _apply(plan: _Plan, chain, sink, slot_mask):

@@ -326,3 +326,38 @@ def test_install_table_refuses_what_does_not_fit():
     assert len(idx) == 2 and sorted(idx._tab[idx._tab > 0].tolist()) == [11, 12]
     with pytest.raises(RuntimeError, match="empty index"):
         idx.install_table(64, ok.copy(), 0, 2)
+
+
+def test_inspect_checks_the_saved_index_and_a_bad_one_is_only_a_note(tmp_path):
+    """``python -m checkpoint inspect`` reads the index files too: a good one is counted,
+    a corrupt one is reported as a note naming its file, and the checkpoint stays valid
+    and restorable (exit 0)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root_dir = Path(__file__).resolve().parent.parent
+    rng = np.random.default_rng(8)
+    s, t, keys = _store(rng, n=5000)
+    w = CheckpointWriter(tmp_path, 1, "full")
+    w.write_table("ps-0", t)
+    w.commit()
+
+    def inspect(*extra):
+        out = subprocess.run([sys.executable, "-m", "checkpoint", "inspect", str(tmp_path),
+                              *extra], capture_output=True, text=True, timeout=120,
+                             cwd=root_dir)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    rep = json.loads(inspect("--json"))
+    (c,) = rep["checkpoints"]
+    assert c["valid"] and c["indexes"] == 1 and c["notes"] == []
+    (path,) = tmp_path.glob("ckpt-*/*.index")
+    blob = bytearray(path.read_bytes())
+    blob[100] ^= 1
+    path.write_bytes(bytes(blob))
+    text = inspect()
+    assert "notes" in text and "ps-0.emb.rows: saved index not usable (crc32c mismatch" in text
+    assert "0 invalid" in text
+    rep = json.loads(inspect("--json"))
+    assert rep["ok"] and rep["checkpoints"][0]["valid"] and len(rep["checkpoints"][0]["notes"]) == 1
