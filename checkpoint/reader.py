@@ -218,7 +218,8 @@ class RestoreInfo:
 
     ``checkpoint_id``/``chain``/``dir``: the checkpoint restored (head) and its chain,
     oldest first. ``tables``: per table, rows imported and deletions applied over the
-    chain (``live_rows`` for store targets). ``extra``: the head checkpoint's ``extra``.
+    chain (``live_rows`` for store targets; ``saved_index``: True where the index saved
+    with the full checkpoint became the table's, no key placed). ``extra``: the head checkpoint's ``extra``.
     ``dense``: the newest ``write_dense`` arrays along the chain. ``watermarks``: the
     head's per-(writer, table) cut_seq (of the writing processes, informational).
     ``skipped``: problems of the checkpoints passed over. ``sequence``: the target
@@ -1144,9 +1145,11 @@ def _apply(plan: _Plan, chain, sink, slot_mask):
                             stats[e["table"]]["rows"] += kept
                             si["done"] += n
                         if si["done"] == si["total"]:
-                            sink.store.get(e["table"]).commit_load(
+                            table = sink.store.get(e["table"])
+                            table.commit_load(
                                 si["r0"], si["total"],
                                 saved_index=_read_saved_index(c, si["entry"], si["total"]))
+                            stats[e["table"]]["saved_index"] = table.index_from_checkpoint
                         return
                     if fut.direct is not None:  # rows read into the table: live, in order
                         table = sink.store.get(e["table"])

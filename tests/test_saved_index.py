@@ -70,7 +70,9 @@ def placements(monkeypatch):
 
 def _restored(root):
     s = EmbeddingStore()
-    restore(root, s)
+    info = restore(root, s)
+    # the restore says whether the table's index came from the checkpoint
+    assert info.tables["emb"].get("saved_index", False) == s.get("emb").index_from_checkpoint
     return s, s.get("emb")
 
 
@@ -87,7 +89,7 @@ def test_a_restore_installs_the_saved_index_and_the_table_serves(tmp_path, place
     ix = _index_entry(tmp_path)
     assert ix and ix["rows"] == len(t) and ix["capacity"] == t._index.capacity
     s2, t2 = _restored(tmp_path)
-    assert placements == []  # no key hashed and placed
+    assert placements == [] and t2.index_from_checkpoint  # no key hashed and placed
     assert len(t2) == len(t) and t2._index.num_deleted == t._index.num_deleted > 0
     _same(t, t2)
     live = keys[3000:]

@@ -78,6 +78,22 @@ def test_warm_start_onto_3_ps_and_other_num_slots(day1, start_job):
     c.close()
 
 
+def test_warm_start_onto_the_same_layout_installs_each_ps_saved_index(day1, start_job):
+    """Day 2 on day 1's layout (2 PS, 4096 slots): each PS restores its part with the
+    hash index the full checkpoint saved for it (no key placed, says its log), and every
+    row arrives bit for bit."""
+    want = checkpoint.load(day1["path"]).tables["emb"]
+    job = start_job({"name": "day2-same", "ps": {"replicas": 2}, "init_from": day1["path"]},
+                    ["--workers", "0"])
+    c = PSClient.connect(job.address, timeout=60)
+    c.create_table("emb", 8, initializer=INIT, optimizer={"name": "adagrad", "learning_rate": 0.05})
+    got = c.lookup("emb", want.ids, insert_missing=False)
+    np.testing.assert_array_equal(got.view(np.uint32), want.values.view(np.uint32))
+    c.close()
+    logs = "".join(p.read_text(errors="replace") for p in (job.state_dir / "logs").glob("ps-*"))
+    assert logs.count("saved index installed: emb") == 2, logs[-3000:]
+
+
 def test_warm_start_reset_optimizer(day1, start_job):
     want = checkpoint.load(day1["path"]).tables["emb"]
     job = start_job({"name": "day2r", "ps": {"replicas": 1}, "init_from": day1["path"],

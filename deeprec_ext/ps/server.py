@@ -1050,8 +1050,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             self._configs.setdefault(name, table_spec.of_table(table))
         self._start_evictor()
         rows = sum(int(t.get("rows", 0)) for t in info.tables.values())
-        log.info("%s: restored %d rows of %d slots from checkpoint %d in %.2fs", self.ps_id,
-                 rows, int(mask.sum()), info.checkpoint_id, info.seconds)
+        saved = sorted(n for n, t in info.tables.items() if t.get("saved_index"))
+        log.info("%s: restored %d rows of %d slots from checkpoint %d in %.2fs (saved "
+                 "index installed: %s)", self.ps_id, rows, int(mask.sum()),
+                 info.checkpoint_id, info.seconds, ", ".join(saved) or "none")
         return ps_pb2.RestoreCheckpointResponse(rows=rows, bytes_read=info.bytes_read,
                                                 seconds=info.seconds)
 

@@ -506,6 +506,7 @@ class EmbeddingTable:
         self._bulk_mark = None  # (hwm, sequence) after a bulk load_rows batch
         self._reserved = 0  # rows reserved by reserve_load, not yet committed
         self._loads: list = []  # (first row, rows, the arrays handed out) per reservation
+        self.index_from_checkpoint = False  # the last commit_load installed a saved index
         self._free = np.empty(0, dtype=np.int64)  # stack of free row ids
         self._nfree = 0
         # (keys, rows, index, index version) of the last training lookups: a step pushes
@@ -1546,7 +1547,8 @@ class EmbeddingTable:
         these rows (every row of the table, in order; ``HashIndex.install_table``). Into
         an otherwise empty table it becomes the index, no key hashed (placing the keys
         was ~70% of a restore's time at 4M rows), once a sample of the keys is found at
-        its rows; else the keys are placed as usual."""
+        its rows; else the keys are placed as usual. ``index_from_checkpoint`` says which
+        (True: installed)."""
         r0, n = int(r0), int(n)
         reserved = n if reserved is None else int(reserved)
         with self._lock:
@@ -1574,7 +1576,9 @@ class EmbeddingTable:
                 self._bulk_mark = None
                 return self._load_present(keys, rows)
             seq = self.sequence.next()
-            if saved_index is not None and self._install_index(r0, n, saved_index):
+            self.index_from_checkpoint = (saved_index is not None
+                                          and self._install_index(r0, n, saved_index))
+            if self.index_from_checkpoint:
                 dead = np.empty(0, dtype=np.int64)
             else:
                 dead = self._index.place_rows(self._row_key[r0:r0 + n], r0)
