@@ -6,11 +6,15 @@ Fills a ``--rows`` table (dim 16, Adagrad, as ``bench_checkpoint.py``), then, fo
 * a full checkpoint (fsync) with the index saved (``<writer>.<table>.index``) and one
   without (``checkpoint.writer.SAVE_INDEX = False``), wall and CPU;
 * a restore of each into a new store: the first installs the saved index, the second
-  places every key in a fresh one.
+  places every key in a fresh one;
+* the second again with the key placement (``HashIndex.place_rows``) stubbed out by one
+  that only counts the keys: an experiment (that table is unusable) showing what the
+  rest of a restore costs (reading, checking and copying the rows, new memory).
 
-Prints best and median of each and the ratios (with / without).
+Prints best and median of each (wall, and CPU of every thread of this process) and the
+ratios (with / without).
 
-    .venv/bin/python bench/bench_saved_index.py [--rows 4000000] [--reps 5]
+    .venv/bin/python bench/bench_saved_index.py [--rows 4000000] [--reps 7]
 """
 from __future__ import annotations
 
@@ -46,14 +50,36 @@ def main() -> int:
         print("error: --rows and --reps must be positive", file=sys.stderr)
         return 2
 
+    import numpy as np
+
     import checkpoint.writer as cw
+    import deeprec_ext.store.hash_index as hi
     from bench_checkpoint import make_table
     from checkpoint import CheckpointWriter, restore
     from deeprec_ext.store import EmbeddingStore
 
     _, table, _ = make_table(args.rows)
     work = tempfile.mkdtemp(prefix="saved-index-", dir=args.dir or None)
-    runs = {k: [] for k in ("write_with", "write_without", "restore_with", "restore_without")}
+    runs = {k: [] for k in ("write_with", "write_without", "restore_with", "restore_without",
+                            "restore_unplaced")}
+    place = hi.HashIndex.place_rows
+
+    def stub(self, keys, *a, **kw):  # counts the keys, places none
+        self._size += len(keys)
+        return np.empty(0, dtype=np.int64)
+
+    def timed_restore(root, key):
+        gc.collect()
+        c0, t0 = _cpu(), time.perf_counter()
+        store = EmbeddingStore()
+        restore(root, store, upto=1, exact=True)
+        runs[key].append({"ms": 1e3 * (time.perf_counter() - t0),
+                          "cpu_ms": 1e3 * (_cpu() - c0)})
+        got = len(store.get("emb"))
+        del store
+        if got != len(table):
+            raise RuntimeError(f"{key}: restored {got} rows of {len(table)}")
+
     try:
         for i in range(args.reps):
             for saved in (True, False):
@@ -69,20 +95,17 @@ def main() -> int:
                 runs[f"write_{tag}"].append({"ms": 1e3 * (time.perf_counter() - t0),
                                              "cpu_ms": 1e3 * (_cpu() - c0)})
                 cw.SAVE_INDEX = True
-                gc.collect()
-                c0, t0 = _cpu(), time.perf_counter()
-                store = EmbeddingStore()
-                restore(root, store, upto=1, exact=True)
-                runs[f"restore_{tag}"].append({"ms": 1e3 * (time.perf_counter() - t0),
-                                               "cpu_ms": 1e3 * (_cpu() - c0)})
-                got = len(store.get("emb"))
-                del store
-                if got != len(table):
-                    raise RuntimeError(f"restored {got} rows of {len(table)}")
+                timed_restore(root, f"restore_{tag}")
+            hi.HashIndex.place_rows = stub
+            try:
+                timed_restore(os.path.join(work, "without"), "restore_unplaced")
+            finally:
+                hi.HashIndex.place_rows = place
             print(f"round {i + 1}: " + ", ".join(f"{k} {v[-1]['ms']:.0f} ms"
                                                 for k, v in runs.items()), flush=True)
     finally:
         cw.SAVE_INDEX = True
+        hi.HashIndex.place_rows = place
         shutil.rmtree(work, ignore_errors=True)
 
     def stat(key, field="ms"):
@@ -98,6 +121,9 @@ def main() -> int:
         (wb, wm), (ob, om) = stat(f"{what}_with"), stat(f"{what}_without")
         print(f"  {what}: with the saved index / without: {wb / ob:.2f} (best), "
               f"{wm / om:.2f} (median)")
+    (ub, um), (ob, om) = stat("restore_unplaced"), stat("restore_without")
+    print(f"  restore without the index: keys unplaced / placed: {ub / ob:.2f} (best), "
+          f"{um / om:.2f} (median)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": len(table),
