@@ -219,7 +219,8 @@ class RestoreInfo:
     ``checkpoint_id``/``chain``/``dir``: the checkpoint restored (head) and its chain,
     oldest first. ``tables``: per table, rows imported and deletions applied over the
     chain (``live_rows`` for store targets; ``saved_index``: True where the index saved
-    with the full checkpoint became the table's, no key placed). ``extra``: the head checkpoint's ``extra``.
+    with the full checkpoint became the table's, no key placed). ``extra``: the head
+    checkpoint's ``extra``.
     ``dense``: the newest ``write_dense`` arrays along the chain. ``watermarks``: the
     head's per-(writer, table) cut_seq (of the writing processes, informational).
     ``skipped``: problems of the checkpoints passed over. ``sequence``: the target

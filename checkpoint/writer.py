@@ -171,8 +171,8 @@ def _write_all(fd: int, bufs) -> int:
     return total
 
 
-# Save each full table's index positions beside its rows (``_SavedIndex``); tests of the
-# restore's placement path turn it off
+# Save each full table's hash index beside its rows (``_SavedIndex``); tests and the
+# benchmark of the restore's placement path turn it off
 SAVE_INDEX = True
 
 
@@ -728,7 +728,7 @@ class CheckpointWriter:
                 raise ValueError(f"writer '{writer_id}' already wrote table '{name}'")
             self._files[fname] = {}  # reserve
 
-        saved = None  # the index's positions, saved beside a whole table's rows
+        saved = None  # the table's hash index, saved beside its rows
         try:
             tomb = (table.tombstones_since(since_seq) if self.kind == "incr"
                     else np.empty(0, np.int64))
