@@ -363,3 +363,23 @@ def test_inspect_checks_the_saved_index_and_a_bad_one_is_only_a_note(tmp_path):
     assert "0 invalid" in text
     rep = json.loads(inspect("--json"))
     assert rep["ok"] and rep["checkpoints"][0]["valid"] and len(rep["checkpoints"][0]["notes"]) == 1
+
+
+def test_a_growth_left_half_done_is_finished_and_the_index_saved(tmp_path, placements):
+    """Keys inserted in large batches leave the index's growth half done (it moves on
+    only as more keys arrive). A full checkpoint finishes it, in short lock holds, and
+    saves the index; the restore installs it."""
+    rng = np.random.default_rng(9)
+    s = EmbeddingStore()
+    t = s.create_table("emb", 4, optimizer=OPT)
+    for _ in range(7):
+        k = _keys(rng, 200_000)
+        t.apply_gradients(k, np.zeros((k.size, 4), np.float32))
+    assert t._index.growing  # what a bulk fill leaves
+    w = CheckpointWriter(tmp_path, 1, "full")
+    w.write_table("ps-0", t)
+    w.commit()
+    assert not t._index.growing and _index_entry(tmp_path)
+    s2, t2 = _restored(tmp_path)
+    assert placements == [] and t2.index_from_checkpoint
+    _same(t, t2)

@@ -89,7 +89,7 @@ import numpy as np
 
 from deeprec_ext.hashing import DEFAULT_NUM_SLOTS, hash64, slot_of
 
-from deeprec_ext.store.hash_index import INCREMENTAL_MIN_KEYS, HashIndex
+from deeprec_ext.store.hash_index import INCREMENTAL_MIN_KEYS, MIGRATE_STEP, HashIndex
 from deeprec_ext.store.initializers import Initializer, make_initializer
 from deeprec_ext.store.optimizers import Optimizer, make_optimizer
 from deeprec_ext.store.spec import check_dtype
@@ -2283,13 +2283,23 @@ class EmbeddingTable:
     def index_checkpoint_begin(self) -> dict | None:
         """Start saving the index with a full checkpoint (``checkpoint.writer``): a token
         naming the index, its ``layout`` count and capacity. None where it cannot be
-        saved (a segment, a growth under way, float16 rows)."""
-        with self._lock:
-            idx = self._index
-            if self._seg is not None or idx.growing or self._fp16:
-                return None
-            return {"index": idx, "layout": idx.layout, "capacity": idx.capacity,
-                    "rows": self._hwm}
+        saved (a segment, float16 rows). A growth under way is finished first, a step
+        per short lock hold: it ends only as new keys arrive, so after a bulk fill it
+        can stay half done for long (1.4M keys inserted in 200k batches leave it so),
+        every lookup probing two tables meanwhile, and no index could be saved."""
+        steps = 0
+        while True:
+            with self._lock:
+                idx = self._index
+                if self._seg is not None or self._fp16:
+                    return None
+                if not idx.growing:
+                    return {"index": idx, "layout": idx.layout, "capacity": idx.capacity,
+                            "rows": self._hwm}
+                if steps > 4 * (idx.capacity // MIGRATE_STEP) + 16:
+                    return None  # growing again and again under writes: not now
+                idx.advance(MIGRATE_STEP)  # a few ms
+            steps += 1
 
     def index_checkpoint_table(self, token: dict) -> np.ndarray | None:
         """The index's table (int32 [capacity] codes: 0 empty, -1 deleted, row + 1) if
