@@ -954,22 +954,22 @@ class EmbeddingTable:
 
     def _log_write(self, seq: int, rows: np.ndarray) -> None:
         """Record the rows a batch stamped with ``seq`` (under the table lock)."""
-        if self._track:
-            # beyond about 1/16 of the rows a scan is as cheap as the log (_changed_rows)
-            limit = max(_LOG_MIN_CAP, self._arena.shape[0] // 16)
-            if rows.size > limit:  # the batch alone would be capped away, and all before it
-                self._changes.drop_through(seq)
-                return
-            self._changes.append(seq, rows)
-            self._changes.cap(limit)
+        self._log_range(seq, 0, rows.size, rows)
 
-    def _log_range(self, seq: int, r0: int, n: int) -> None:
-        """:meth:`_log_write` of rows ``[r0, r0 + n)``, not listed when too many to log
-        (a restore's 4M rows: 32 MB written to be dropped, ~60 ms)."""
-        if self._track and n > max(_LOG_MIN_CAP, self._arena.shape[0] // 16):
+    def _log_range(self, seq: int, r0: int, n: int, rows: np.ndarray | None = None) -> None:
+        """:meth:`_log_write` of ``rows``, or else of rows ``[r0, r0 + n)``. A batch too
+        large to keep is not listed (a restore's 4M rows: 32 MB written to be dropped,
+        ~60 ms): capping would drop it, and every batch before it, anyway."""
+        if not self._track:
+            return
+        # beyond about 1/16 of the rows a scan is as cheap as the log (_changed_rows)
+        limit = max(_LOG_MIN_CAP, self._arena.shape[0] // 16)
+        if n > limit:
             self._changes.drop_through(seq)
             return
-        self._log_write(seq, np.arange(r0, r0 + n, dtype=np.int64))
+        self._changes.append(seq, np.arange(r0, r0 + n, dtype=np.int64) if rows is None
+                             else rows)
+        self._changes.cap(limit)
 
     def _with_fresh_slots(self, values: np.ndarray) -> np.ndarray:
         """float32 [n, row_width] rows: ``values`` followed by initial slots."""
