@@ -712,6 +712,61 @@ class TestChangeLog:
         assert len(k) == 1000 and (seqs > since).all()
         np.testing.assert_array_equal(np.sort(k), np.arange(0, 1_000_000, 1000))
 
+    @pytest.mark.parametrize("trim_midway", [False, True])
+    def test_changed_rows_of_slots_come_from_the_log_in_slices_under_churn(
+            self, monkeypatch, trim_midway):
+        """A catch-up round's export (``since``, more changed rows than ``max_rows``) reads
+        the change log ``max_rows`` rows at a time, in arena order. Writes, inserts and
+        deletions between slices: every row of the slots changed since ``since`` and not
+        deleted meanwhile is sent, and no row twice in one slice. ``trim_midway``: the log is gone after the first slice; the rest comes
+        from a scan from the cursor's row (the same rows)."""
+        rng = np.random.default_rng(7)
+        t = EmbeddingTable("t", 4, optimizer="adagrad")
+        t.lookup(np.arange(200_000, dtype=np.int64))
+        since = t.sequence.value
+        changed = rng.choice(200_000, 9_000, replace=False)
+        t.apply_gradients(changed, np.ones((changed.size, 4), np.float32))
+        mask = np.zeros(64, bool)
+        mask[rng.choice(64, 24, replace=False)] = True
+        calls = []
+        real = t._changed_rows
+
+        def changed_rows(*a, **kw):
+            out = None if trim_midway and calls else real(*a, **kw)
+            calls.append(None if out is None else out.size)
+            return out
+
+        monkeypatch.setattr(t, "_changed_rows", changed_rows)
+        from deeprec_ext.hashing import slot_of
+        sent: dict[int, np.ndarray] = {}
+        more_all: list[int] = []
+        deleted_all: set[int] = set()
+        row, slices = 0, 0
+        while row is not None:
+            keys, rows, seqs, row = t.export_slots(mask, since, row, 2_000)
+            assert np.unique(keys).size == keys.size and (seqs > since).all()
+            assert mask[slot_of(keys, 64)].all()
+            sent.update(zip(keys.tolist(), rows))
+            slices += 1
+            # between slices: writes to changed and unchanged rows, new rows, deletions
+            more = rng.integers(0, 260_000, 300)
+            more_all.extend(more.tolist())
+            t.apply_gradients(more, np.ones((more.size, 4), np.float32))
+            gone = rng.integers(0, 260_000, 50)
+            deleted_all.update(gone.tolist())
+            t.delete(gone)
+        assert calls[0] == 9_000
+        if not trim_midway:
+            # the log answered every slice, ``max_rows`` changed rows each (a scan
+            # would take 100 slices of 2,000 arena rows)
+            assert len(calls) == slices and None not in calls and 5 <= slices <= 7
+        # every row of the slots changed since ``since`` is sent (one deleted meanwhile
+        # may come back behind the cursor: the next round's, as any later write)
+        first = set(changed[mask[slot_of(changed, 64)]].tolist())
+        assert first - deleted_all <= set(sent)
+        # and nothing else: each sent row was written after ``since``
+        assert set(sent) <= first | set(range(200_000, 260_000)) | set(more_all)
+
     def test_logs_are_bounded_and_trimmed_by_consumers(self):
         s = EmbeddingStore()
         t = s.create_table("t", 2, initial_capacity=1024)

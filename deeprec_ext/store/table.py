@@ -105,6 +105,7 @@ _RECENT_MAX_KEYS = 1 << 16  # at most 4 MB a table (keys + rows); larger lookups
 _PUSH_MEMO_MAX_KEYS = 1 << 12  # a push this small is kept as a lookup is (dense tables)
 _SEG_CURSOR = 1 << 61   # export_slots cursor flags: in the segment, ...
 _MAIN_CURSOR = 1 << 60  # ... in this table's rows after the segment's
+_LOG_CURSOR = 1 << 59   # ... in the change log's rows, from this arena row on
 
 log = logging.getLogger(__name__)
 
@@ -1925,6 +1926,9 @@ class EmbeddingTable:
         scanning arena rows [row_start, row_start + max_rows) so that a large table is
         exported in slices without holding the table lock for long.
 
+        With ``since_seq`` (and no ``upto_seq``), the rows changed since then come from
+        the change log while it reaches back that far: ``max_rows`` changed rows per call.
+
         Returns ``(keys, rows, row_seq, next_row)``; ``next_row`` is None when the scan
         reached the end of the arena. ``with_counts="apart"``: ``rows`` is a pair
         ``(float32 [m, row_width], uint32 counts [m])``, the store's layout (migration). Pass 0 first, then each ``next_row`` returned (an
@@ -1953,18 +1957,32 @@ class EmbeddingTable:
                            upto_seq=None):
         threshold = 0 if since_seq is None else max(int(since_seq), 0)
         num_slots = int(slot_mask.size)
+        from_log = since_seq is not None and upto_seq is None and (
+            row_start == 0 or bool(row_start & _LOG_CURSOR))
+        row_start &= ~_LOG_CURSOR
         with self._lock:
-            if since_seq is not None and row_start == 0 and upto_seq is None:  # the change log
-                sel = self._changed_rows(threshold)
-                if sel is not None and sel.size <= max_rows:
-                    keys = self._row_key.take(sel)
-                    sel = sel[slot_mask[slot_of(keys, num_slots)]]
-                    block = self._gather_rows(sel)
-                    if with_counts == "apart":
-                        block = (block, self._row_count.take(sel))
-                    elif with_counts:
-                        block = self._counted(sel, block)
-                    return self._row_key.take(sel), block, self._row_seq.take(sel), None
+            # Rows changed since ``since_seq`` come from the change log, ``max_rows`` of
+            # them per call in arena order (the cursor: the next one's row). A catch-up
+            # round of a migration scanned the whole arena in ``max_rows`` slices
+            # otherwise, yielding to training after each: at 4M rows 81 slices, so its
+            # rounds took 200-550 ms for 24-67k rows, and rows written meanwhile made the
+            # next round, and the fenced last one, longer. A log gone since (trimmed or
+            # too long) continues as a scan from the cursor's row: same rows either way.
+            sel = self._changed_rows(threshold) if from_log else None
+            if sel is not None:
+                if row_start:
+                    sel = sel[np.searchsorted(sel, row_start):]
+                nxt = None
+                if sel.size > max_rows:
+                    nxt, sel = _LOG_CURSOR | int(sel[max_rows]), sel[:max_rows]
+                keys = self._row_key.take(sel)
+                sel = sel[slot_mask[slot_of(keys, num_slots)]]
+                block = self._gather_rows(sel)
+                if with_counts == "apart":
+                    block = (block, self._row_count.take(sel))
+                elif with_counts:
+                    block = self._counted(sel, block)
+                return self._row_key.take(sel), block, self._row_seq.take(sel), nxt
             stop = min(self._hwm, row_start + max_rows)
             seqs = self._row_seq[row_start:stop]
             sel = np.flatnonzero(seqs > threshold if upto_seq is None
