@@ -62,9 +62,8 @@ def encode(config: bytes = b"", ids: np.ndarray | None = None, rows: np.ndarray 
             continue
         arr = np.ascontiguousarray(arr, dtype=dtype)
         parts += [_len_field(field, arr.nbytes), memoryview(arr).cast("B")]
-    for rid in applied_request_ids:
-        b = rid.encode()
-        parts += [_len_field(_APPLIED, len(b)), b]
+    if applied_request_ids:  # the generated message's encoder: ~20x a loop of ours here
+        parts.append(ps_pb2.RowBatch(applied_request_ids=applied_request_ids).SerializeToString())
     if total_rows:
         parts += [_varint(_TOTAL << 3 | _VARINT), _varint(int(total_rows))]
     if background:
@@ -117,6 +116,22 @@ def _int64(v: int) -> int:
     return v - (1 << 64) if v >> 63 else v
 
 
+def _merge_tail(out: RowBatchView, tail: memoryview) -> None:
+    """The fields of ``tail`` (wire bytes from a field on) into ``out``, read by the
+    generated parser; a later field replaces an earlier one, repeated ones add up."""
+    try:
+        m = ps_pb2.RowBatch.FromString(bytes(tail))
+    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError, named by the caller
+        raise ValueError(f"bad RowBatch bytes: {exc}") from None
+    for fd, val in m.ListFields():
+        if fd.name == "applied_request_ids":
+            out.applied_request_ids.extend(val)
+        elif fd.name == "config":
+            out._config = val
+        else:
+            setattr(out, fd.name, val)
+
+
 def parse(raw) -> RowBatchView:
     """``RowBatch`` wire bytes -> :class:`RowBatchView` (no copy of the row buffers).
     Raises ValueError on bytes that are not a ``RowBatch``."""
@@ -124,8 +139,14 @@ def parse(raw) -> RowBatchView:
     n, i = len(mv), 0
     out = RowBatchView()
     while i < n:
+        start = i
         tag, i = _read_varint(mv, i, n)
         field, wt = tag >> 3, tag & 7
+        if field == _APPLIED and wt == _LEN:
+            # request ids come last and by the thousand (a migration's first round: up to
+            # 200k): the rest of the message goes to the generated parser, ~20x this loop
+            _merge_tail(out, mv[start:])
+            break
         if field == 0:
             raise ValueError("field number 0")
         if wt == _LEN:

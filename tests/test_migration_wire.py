@@ -47,12 +47,26 @@ def test_rowwire_bytes_are_the_generated_message_both_ways():
     assert v.config == cfg and bytes(v.ids) == ids.tobytes() and bytes(v.rows) == rows.tobytes()
     assert bytes(v.counts) == counts.tobytes() and v.total_rows == 9 and v.origin == "ps-1"
     assert v.reset and v.end and v.origin_sequence == -3 and v.applied_request_ids == ["a"]
+    # thousands of request ids, fields after them, from either encoder
+    many = [f"call-{i}-{'x' * (i % 200)}" for i in range(5000)]
+    for wire in (rowwire.encode(cfg.SerializeToString(), ids, rows, counts,
+                                applied_request_ids=many, total_rows=7, background=True,
+                                replica_after="h:1"),
+                 pb.RowBatch(config=cfg, ids=ids.tobytes(), rows=rows.tobytes(),
+                             counts=counts.tobytes(), applied_request_ids=many, total_rows=7,
+                             background=True, replica_after="h:1").SerializeToString()):
+        v = rowwire.parse(wire)
+        assert v.applied_request_ids == many and v.config == cfg
+        assert bytes(v.ids) == ids.tobytes() and bytes(v.counts) == counts.tobytes()
+        assert (v.total_rows, v.background, v.replica_after) == (7, True, "h:1")
+        assert pb.RowBatch.FromString(wire).applied_request_ids == many
     empty = rowwire.parse(b"")
     assert empty.config.name == "" and len(empty.ids) == 0 and empty.total_rows == 0
 
 
 @pytest.mark.parametrize("raw", [b"\xff\xff", b"\x12\x05ab", b"\x0a\x02\xff\xff", b"\x13",
-                                 b"\x10\x05", b"\x00\x01"])
+                                 b"\x10\x05", b"\x00\x01", b"\x42\x02ab\xff",
+                                 b"\x42\x05ab", b"\x42\x01a\x50"])
 def test_rowwire_refuses_bytes_that_are_not_a_row_batch(raw):
     with pytest.raises(Exception) as exc:
         rowwire.parse(raw)
@@ -349,6 +363,118 @@ def test_migration_moves_every_row_of_its_slots_exactly(two_ps):
     st = {t.name: t.rows for t in dst.Stats(pb.StatsRequest(), timeout=30).tables}
     assert st["emb"] == moving.size  # every moved row, once
     assert np.array_equal(_lookup(dst, moving), _lookup(src, moving))
+
+
+def test_each_round_sends_the_ids_applied_since_the_last_and_resends_are_skipped(two_ps):
+    """The ids of applied pushes reach a migration's destination round by round: the
+    snapshot round every remembered one, each later round those applied since the one
+    before, so the fenced last round carries only the few since the last catch-up (sent
+    all at the fence, a full window of 200k ids held it 1-2 s). A round after the last
+    sends them all again. Each push resent to the destination is skipped there, whatever
+    round carried its id; a new id is applied."""
+    (src, _), (dst, dst_addr) = two_ps
+    src.CreateTable(pb.CreateTableRequest(config=CFG), timeout=30)
+    ids = np.unique(np.random.default_rng(9).integers(-2**62, 2**62, 20_000))
+    _lookup(src, ids, insert=True)
+    mask = np.zeros(4096, np.uint8)
+    mask[::2] = 1
+    moving = ids[mask[slot_of(ids, 4096)].astype(bool)]
+    assert moving.size > 1200
+
+    def push(stub, rid, keys):
+        stub.Push(pb.PushRequest(request_id=rid, tables=[pb.TableUpdate(
+            table="emb", ids=keys.tobytes(),
+            values=np.full((keys.size, 4), 0.5, np.float32).tobytes())]), timeout=30)
+
+    def round_(since, last=False):
+        return src.MigrateSlots(pb.MigrateSlotsRequest(
+            dst_address=dst_addr, slots=mask.tobytes(), num_slots=4096, since_seq=since,
+            send_request_ids=last), timeout=60)
+
+    sent = {}  # request id -> the keys its push wrote
+    for i in range(1000):
+        sent[f"a-{i}"] = moving[i:i + 1]
+        push(src, f"a-{i}", sent[f"a-{i}"])
+    r1 = round_(-1)
+    assert r1.request_ids == 1000
+    for i in range(10):
+        sent[f"b-{i}"] = moving[1000 + i:1001 + i]
+        push(src, f"b-{i}", sent[f"b-{i}"])
+    r2 = round_(r1.watermark)
+    assert (r2.rows, r2.request_ids) == (10, 10)
+    sent["c-0"] = moving[1100:1101]
+    push(src, "c-0", sent["c-0"])
+    r3 = round_(r2.watermark, last=True)
+    assert (r3.rows, r3.request_ids) == (1, 1)
+    assert round_(r3.watermark, last=True).request_ids == 1011  # a new cut: every id
+
+    # every moved row is there, as on the source; each resend is skipped
+    every = np.concatenate(list(sent.values()))
+    before = _lookup(dst, every)
+    np.testing.assert_array_equal(before, _lookup(src, every))
+    for rid in ("a-0", "a-999", "b-3", "c-0"):
+        push(dst, rid, sent[rid])
+    np.testing.assert_array_equal(_lookup(dst, every), before)
+    push(dst, "d-0", sent["c-0"])  # a push the source never applied
+    assert not np.array_equal(_lookup(dst, sent["c-0"]), before[-1:])
+
+
+def test_request_id_cursors_of_migrations_lost_logs_failures_and_expiry():
+    """What each round of a migration to one destination sends (``_applied_ids_for``):
+    every id at a snapshot round, or where the log since the last round overflowed; the
+    new ones otherwise; the last round closes the cursor, and so does a destination
+    forgotten by the migration-consumer expiry (no log kept for it on every push)."""
+    from deeprec_ext.ps.replication import AppliedRequests
+    from deeprec_ext.ps.server import ParameterServerServicer
+
+    svc = ParameterServerServicer("ps-ids")
+    try:
+        svc.applied = a = AppliedRequests(capacity=50)
+        a.add_many([f"x{i}" for i in range(30)])
+        cur = "migrate:127.0.0.1:1"
+        assert svc._applied_ids_for(cur, snapshot=True, last=False) == [f"x{i}" for i in range(30)]
+        a.add_many(["y0", "y1", "y0", ""])  # repeated and empty ids count once / not at all
+        assert svc._applied_ids_for(cur, snapshot=False, last=False) == ["y0", "y1"]
+        assert svc._applied_ids_for(cur, snapshot=False, last=False) == []
+        a.add_many([f"z{i}" for i in range(60)])  # more than the window since the last round
+        assert len(svc._applied_ids_for(cur, snapshot=False, last=False)) == 50  # all kept
+        a.add("w0")
+        assert svc._applied_ids_for(cur, snapshot=False, last=True) == ["w0"]
+        assert not a.has_cursor(cur)
+        # a round to a destination whose cursor is gone sends everything
+        assert len(svc._applied_ids_for(cur, snapshot=False, last=False)) == 50
+        svc._migration_consumer("127.0.0.1:1", 0)
+        svc._migrations["127.0.0.1:1"] -= svc.MIGRATION_CONSUMER_SECONDS + 1
+        svc._migration_consumer("127.0.0.1:2", 0)  # a later round elsewhere expires it
+        assert not a.has_cursor(cur)
+        svc._applied_ids_for("migrate:127.0.0.1:2", snapshot=True, last=False)
+        svc._migration_consumer(None)  # the migration is over: every cursor closed
+        assert not a.has_cursor("migrate:127.0.0.1:2") and a.has_cursor(a.MAIN)
+    finally:
+        svc.close()
+
+
+def test_add_many_is_add_of_each_id():
+    """The window (oldest forgotten first) and each cursor's log, overflow included."""
+    from deeprec_ext.ps.replication import AppliedRequests
+
+    rng = np.random.default_rng(3)
+    one, bulk = AppliedRequests(capacity=500), AppliedRequests(capacity=500)
+    for b in (one, bulk):
+        b.open_cursor("other")
+    for step in range(60):
+        # distinct ids of a sliding range: some new, some seen in recent calls
+        batch = [f"r{int(i)}" for i in 20 * step + rng.choice(60, int(rng.integers(0, 40)),
+                                                             replace=False)]
+        ship = bool(rng.integers(0, 2))
+        for rid in batch:
+            one.add(rid, ship=ship)
+        bulk.add_many(batch, ship=ship)
+        assert one.snapshot() == bulk.snapshot()
+        if rng.integers(0, 4) == 0:
+            for cur in (one.MAIN, "other"):
+                got_one, got_bulk = one.take_unshipped(cur), bulk.take_unshipped(cur)
+                assert got_one == got_bulk
 
 
 def test_migration_into_a_ps_that_holds_rows_moves_every_row_exactly(two_ps):

@@ -138,10 +138,23 @@ class AppliedRequests:
             self._add(rid, ship)
 
     def add_many(self, rids, ship: bool = True) -> None:
+        """``add`` of each id, in bulk: a migration's first round hands a destination up
+        to the whole window (200k ids), which ``add`` one by one took ~0.8 s."""
+        rids = [r for r in dict.fromkeys(rids) if r]
+        if not rids:
+            return
         with self._lock:
+            ids = self._ids
             for rid in rids:
-                if rid:
-                    self._add(rid, ship)
+                if rid not in ids:
+                    ids[rid] = None
+            if ship:
+                for name, log_ in self._unshipped.items():
+                    if len(log_) + len(rids) > log_.maxlen:
+                        self._overflowed[name] = True
+                    log_.extend(rids)
+            while len(ids) > self._capacity:  # forget the oldest, O(1) each
+                ids.popitem(last=False)
 
     def _add(self, rid: str, ship: bool) -> None:
         self._ids[rid] = None
@@ -153,12 +166,18 @@ class AppliedRequests:
         while len(self._ids) > self._capacity:  # forget the oldest, O(1) each
             self._ids.popitem(last=False)
 
-    def open_cursor(self, name: str) -> None:
+    def open_cursor(self, name: str, snapshot: bool = False) -> list[str] | None:
         """A new stream's log of unshipped ids, empty: its first shipment is a full copy,
-        which sends every remembered id."""
+        which sends every remembered id. ``snapshot``: returns those ids, read at the
+        same instant (each later one is in the log)."""
         with self._lock:
             self._unshipped[name] = deque(maxlen=self._capacity)
             self._overflowed[name] = False
+            return list(self._ids) if snapshot else None
+
+    def has_cursor(self, name: str) -> bool:
+        with self._lock:
+            return name in self._unshipped
 
     def close_cursor(self, name: str) -> None:
         with self._lock:

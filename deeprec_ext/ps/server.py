@@ -491,7 +491,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 return seeded
         watermark = self.store.sequence.value
         since = None if request.since_seq < 0 else request.since_seq
-        totals = {"rows": 0, "bytes": 0, "deleted": 0}
+        totals = {"rows": 0, "bytes": 0, "deleted": 0, "request_ids": 0}
         background = not request.send_request_ids  # the last round runs fenced: no yielding
         # The snapshot is paced; a catch-up round only past its first CATCHUP_UNPACED_ROWS.
         # Small rounds run at full speed, or more rows would change meanwhile and the
@@ -503,6 +503,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         pacer = self._Pacer(self.migration_share if paced else 1.0, lambda: self._paced_rounds)
 
         share = float(np.count_nonzero(mask)) / max(mask.size, 1)
+        ids_cursor = f"migrate:{request.dst_address}"
 
         def batches():
             # RowBatch wire bytes written straight from the exported arrays (rowwire): rows
@@ -540,8 +541,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                         else:  # the duty cycle counts from where pacing starts
                             pacer.mark = time.monotonic()
                         self._yield_to_training()
-            if request.send_request_ids:
-                yield rowwire.encode(applied_request_ids=self.applied.snapshot())
+            ids = self._applied_ids_for(ids_cursor, snapshot=since is None,
+                                        last=bool(request.send_request_ids))
+            totals["request_ids"] = len(ids)
+            if ids:
+                yield rowwire.encode(applied_request_ids=ids)
 
         from deeprec_ext.grpc_util import insecure_channel
         with insecure_channel(request.dst_address) as ch, self._paced_round(paced):
@@ -552,11 +556,33 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                 response_deserializer=ps_pb2.ImportRowsResponse.FromString)(
                     batches(), timeout=validation.within_deadline(context, 600.0))
             except grpc.RpcError as exc:
+                # the ids taken for this round may not have arrived: the next round to
+                # this destination sends every remembered id again
+                self.applied.close_cursor(ids_cursor)
                 context.abort(validation.downstream_code(exc.code()),
                               f"sending rows to {request.dst_address}: {exc.code().name}: "
                               f"{exc.details()}")
         self._migration_consumer(request.dst_address, watermark)
         return ps_pb2.MigrateSlotsResponse(watermark=watermark, **totals)
+
+    def _applied_ids_for(self, cursor: str, snapshot: bool, last: bool) -> list[str]:
+        """Ids of applied pushes a migration round sends its destination, so that a push
+        resent there after the publish is not applied twice. Every round sends those
+        applied since the previous one (the first round, or one after a lost log, every
+        remembered id); the fenced last round, after which no push is applied here, then
+        sends only the few since the last catch-up. Sent all in the last round, a full
+        window (200k ids) held the fence 1-2 s: encoded, parsed and recorded while every
+        request for the moving slots waited."""
+        a = self.applied
+        if snapshot or not a.has_cursor(cursor):
+            ids = a.open_cursor(cursor, snapshot=True)
+        else:
+            ids, lost = a.take_unshipped(cursor)
+            if lost:  # more pushes than the window since the last round
+                ids = a.open_cursor(cursor, snapshot=True)
+        if last:
+            a.close_cursor(cursor)
+        return ids
 
     def _seed_at_destination(self, request, mask: np.ndarray, context):
         """A snapshot round to this PS's ring peer, taken by the peer from the copy of this
@@ -651,6 +677,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 self._migrations[dst] = now
         for d in gone:
             self.store.set_consumer(f"migrate:{d}", None)
+            self.applied.close_cursor(f"migrate:{d}")
         if dst is not None:
             self.store.set_consumer(f"migrate:{dst}", watermark)
 
@@ -664,8 +691,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         snapshot = False  # a snapshot's stream (it announces its rows): its pieces yield
         background = False  # some batch came from a paced round (RowBatch.background)
         for batch in request_iterator:
-            for rid in batch.applied_request_ids:  # pushes the source applied (migration)
-                self.applied.add(rid, ship=True)   # ...and this PS's peer learns them too
+            # pushes the source applied (migration), and this PS's peer learns them too
+            self.applied.add_many(batch.applied_request_ids, ship=True)
             cfg = batch.config
             if not cfg.name:
                 continue
