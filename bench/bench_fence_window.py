@@ -5,6 +5,9 @@ fleet's own publish (no AIMaster, no job-state save). ``--base DIR`` runs a tree
 there (e.g. ``git archive``) alternately with this one, each in fresh processes.
 
     python bench/bench_fence_window.py --rows 200000 --moves 10 --repeat 3 --base /tmp/base
+
+``--request-ids N``: each PS first applies N one-key pushes with request ids (a long job's
+window of remembered ids is 200,000), and the load's pushes carry ids as well.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ def _start_ps(tmp: str, name: str, root: str):
     return proc, f"127.0.0.1:{int(open(port_file).read())}"
 
 
-def measure(rows: int, moves: int, root: str) -> dict:
+def measure(rows: int, moves: int, root: str, request_ids: int = 0) -> dict:
     import numpy as np
 
     from aimaster.fleet import PsFleet
@@ -66,22 +69,41 @@ def measure(rows: int, moves: int, root: str) -> dict:
             stop = threading.Event()
             pushes = [0]
 
-            def push(ps, ids):
-                fleet.stub(addrs[ps]).Push(ps_pb2.PushRequest(epoch=0, tables=[ps_pb2.TableUpdate(
-                    table="t", ids=codec.ids_to_bytes(ids),
-                    values=codec.floats_to_bytes(np.ones((ids.size, 16), np.float32)))]),
+            def push(ps, ids, rid=""):
+                fleet.stub(addrs[ps]).Push(ps_pb2.PushRequest(
+                    epoch=0, request_id=rid, tables=[ps_pb2.TableUpdate(
+                        table="t", ids=codec.ids_to_bytes(ids),
+                        values=codec.floats_to_bytes(np.ones((ids.size, 16), np.float32)))]),
                     timeout=30)
             for ps in (0, 1):
                 mine = keys[owner[slots] == ps]
                 for i in range(0, mine.size, 50_000):
                     push(ps, mine[i:i + 50_000])
+            t_ids = time.monotonic()
+            for ps in (0, 1):  # a long job's window of applied push ids (1-key pushes)
+                stub, futs = fleet.stub(addrs[ps]), []
+                one = codec.floats_to_bytes(np.ones((1, 16), np.float32))
+                mine = keys[fixed & (owner[slots] == ps)]
+                for i in range(request_ids):
+                    futs.append(stub.Push.future(ps_pb2.PushRequest(
+                        request_id=f"fill-{ps}-{i:07d}-{'0' * 24}", tables=[ps_pb2.TableUpdate(
+                            table="t", ids=codec.ids_to_bytes(mine[i % mine.size:][:1]),
+                            values=one)]), timeout=60))
+                    if len(futs) >= 256:
+                        for f in futs:
+                            f.result()
+                        futs = []
+                for f in futs:
+                    f.result()
+            fill_ids_s = time.monotonic() - t_ids
 
             def load():  # a training-like stream to both PS, on slots that never move
                 r = np.random.default_rng(1)
                 per = [keys[fixed & (owner[slots] == ps)] for ps in (0, 1)]
                 while not stop.is_set():
                     for ps in (0, 1):
-                        push(ps, per[ps][r.integers(0, per[ps].size, 2048)])
+                        push(ps, per[ps][r.integers(0, per[ps].size, 2048)],
+                             f"load-{ps}-{pushes[0]}" if request_ids else "")
                         pushes[0] += 1
                     time.sleep(0.005)
             th = threading.Thread(target=load, daemon=True)
@@ -98,7 +120,8 @@ def measure(rows: int, moves: int, root: str) -> dict:
             stop.set()
             th.join(10)
             fleet.close()
-            return {"moves": out, "pushes": pushes[0]}
+            return {"moves": out, "pushes": pushes[0], "request_ids": request_ids,
+                    "fill_ids_s": round(fill_ids_s, 1)}
         finally:
             for p, _ in procs:
                 p.kill()
@@ -111,12 +134,17 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=200_000)
     ap.add_argument("--moves", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--request-ids", type=int, default=0,
+                    help="push ids each PS has applied before the moves (the window of a "
+                         "long job: 200000 fills it); the load's pushes then carry ids too")
     ap.add_argument("--base", default="")
     ap.add_argument("--out", default="")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.rows <= 0 or a.moves <= 0 or a.repeat <= 0 or a.request_ids < 0:
+        ap.error("--rows, --moves and --repeat must be positive, --request-ids not negative")
     if a.child:
-        print(json.dumps(measure(a.rows, a.moves, a.child)))
+        print(json.dumps(measure(a.rows, a.moves, a.child, a.request_ids)))
         return 0
     import numpy as np
     trees = ([("base", a.base)] if a.base else []) + [("this", ROOT)]
@@ -124,13 +152,16 @@ def main(argv=None) -> int:
     for r in range(a.repeat):
         for name, root in trees:  # alternating, fresh processes
             res = subprocess.run([sys.executable, __file__, "--rows", str(a.rows), "--moves",
-                                  str(a.moves), "--child", root], capture_output=True, text=True,
+                                  str(a.moves), "--request-ids", str(a.request_ids),
+                                  "--child", root], capture_output=True, text=True,
                                  env=dict(os.environ, PYTHONPATH=root), check=True, timeout=900)
             got = json.loads(res.stdout.strip().splitlines()[-1])
             runs[name].append(got)
             f = [m["fence_ms"] for m in got["moves"]]
             print(f"run {r + 1} {name}: fence window ms median {np.median(f):.1f} "
-                  f"p90 {np.percentile(f, 90):.1f} max {max(f):.1f}", flush=True)
+                  f"p90 {np.percentile(f, 90):.1f} max {max(f):.1f}"
+                  + (f" ({a.request_ids} ids applied first, in {got['fill_ids_s']} s)"
+                     if a.request_ids else ""), flush=True)
     summary = {}
     for name, rs in runs.items():
         f = [m["fence_ms"] for x in rs for m in x["moves"]]
