@@ -450,6 +450,15 @@ def test_request_id_cursors_of_migrations_lost_logs_failures_and_expiry():
         svc._applied_ids_for("migrate:127.0.0.1:2", snapshot=True, last=False)
         svc._migration_consumer(None)  # the migration is over: every cursor closed
         assert not a.has_cursor("migrate:127.0.0.1:2") and a.has_cursor(a.MAIN)
+        # a destination: a source's large batch of ids is kept beside its own window,
+        # a small one recorded into it
+        svc.applied = d = AppliedRequests(capacity=40)
+        d.add_many([f"mine{i}" for i in range(40)])
+        svc._record_source_ids([f"src{i}" for i in range(40)])
+        assert all(d.seen(f"mine{i}") for i in range(40)) and d.seen("src0")
+        svc._record_source_ids(["late0", "late1"])
+        assert d.seen("late1") and not d.seen("mine0") and d.seen("mine2")
+        assert d.take_unshipped()[0][-2:] == ["late0", "late1"]  # for this PS's peer too
     finally:
         svc.close()
 
@@ -475,6 +484,34 @@ def test_add_many_is_add_of_each_id():
             for cur in (one.MAIN, "other"):
                 got_one, got_bulk = one.take_unshipped(cur), bulk.take_unshipped(cur)
                 assert got_one == got_bulk
+
+
+def test_a_promotion_adopts_the_dead_ps_window_whole():
+    """``adopt``: the copy's window is checked as it is (no id recorded one by one inside
+    the recovery), shipped on every stream once, included in snapshots (oldest first),
+    and forgotten once as many newer ids were recorded here as a window holds."""
+    from deeprec_ext.ps.replication import AppliedRequests, IdWindow
+
+    a = AppliedRequests(capacity=100)
+    a.add_many([f"own{i}" for i in range(10)])
+    a.open_cursor("next")
+    a.take_unshipped()
+    window = IdWindow([f"dead{i}" for i in range(150)], capacity=100)
+    assert list(window) == [f"dead{i}" for i in range(50, 150)]  # the last 100
+    a.adopt(window, ship=True)
+    assert a.seen("dead120") and a.seen("own3") and not a.seen("dead10")
+    assert a.snapshot() == list(window) + [f"own{i}" for i in range(10)]
+    a.add("own10")
+    got, lost = a.take_unshipped()
+    assert got == list(window) + ["own10"] and not lost
+    assert a.take_unshipped("next")[0] == list(window) + ["own10"]
+    assert a.take_unshipped()[0] == []  # shipped once
+    a.open_cursor("late")  # a stream opened after: its full copy sends the snapshot
+    assert a.take_unshipped("late")[0] == []
+    a.add_many([f"new{i}" for i in range(89)])
+    assert a.seen("dead120")  # 90 ids recorded since: still within a window
+    a.add_many([f"new{i}" for i in range(89, 100)])
+    assert not a.seen("dead120") and a.snapshot() == [f"new{i}" for i in range(100)]
 
 
 def test_migration_into_a_ps_that_holds_rows_moves_every_row_exactly(two_ps):

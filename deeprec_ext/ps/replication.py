@@ -113,11 +113,35 @@ class ApplyGate(ReadWriteGate):
     and ids, so what it sends is one consistent cut."""
 
 
+class IdWindow(OrderedDict):
+    """The request ids a replica copy holds: the last ``capacity`` distinct ones, oldest
+    first. Kept as a dict while deltas arrive (each shipment's few ids), so a promotion
+    adopts it as it is (``AppliedRequests.adopt``) instead of recording a full window
+    one id at a time (250-350 ms for 200k ids, inside the recovery)."""
+
+    def __init__(self, ids=(), capacity: int = REQUEST_ID_WINDOW):
+        super().__init__()
+        self.capacity = capacity
+        self.extend(ids)
+
+    def extend(self, ids) -> None:
+        for rid in ids:
+            if rid:
+                self[rid] = None
+        while len(self) > self.capacity:
+            self.popitem(last=False)
+
+
 class AppliedRequests:
     """Ids of recently applied pushes (bounded), plus, per replication stream (a cursor:
-    the peer's, and a future peer's while one is prepared), a log of ids not yet shipped."""
+    the peer's, and a future peer's while one is prepared), a log of ids not yet shipped.
+
+    A promotion adopts the dead PS's window whole (``adopt``): it is checked beside this
+    PS's own ids until as many newer ids were recorded here as the window holds (it
+    would have been forgotten by then), and each stream ships it with its next ids."""
 
     MAIN = "replica"
+    MAX_ADOPTED = 4  # windows adopted and still remembered; the oldest goes first
 
     def __init__(self, capacity: int = REQUEST_ID_WINDOW):
         self._lock = threading.Lock()
@@ -126,10 +150,39 @@ class AppliedRequests:
         self._unshipped: dict[str, deque[str]] = {self.MAIN: deque(maxlen=capacity)}
         # unshipped ids were lost: that stream's next shipment is a full copy
         self._overflowed: dict[str, bool] = {self.MAIN: False}
+        self._recorded = 0  # ids recorded in this PS's own window so far
+        # adopted windows, oldest first: (ids, ``_recorded`` when adopted)
+        self._adopted: list[tuple[dict, int]] = []
+        self._unshipped_adopted: dict[str, list[dict]] = {self.MAIN: []}
 
     def seen(self, rid: str) -> bool:
         with self._lock:
-            return rid in self._ids
+            if rid in self._ids:
+                return True
+            if self._adopted:
+                self._expire_adopted()
+                return any(rid in ids for ids, _ in self._adopted)
+            return False
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def adopt(self, ids: dict, ship: bool = True) -> None:
+        """Remember every id of ``ids`` (a dict or set, kept as it is: not changed after
+        this), and with ``ship`` send them on every stream with its next ids."""
+        if not ids:
+            return
+        with self._lock:
+            self._adopted.append((ids, self._recorded))
+            del self._adopted[:-self.MAX_ADOPTED]
+            if ship:
+                for pending in self._unshipped_adopted.values():
+                    pending.append(ids)
+
+    def _expire_adopted(self) -> None:
+        while self._adopted and self._recorded - self._adopted[0][1] >= self._capacity:
+            self._adopted.pop(0)
 
     def add(self, rid: str, ship: bool = True) -> None:
         if not rid:
@@ -148,6 +201,7 @@ class AppliedRequests:
             for rid in rids:
                 if rid not in ids:
                     ids[rid] = None
+            self._recorded += len(rids)
             if ship:
                 for name, log_ in self._unshipped.items():
                     if len(log_) + len(rids) > log_.maxlen:
@@ -158,6 +212,7 @@ class AppliedRequests:
 
     def _add(self, rid: str, ship: bool) -> None:
         self._ids[rid] = None
+        self._recorded += 1
         if ship:
             for name, log_ in self._unshipped.items():
                 if len(log_) == log_.maxlen:
@@ -173,7 +228,8 @@ class AppliedRequests:
         with self._lock:
             self._unshipped[name] = deque(maxlen=self._capacity)
             self._overflowed[name] = False
-            return list(self._ids) if snapshot else None
+            self._unshipped_adopted[name] = []
+            return self._all() if snapshot else None
 
     def has_cursor(self, name: str) -> bool:
         with self._lock:
@@ -184,19 +240,25 @@ class AppliedRequests:
             if name != self.MAIN:
                 self._unshipped.pop(name, None)
                 self._overflowed.pop(name, None)
+                self._unshipped_adopted.pop(name, None)
 
     def move_cursor(self, src: str, dst: str) -> None:
         """``dst`` continues where ``src`` stands (a prepared peer becomes the peer)."""
         with self._lock:
             self._unshipped[dst] = self._unshipped.pop(src, deque(maxlen=self._capacity))
             self._overflowed[dst] = self._overflowed.pop(src, True)
+            self._unshipped_adopted[dst] = self._unshipped_adopted.pop(src, [])
 
     def take_unshipped(self, cursor: str = MAIN) -> tuple[list[str], bool]:
-        """The ids not yet shipped, and whether some were lost (more than the window
-        between two shipments): then only a full copy (every id) is exact."""
+        """The ids not yet shipped (adopted windows first), and whether some were lost
+        (more than the window between two shipments): then only a full copy (every id)
+        is exact."""
         with self._lock:
             log_ = self._unshipped.setdefault(cursor, deque(maxlen=self._capacity))
-            out = list(log_)
+            pending = self._unshipped_adopted.pop(cursor, [])
+            self._unshipped_adopted[cursor] = []
+            out = [rid for ids in pending for rid in ids] + list(log_) if pending \
+                else list(log_)
             log_.clear()
             lost, self._overflowed[cursor] = self._overflowed.get(cursor, False), False
             return out, lost
@@ -212,7 +274,13 @@ class AppliedRequests:
     def snapshot(self) -> list[str]:
         """Every remembered id, oldest first (for a new peer or a slot's new owner)."""
         with self._lock:
+            return self._all()
+
+    def _all(self) -> list[str]:
+        self._expire_adopted()
+        if not self._adopted:
             return list(self._ids)
+        return [rid for ids, _ in self._adopted for rid in ids] + list(self._ids)
 
 
 class _NeedsFull(Exception):
@@ -909,7 +977,7 @@ class ReplicaCopy:
         self.store = store
         self.sequence = sequence
         self.updated = time.monotonic()
-        self.applied: deque[str] = deque(applied, maxlen=REQUEST_ID_WINDOW)
+        self.applied = IdWindow(applied)
         self.lock = threading.Lock()
 
 

@@ -697,7 +697,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         background = False  # some batch came from a paced round (RowBatch.background)
         for batch in request_iterator:
             # pushes the source applied (migration), and this PS's peer learns them too
-            self.applied.add_many(batch.applied_request_ids, ship=True)
+            self._record_source_ids(batch.applied_request_ids)
             cfg = batch.config
             if not cfg.name:
                 continue
@@ -738,6 +738,16 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                      (time.monotonic() - t0) * 1000, "snapshot" if snapshot else "catch-up",
                      ", yielding" if background and not snapshot else "")
         return ps_pb2.ImportRowsResponse(rows=n)
+
+    def _record_source_ids(self, ids: list[str]) -> None:
+        """A migration source's ids of applied pushes. A first round's (up to a full
+        window) are kept as a window of their own beside this PS's (``adopt``): recorded
+        into it, they took ~170 ms and pushed out this PS's own latest ids, whose resends
+        would then be applied twice. A later round's few are recorded as usual."""
+        if len(ids) > self.applied.capacity // 8:
+            self.applied.adopt(dict.fromkeys(ids), ship=True)
+        elif ids:
+            self.applied.add_many(ids, ship=True)
 
     def _table_for_replica(self, name: str, rtable):
         """This PS's table ``name`` for rows of a replica's table: created with that
@@ -963,7 +973,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             raise
         t_adopted = time.monotonic()
         with self.apply_gate.shared():  # the pushes in these rows, for this PS's peer too
-            self.applied.add_many(copy.applied, ship=True)
+            self.applied.adopt(copy.applied, ship=True)
         t_ids = time.monotonic()
         # the promoted slots are served from here on: applying the routing now saves the
         # recovery a SetRouting round trip before its clients learn the new routing
