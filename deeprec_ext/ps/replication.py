@@ -1090,9 +1090,10 @@ class ReplicaSet:
                 if self._gen.get(origin) == gen:
                     self._broken[origin] = f"its full copy broke off after {n} rows ({type(exc).__name__})"
             raise
+        copy = ReplicaCopy(staging, seq, ids)  # its id window built outside the lock
         with self._cond:
             if self._gen.get(origin) == gen:  # not fenced by a promotion or a newer copy
-                self.copies[origin] = ReplicaCopy(staging, seq, ids)
+                self.copies[origin] = copy
         return n
 
     def _apply_delta(self, origin: str, first, it, base: int | None) -> int:
