@@ -128,7 +128,7 @@ def _merge_tail(out: RowBatchView, tail: memoryview) -> None:
             out.applied_request_ids.extend(val)
         elif fd.name == "config":
             out._config = val
-        else:
+        elif fd.name in RowBatchView.__slots__:  # a field this view does not know: skipped
             setattr(out, fd.name, val)
 
 
