@@ -350,14 +350,20 @@ def _snapshot_then_catch_up(src, dst_addr, mask, moving, touched, pushes):
     assert r2.rows == touched.size
 
 
-def test_migration_moves_every_row_of_its_slots_exactly(two_ps):
-    (src, _), (dst, dst_addr) = two_ps
+def _filled_source(src, seed: int, n: int, every: int):
+    """``n`` random keys on the source; the mask of every ``every``-th slot, and the keys
+    in those slots."""
     src.CreateTable(pb.CreateTableRequest(config=CFG), timeout=30)
-    ids = np.unique(np.random.default_rng(5).integers(-2**62, 2**62, 120_000))
+    ids = np.unique(np.random.default_rng(seed).integers(-2**62, 2**62, n))
     _lookup(src, ids, insert=True)
     mask = np.zeros(4096, np.uint8)
-    mask[::3] = 1
-    moving = ids[mask[slot_of(ids, 4096)].astype(bool)]
+    mask[::every] = 1
+    return mask, ids[mask[slot_of(ids, 4096)].astype(bool)]
+
+
+def test_migration_moves_every_row_of_its_slots_exactly(two_ps):
+    (src, _), (dst, dst_addr) = two_ps
+    mask, moving = _filled_source(src, 5, 120_000, 3)
     # pushes after the snapshot: the catch-up round carries them, counts included
     _snapshot_then_catch_up(src, dst_addr, mask, moving, moving[:2000], pushes=3)
     st = {t.name: t.rows for t in dst.Stats(pb.StatsRequest(), timeout=30).tables}
@@ -373,12 +379,7 @@ def test_each_round_sends_the_ids_applied_since_the_last_and_resends_are_skipped
     sends them all again. Each push resent to the destination is skipped there, whatever
     round carried its id; a new id is applied."""
     (src, _), (dst, dst_addr) = two_ps
-    src.CreateTable(pb.CreateTableRequest(config=CFG), timeout=30)
-    ids = np.unique(np.random.default_rng(9).integers(-2**62, 2**62, 20_000))
-    _lookup(src, ids, insert=True)
-    mask = np.zeros(4096, np.uint8)
-    mask[::2] = 1
-    moving = ids[mask[slot_of(ids, 4096)].astype(bool)]
+    mask, moving = _filled_source(src, 9, 20_000, 2)
     assert moving.size > 1200
 
     def push(stub, rid, keys):
