@@ -1839,17 +1839,19 @@ class EmbeddingTable:
             out[hit] = self._row_count.take(rows[hit])
             return out
 
-    def _changed_rows(self, since: int, check_seq: bool = True) -> np.ndarray | None:
+    def _changed_rows(self, since: int, check_seq: bool = True,
+                      most: int = 16) -> np.ndarray | None:
         """Sorted distinct ids of live rows written after ``since``, read from the change
         log (cost: the entries since then); None when the log does not reach back that
-        far, or a scan would be about as cheap. Under the table lock. ``check_seq=False``:
+        far, or holds more than 1/``most`` as many entries as the table has rows (a
+        scan would be about as cheap). Under the table lock. ``check_seq=False``:
         the distinct rows logged after ``since``, some of them since freed or (a merged
         segment's rows) last written before it: the caller checks each row's sequence
         number where it reads the row anyway (:meth:`gather_planned`)."""
         if not self._track:
             return None
         logged = self._changes.since(since)
-        if logged is None or 16 * logged.size > self._hwm + 4096:
+        if logged is None or most * logged.size > self._hwm + 4096:
             return None
         # distinct and sorted through a bitmap over the rows (the log holds at most 1/16
         # of them here): np.unique's hash path took 55-100 ms for the 200k entries of a
@@ -1966,9 +1968,12 @@ class EmbeddingTable:
             # round of a migration scanned the whole arena in ``max_rows`` slices
             # otherwise, yielding to training after each: at 4M rows 81 slices, so its
             # rounds took 200-550 ms for 24-67k rows, and rows written meanwhile made the
-            # next round, and the fenced last one, longer. A log gone since (trimmed or
-            # too long) continues as a scan from the cursor's row: same rows either way.
-            sel = self._changed_rows(threshold) if from_log else None
+            # next round, and the fenced last one, longer. The log is read while it holds
+            # up to a quarter as many entries as the table has rows (not 1/16 as for a
+            # checkpoint: the scan's cost here is its slices' yields, wall time, not its
+            # CPU; each call's bitmap over the rows stays a few ms). A log gone since
+            # (trimmed or too long) continues as a scan from the cursor's row.
+            sel = self._changed_rows(threshold, most=4) if from_log else None
             if sel is not None:
                 if row_start:
                     sel = sel[np.searchsorted(sel, row_start):]
