@@ -10,6 +10,8 @@ generated message (``RowBatch.FromString`` reads what :func:`encode` writes, and
 """
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
 from deeprec_ext.proto import ps_pb2
@@ -17,7 +19,8 @@ from deeprec_ext.proto import ps_pb2
 _LEN, _VARINT = 2, 0
 # RowBatch field numbers (ps.proto)
 _CONFIG, _IDS, _ROWS, _DELETED, _ORIGIN, _RESET, _ORIGIN_SEQ, _APPLIED, _END, _TOTAL, _COUNTS, \
-    _BACKGROUND, _REPLICA_AFTER = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13
+    _BACKGROUND, _REPLICA_AFTER, _CUT_AGE = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14
+_FIXED64 = 1
 
 
 def _varint(v: int) -> bytes:
@@ -38,7 +41,7 @@ def encode(config: bytes = b"", ids: np.ndarray | None = None, rows: np.ndarray 
            counts: np.ndarray | None = None, deleted_ids: np.ndarray | None = None,
            total_rows: int = 0, applied_request_ids=(), origin: str = "",
            reset: bool = False, origin_sequence: int = 0, end: bool = False,
-           background: bool = False, replica_after: str = "") -> bytes:
+           background: bool = False, replica_after: str = "", cut_age_ms: float = 0.0) -> bytes:
     """Wire bytes of a ``RowBatch``: ``config`` a serialized ``TableConfig``, ``ids`` int64,
     ``rows`` float32 [n, row_width] (the store's layout), ``counts`` uint32 [n]. Each
     array is copied once, into the result. ``origin`` .. ``end``: replication's fields;
@@ -71,6 +74,8 @@ def encode(config: bytes = b"", ids: np.ndarray | None = None, rows: np.ndarray 
     if replica_after:
         b = replica_after.encode()
         parts += [_len_field(_REPLICA_AFTER, len(b)), b]
+    if cut_age_ms:
+        parts += [_varint(_CUT_AGE << 3 | _FIXED64), struct.pack("<d", float(cut_age_ms))]
     return b"".join(parts)
 
 
@@ -80,7 +85,7 @@ class RowBatchView:
 
     __slots__ = ("_config", "ids", "rows", "deleted_ids", "origin", "reset", "origin_sequence",
                  "applied_request_ids", "end", "total_rows", "counts", "background",
-                 "replica_after")
+                 "replica_after", "cut_age_ms")
 
     def __init__(self):
         self._config = b""
@@ -88,6 +93,7 @@ class RowBatchView:
         self.origin = self.replica_after = ""
         self.reset = self.end = self.background = False
         self.origin_sequence = self.total_rows = 0
+        self.cut_age_ms = 0.0
         self.applied_request_ids: list[str] = []
 
     @property
@@ -158,10 +164,13 @@ def parse(raw) -> RowBatchView:
             i = j
         elif wt == _VARINT:
             val, i = _read_varint(mv, i, n)
-        elif wt in (1, 5):  # fixed64 / fixed32: no such field in RowBatch, skipped
-            i += 8 if wt == 1 else 4
-            if i > n:
+        elif wt in (1, 5):  # fixed64 / fixed32: cut_age_ms (a double); others skipped
+            j = i + (8 if wt == 1 else 4)
+            if j > n:
                 raise ValueError(f"field {field}: truncated")
+            if field == _CUT_AGE and wt == _FIXED64:
+                out.cut_age_ms = struct.unpack_from("<d", mv, i)[0]
+            i = j
             continue
         else:
             raise ValueError(f"field {field}: wire type {wt}")

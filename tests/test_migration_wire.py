@@ -32,17 +32,21 @@ def test_rowwire_bytes_are_the_generated_message_both_ways():
     rows = np.arange(20, dtype=np.float32).reshape(5, 4)
     counts = np.array([0, 1, 2, 3, 2**32 - 1], np.uint32)
     wire = rowwire.encode(cfg.SerializeToString(), ids, rows, counts, np.array([5, -6]),
-                          total_rows=2**40, applied_request_ids=["r-1", "ü"], background=True)
+                          total_rows=2**40, applied_request_ids=["r-1", "ü"], background=True,
+                          cut_age_ms=12.5)
     m = pb.RowBatch.FromString(wire)
-    assert m.background
+    assert m.background and m.cut_age_ms == 12.5
     assert m.config == cfg and m.ids == ids.tobytes() and m.rows == rows.tobytes()
     assert m.counts == counts.tobytes() and m.deleted_ids == np.array([5, -6], np.int64).tobytes()
     assert m.total_rows == 2**40 and list(m.applied_request_ids) == ["r-1", "ü"]
 
     full = pb.RowBatch(config=cfg, ids=ids.tobytes(), rows=rows.tobytes(), origin="ps-1",
                        reset=True, origin_sequence=-3, end=True, counts=counts.tobytes(),
-                       total_rows=9, applied_request_ids=["a"], background=True)
+                       total_rows=9, applied_request_ids=["a"], background=True,
+                       cut_age_ms=3.25)
     v = rowwire.parse(full.SerializeToString())
+    assert v.cut_age_ms == 3.25
+    assert rowwire.parse(full.SerializeToString()[:-9]).cut_age_ms == 0.0  # field dropped
     assert v.background and not rowwire.parse(rowwire.encode(cfg.SerializeToString())).background
     assert v.config == cfg and bytes(v.ids) == ids.tobytes() and bytes(v.rows) == rows.tobytes()
     assert bytes(v.counts) == counts.tobytes() and v.total_rows == 9 and v.origin == "ps-1"

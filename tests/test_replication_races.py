@@ -682,3 +682,32 @@ def test_a_full_copy_made_while_rows_are_inserted_sends_each_row_once(monkeypatc
     # each new row once; an old row updated after the scan passed it, twice (<= 40)
     assert sent <= len(t) + 40, sent
     _same_rows(t, peer.replicas.copies["ps-a"].store["c"])
+
+
+@pytest.mark.parametrize("wire", [False, True])
+def test_a_copy_is_as_old_as_the_origin_cut_it_not_as_its_arrival(wire):
+    """The end batch of a shipment says how long before sending it the origin cut it
+    (``cut_age_ms``): the copy is dated from the cut, so the updates at risk a promotion
+    reports (``replica_age_ms``) include the shipment's encoding and transfer. Dated by
+    its arrival, a loaded origin's copy looked younger than it was, and
+    ``test_async_replication_loss_within_reported_bound`` lost updates outside the
+    reported window. Through the generated message and through ``rowwire``."""
+    from deeprec_ext import rowwire
+    from deeprec_ext.ps.replication import ReplicaSet
+
+    def as_sent(b):
+        return rowwire.parse(b.SerializeToString()) if wire else b
+
+    rs = ReplicaSet()
+    t0 = time.monotonic()
+    rs.apply([as_sent(ps_pb2.RowBatch(origin="a", reset=True)),
+              as_sent(_batch("a", keys=range(4), value=1.0, origin_sequence=3, end=True,
+                             cut_age_ms=400.0))], "full-new")
+    assert rs.current("a").updated <= t0 - 0.4 + 0.05
+    t1 = time.monotonic()
+    rs.apply([as_sent(_batch("a", keys=[1], value=2.0, origin_sequence=4, end=True,
+                             cut_age_ms=250.0))], "delta", base=3)
+    assert t1 - 0.25 - 0.001 <= rs.current("a").updated <= time.monotonic() - 0.25
+    rs.apply([as_sent(_batch("a", keys=[2], value=2.0, origin_sequence=5, end=True))],
+             "delta", base=4)  # an origin that does not say: dated by the arrival
+    assert rs.current("a").updated >= t1

@@ -738,6 +738,7 @@ class Replicator:
                 raise _NeedsFull("refresh", "more pushes than the request-id window since "
                                             "the last shipment")
             watermark = self.store.sequence.value
+            cut = time.monotonic()
             if watermark == since and not ids and self._known_tables >= set(self.store.tables()):
                 self.last_shipped = time.monotonic()
                 return 0
@@ -750,8 +751,10 @@ class Replicator:
             batches = [_Pending("", b"")]
         last = len(batches) - 1
         # encoded as the stream is sent: one message's bytes alive at a time
+        # the end batch says how long ago the cut was: the peer dates its copy from it
         wire = (b.encode(self.origin, origin_sequence=watermark, end=i == last,
-                         applied_request_ids=ids if i == 0 else ())
+                         applied_request_ids=ids if i == 0 else (),
+                         cut_age_ms=(time.monotonic() - cut) * 1000 if i == last else 0.0)
                 for i, b in enumerate(batches))
         try:
             resp = self._stub.Replicate(wire, timeout=timeout,
@@ -815,6 +818,7 @@ class Replicator:
                 self.applied.take_unshipped(self.name)  # all of them are in the snapshot
                 ids = self.applied.snapshot()
                 watermark = self.store.sequence.value
+                cut = time.monotonic()
                 tail = self._delta_batches(mark)  # LogTrimmed: this copy fails, try again
             done["watermark"] = watermark
             done["tables"] = {b.name for b in tail if b.name}
@@ -822,7 +826,8 @@ class Replicator:
             for b in tail:
                 yield b.encode(origin)
             yield rowwire.encode(origin=origin, origin_sequence=watermark,
-                                 applied_request_ids=ids, end=True)
+                                 applied_request_ids=ids, end=True,
+                                 cut_age_ms=(time.monotonic() - cut) * 1000)
 
         self._known_tables = set(self.store.tables())  # the copy sends every config
         resp = self._stub.Replicate(stream(), timeout=max(timeout, FULL_TIMEOUT),
@@ -970,6 +975,15 @@ class ReplicaRefused(Exception):
     """A delta or push's rows for a copy this PS does not hold (at that base)."""
 
 
+def _cut_time(end_batch) -> float:
+    """When the origin cut the shipment that ``end_batch`` (just received) ends, on this
+    PS's clock: its arrival less the age the origin gave it (``cut_age_ms``; the end
+    batch's one-way trip is not counted). Dated by its arrival alone, a copy looked
+    younger than it is by the shipment's encoding and transfer: under load more than
+    the recovery's reported updates at risk."""
+    return time.monotonic() - max(float(getattr(end_batch, "cut_age_ms", 0.0) or 0.0), 0.0) / 1000
+
+
 class ReplicaCopy:
     """One origin's complete copy: its rows, how current it is, the request ids in it."""
 
@@ -1071,6 +1085,7 @@ class ReplicaSet:
         ids: list[str] = []
         seq = n = 0
         ended = False
+        current_at = time.monotonic()
         try:
             for b in [first] if not first.reset else []:
                 n += _apply_batch(staging, b)
@@ -1078,6 +1093,8 @@ class ReplicaSet:
                 n += _apply_batch(staging, b)
                 ids.extend(b.applied_request_ids)
                 seq = max(seq, b.origin_sequence)
+                if b.end:
+                    current_at = _cut_time(b)
                 ended = ended or b.end
             if not ended:
                 # an origin killed mid-copy can look like a stream that ended normally
@@ -1091,6 +1108,7 @@ class ReplicaSet:
                     self._broken[origin] = f"its full copy broke off after {n} rows ({type(exc).__name__})"
             raise
         copy = ReplicaCopy(staging, seq, ids)  # its id window built outside the lock
+        copy.updated = current_at
         with self._cond:
             if self._gen.get(origin) == gen:  # not fenced by a promotion or a newer copy
                 self.copies[origin] = copy
@@ -1101,6 +1119,7 @@ class ReplicaSet:
         # end mark says it is whole: a stream cut by the origin's death can look ended
         # (the first batch carries the request ids, so half a push would count as done)
         batches = [first, *it]
+        current_at = _cut_time(batches[-1])
         if not batches[-1].end:
             raise ReplicaRefused(f"a shipment of {origin!r} stopped without its end mark "
                                  f"after {len(batches)} batches; nothing of it applied")
@@ -1124,7 +1143,7 @@ class ReplicaSet:
                 copy.applied.extend(b.applied_request_ids)
                 if base is not None:
                     copy.sequence = max(copy.sequence, b.origin_sequence)
-            copy.updated = time.monotonic()
+            copy.updated = current_at
         return n
 
     @staticmethod
