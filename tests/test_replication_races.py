@@ -711,3 +711,9 @@ def test_a_copy_is_as_old_as_the_origin_cut_it_not_as_its_arrival(wire):
     rs.apply([as_sent(_batch("a", keys=[2], value=2.0, origin_sequence=5, end=True))],
              "delta", base=4)  # an origin that does not say: dated by the arrival
     assert rs.current("a").updated >= t1
+    # a bad peer's age (negative, NaN, absurd) is not used: dated by the arrival
+    for seq, bad in enumerate((-5.0, float("nan"), 1e300), start=6):
+        t2 = time.monotonic()
+        rs.apply([as_sent(_batch("a", keys=[3], value=2.0, origin_sequence=seq, end=True,
+                                 cut_age_ms=bad))], "delta", base=seq - 1)
+        assert t2 <= rs.current("a").updated <= time.monotonic()

@@ -975,13 +975,19 @@ class ReplicaRefused(Exception):
     """A delta or push's rows for a copy this PS does not hold (at that base)."""
 
 
+MAX_CUT_AGE_MS = 3_600_000.0  # a shipment's reported age above this is not believed
+
+
 def _cut_time(end_batch) -> float:
     """When the origin cut the shipment that ``end_batch`` (just received) ends, on this
     PS's clock: its arrival less the age the origin gave it (``cut_age_ms``; the end
     batch's one-way trip is not counted). Dated by its arrival alone, a copy looked
     younger than it is by the shipment's encoding and transfer: under load more than
     the recovery's reported updates at risk."""
-    return time.monotonic() - max(float(getattr(end_batch, "cut_age_ms", 0.0) or 0.0), 0.0) / 1000
+    age = float(getattr(end_batch, "cut_age_ms", 0.0) or 0.0)
+    if not 0.0 <= age <= MAX_CUT_AGE_MS:  # negative, NaN or absurd (a bad peer): not used
+        age = 0.0
+    return time.monotonic() - age / 1000
 
 
 class ReplicaCopy:
