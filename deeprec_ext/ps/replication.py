@@ -114,10 +114,11 @@ class ApplyGate(ReadWriteGate):
 
 
 class IdWindow(OrderedDict):
-    """The request ids a replica copy holds: the last ``capacity`` distinct ones, oldest
-    first. Kept as a dict while deltas arrive (each shipment's few ids), so a promotion
-    adopts it as it is (``AppliedRequests.adopt``) instead of recording a full window
-    one id at a time (250-350 ms for 200k ids, inside the recovery)."""
+    """The last ``capacity`` distinct request ids, oldest first: a PS's own window
+    (``AppliedRequests``), and a replica copy's. The copy keeps it as a dict while
+    deltas arrive (each shipment's few ids), so a promotion adopts it as it is
+    (``AppliedRequests.adopt``) instead of recording a full window one id at a time
+    (250-350 ms for 200k ids, inside the recovery)."""
 
     def __init__(self, ids=(), capacity: int = REQUEST_ID_WINDOW):
         super().__init__()
@@ -145,7 +146,7 @@ class AppliedRequests:
 
     def __init__(self, capacity: int = REQUEST_ID_WINDOW):
         self._lock = threading.Lock()
-        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._ids = IdWindow(capacity=capacity)
         self._capacity = capacity
         self._unshipped: dict[str, deque[str]] = {self.MAIN: deque(maxlen=capacity)}
         # unshipped ids were lost: that stream's next shipment is a full copy
@@ -185,41 +186,26 @@ class AppliedRequests:
             self._adopted.pop(0)
 
     def add(self, rid: str, ship: bool = True) -> None:
-        if not rid:
-            return
-        with self._lock:
-            self._add(rid, ship)
+        if rid:
+            with self._lock:
+                self._record((rid,), ship)
 
     def add_many(self, rids, ship: bool = True) -> None:
         """``add`` of each id, in bulk: a migration's first round hands a destination up
         to the whole window (200k ids), which ``add`` one by one took ~0.8 s."""
         rids = [r for r in dict.fromkeys(rids) if r]
-        if not rids:
-            return
-        with self._lock:
-            ids = self._ids
-            for rid in rids:
-                if rid not in ids:
-                    ids[rid] = None
-            self._recorded += len(rids)
-            if ship:
-                for name, log_ in self._unshipped.items():
-                    if len(log_) + len(rids) > log_.maxlen:
-                        self._overflowed[name] = True
-                    log_.extend(rids)
-            while len(ids) > self._capacity:  # forget the oldest, O(1) each
-                ids.popitem(last=False)
+        if rids:
+            with self._lock:
+                self._record(rids, ship)
 
-    def _add(self, rid: str, ship: bool) -> None:
-        self._ids[rid] = None
-        self._recorded += 1
+    def _record(self, rids, ship: bool) -> None:
+        self._ids.extend(rids)  # the oldest forgotten past the capacity
+        self._recorded += len(rids)
         if ship:
             for name, log_ in self._unshipped.items():
-                if len(log_) == log_.maxlen:
+                if len(log_) + len(rids) > log_.maxlen:
                     self._overflowed[name] = True
-                log_.append(rid)
-        while len(self._ids) > self._capacity:  # forget the oldest, O(1) each
-            self._ids.popitem(last=False)
+                log_.extend(rids)
 
     def open_cursor(self, name: str, snapshot: bool = False) -> list[str] | None:
         """A new stream's log of unshipped ids, empty: its first shipment is a full copy,
@@ -255,10 +241,9 @@ class AppliedRequests:
         is exact."""
         with self._lock:
             log_ = self._unshipped.setdefault(cursor, deque(maxlen=self._capacity))
-            pending = self._unshipped_adopted.pop(cursor, [])
+            pending = self._unshipped_adopted.get(cursor)
             self._unshipped_adopted[cursor] = []
-            out = [rid for ids in pending for rid in ids] + list(log_) if pending \
-                else list(log_)
+            out = [rid for ids in pending or () for rid in ids] + list(log_)
             log_.clear()
             lost, self._overflowed[cursor] = self._overflowed.get(cursor, False), False
             return out, lost
